@@ -1,0 +1,1 @@
+"""Paged-attention kernels (CuPy RawKernel) and their torch references (later issues)."""

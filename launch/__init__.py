@@ -1,0 +1,1 @@
+"""Command line, process start-up and supervision."""

@@ -1,0 +1,1 @@
+"""GPU/CPU worker process: persistent batch, block tables, model runner (later issues)."""
