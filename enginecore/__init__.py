@@ -2,3 +2,32 @@
 
 Nothing in this package may import torch or cupy (tests/test_enginecore_imports.py).
 """
+
+from enginecore.block_hash import BlockHasher
+from enginecore.block_pool import BlockPool
+from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from enginecore.kv_cache_config import (
+    group_layers_by_spec,
+    make_kv_cache_config,
+    unify_kv_cache_configs,
+)
+from enginecore.kv_cache_coordinator import KVCacheBlocks
+from enginecore.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from enginecore.kv_invariants import InvariantViolation
+from enginecore.request import MultiModalPlaceholder, Request
+
+__all__ = [
+    "BlockHasher",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "InvariantViolation",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "MultiModalPlaceholder",
+    "PrefixCacheStats",
+    "Request",
+    "group_layers_by_spec",
+    "make_kv_cache_config",
+    "unify_kv_cache_configs",
+]

@@ -1,0 +1,239 @@
+"""BlockPool: every KVCacheBlock, the free queue, the prefix-cache index, KV events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from enginecore.request import Request
+from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+# One entry of the prefix-cache index: a block, or several blocks holding the same content
+# (two requests can fill equal blocks before either is cached; neither table is rewritten).
+_CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
+
+
+class BlockPool:
+    """Owns all num_blocks blocks; block 0 is the permanent null block.
+
+    Freed blocks stay findable by hash until get_new_blocks hands them out again: free
+    is not evict.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int = 1,
+        enable_caching: bool = True,
+        enable_kv_events: bool = False,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_events = enable_kv_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # Stands for positions a sliding window skipped: never counted, hashed or freed.
+        self.null_block = self.free_block_queue.popleft()
+        # cached_block_hash_to_block[group][hash]; one dict per group avoids a key tuple.
+        self.cached_block_hash_to_block: list[dict[bytes, _CacheEntry]] = [
+            {} for _ in range(num_groups)
+        ]
+        self.num_evictions = 0
+        self._events: list[KVCacheEvent] = []
+        self._event_seq = 0
+
+    # -- capacity ---------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+
+    # -- lookup -----------------------------------------------------------------------
+    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
+        entry = self.cached_block_hash_to_block[group_id].get(block_hash)
+        if entry is None or entry.__class__ is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    # -- allocation -------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop blocks from the front; a cached one loses its hash before it is handed out."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the queue."""
+        null = self.null_block
+        queue = self.free_block_queue
+        for block in blocks:
+            if block is null:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference each; the first block given is the first to be reused.
+
+        Blocks reaching zero references join the free queue: without a hash at the front
+        (they can never hit, so reuse them first), with a hash at the back (LRU).
+        """
+        null = self.null_block
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0 and block is not null:
+                raise ValueError(f"block {block.block_id} freed more often than referenced")
+        front: list[KVCacheBlock] = []
+        back: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block is null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (front if block.block_hash is None else back).append(block)
+        if front:
+            self.free_block_queue.prepend_n(front)
+        if back:
+            self.free_block_queue.append_n(back)
+
+    # -- prefix cache -----------------------------------------------------------------
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+        stride: int = 1,
+    ) -> None:
+        """Make blocks[num_cached_blocks:num_full_blocks] findable by their chained hash.
+
+        Hashes come from request.block_hashes; a group whose block is `stride` hash blocks
+        long uses the hash of its last one (the chain makes it name the whole prefix).
+        """
+        hashes = request.block_hashes
+        index = self.cached_block_hash_to_block[group_id]
+        null = self.null_block
+        stored: list[bytes] | None = [] if self.enable_kv_events else None
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block is null or block.block_hash is not None:
+                continue
+            block_hash = hashes[(i + 1) * stride - 1]
+            block.block_hash = block_hash
+            block.group_id = group_id
+            entry = index.get(block_hash)
+            if entry is None:
+                index[block_hash] = block
+            elif entry.__class__ is KVCacheBlock:
+                index[block_hash] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
+            if stored is not None:
+                stored.append(block_hash)
+        if stored:
+            self._emit_stored(
+                request, stored, num_cached_blocks, num_full_blocks, block_size, stride, group_id
+            )
+
+    def _emit_stored(
+        self,
+        request: Request,
+        stored: list[bytes],
+        first: int,
+        last: int,
+        block_size: int,
+        stride: int,
+        group_id: int,
+    ) -> None:
+        parent = request.block_hashes[first * stride - 1] if first > 0 else None
+        extra = None
+        if request.has_extra_keys:
+            extra = [
+                request.extra_keys(i * block_size, (i + 1) * block_size) or ()
+                for i in range(first, last)
+            ]
+        self._push_event(
+            BlockStored,
+            block_hashes=stored,
+            parent_block_hash=parent,
+            token_ids=request.all_token_ids[first * block_size : last * block_size],
+            block_size=block_size,
+            extra_keys=extra,
+            group_id=group_id,
+        )
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        group_id = block.group_id
+        index = self.cached_block_hash_to_block[group_id]
+        entry = index[block_hash]
+        gone = True
+        if entry is block:
+            del index[block_hash]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                index[block_hash] = next(iter(entry.values()))
+            gone = False
+        block.block_hash = None
+        block.group_id = -1
+        self.num_evictions += 1
+        if gone and self.enable_kv_events:
+            self._push_event(BlockRemoved, block_hashes=[block_hash], group_id=group_id)
+
+    def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the cached content of free blocks (for example, KV found corrupt or
+        offloaded): they lose their hash and move to the front of the free queue."""
+        queue = self.free_block_queue
+        blocks = list(blocks)
+        for block in blocks:
+            if block.ref_cnt > 0 or block is self.null_block:
+                raise ValueError(f"block {block.block_id} is in use; only free blocks evict")
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+                queue.remove(block)
+                queue.appendleft(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for index in self.cached_block_hash_to_block:
+            index.clear()
+        for block in self.blocks:
+            block.block_hash = None
+            block.group_id = -1
+        if self.enable_kv_events:
+            self._push_event(AllBlocksCleared)
+        return True
+
+    # -- events -----------------------------------------------------------------------
+    def _push_event(self, cls: type, **fields: object) -> None:
+        self._events.append(cls(seq=self._event_seq, **fields))
+        self._event_seq += 1
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,91 @@
+"""Building one KVCacheConfig: group layers by spec, size the pool, unify across workers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from protocol.kv_cache import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
+
+
+def group_layers_by_spec(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Layers with equal specs share a group (one block table per request), in first-seen
+    order, so every worker derives the same groups from the same model."""
+    if not layer_specs:
+        raise ValueError("the model reported no attention layers")
+    groups: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        groups.setdefault(spec, []).append(name)
+    return [
+        KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for spec, names in groups.items()
+    ]
+
+
+def make_kv_cache_config(
+    layer_specs: Mapping[str, KVCacheSpec], available_memory: int
+) -> KVCacheConfig:
+    """The most blocks that fit in available_memory bytes.
+
+    Groups of equal page size and layer count share buffers: tensor k serves layer k of
+    every group, since a block id belongs to one group at a time. Otherwise every layer
+    gets its own buffer.
+    """
+    groups = group_layers_by_spec(layer_specs)
+    page_sizes = {g.kv_cache_spec.page_size_bytes for g in groups}
+    layer_counts = {len(g.layer_names) for g in groups}
+    shared = len(page_sizes) == 1 and len(layer_counts) == 1
+    if shared:
+        page = page_sizes.pop()
+        num_tensors = layer_counts.pop()
+        bytes_per_block = page * num_tensors
+    else:
+        bytes_per_block = sum(spec.page_size_bytes for spec in layer_specs.values())
+    num_blocks = available_memory // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"{available_memory} bytes of KV-cache memory hold {num_blocks} blocks of "
+            f"{bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
+        )
+    if shared:
+        tensors = [
+            KVCacheTensor(size=page * num_blocks, shared_by=[g.layer_names[k] for g in groups])
+            for k in range(num_tensors)
+        ]
+    else:
+        tensors = [
+            KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=[name])
+            for name, spec in layer_specs.items()
+        ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+def unify_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
+    """One config for all workers: identical groups required, the minimum block count.
+
+    Buffers sized for more blocks stay valid: only the first num_blocks are addressed.
+    """
+    if not configs:
+        raise ValueError("no KV cache configs to unify")
+    first = configs[0]
+    for rank, config in enumerate(configs[1:], start=1):
+        if config.kv_cache_groups != first.kv_cache_groups:
+            raise ValueError(
+                f"worker {rank} reports KV cache groups that differ from worker 0: "
+                f"{_describe_difference(first.kv_cache_groups, config.kv_cache_groups)}"
+            )
+    num_blocks = min(c.num_blocks for c in configs)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=first.kv_cache_groups,
+        kv_cache_tensors=first.kv_cache_tensors,
+    )
+
+
+def _describe_difference(a: list[KVCacheGroupSpec], b: list[KVCacheGroupSpec]) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} groups vs {len(b)}"
+    for i, (ga, gb) in enumerate(zip(a, b)):
+        if ga.kv_cache_spec != gb.kv_cache_spec:
+            return f"group {i} spec {ga.kv_cache_spec} vs {gb.kv_cache_spec}"
+        if ga.layer_names != gb.layer_names:
+            return f"group {i} layers {ga.layer_names} vs {gb.layer_names}"
+    return "unknown difference"

@@ -1,0 +1,116 @@
+"""Coordinates the groups of one pool: a hit must hold in every group, and allocation
+is all or nothing across groups (touch every group's hits before any group allocates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from enginecore.block_pool import BlockPool
+from enginecore.kv_cache_block import KVCacheBlock
+from enginecore.request import Request
+from enginecore.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    make_single_type_manager,
+)
+from protocol.kv_cache import KVCacheConfig
+
+# Blocks of one request, outer index = KV cache group.
+KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
+
+
+class KVCacheCoordinator:
+    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
+        self.block_pool = block_pool
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_single_type_manager(group.kv_cache_spec, block_pool, i, hash_block_size)
+            for i, group in enumerate(config.kv_cache_groups)
+        ]
+        self.empty_blocks: KVCacheBlocks = tuple(() for _ in self.managers)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
+    ) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+            for m, hits in zip(self.managers, new_computed_blocks)
+        )
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:
+        for m, hits in zip(self.managers, new_computed_blocks):
+            m.save_new_computed_blocks(request_id, hits)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> KVCacheBlocks:
+        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        for m in self.managers:
+            m.cache_blocks(request, num_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for m in self.managers:
+            m.free(request_id)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[KVCacheBlocks, int]:
+        raise NotImplementedError
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One group: its hit is the hit."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[KVCacheBlocks, int]:
+        manager = self.managers[0]
+        hits = manager.find_longest_cache_hit(block_hashes, max_length)
+        return (hits,), len(hits) * manager.block_size
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups: the longest boundary every group can restore.
+
+    A sliding-window group's hits are not closed downwards (a shorter boundary may lack
+    its window), so each group is asked again under the shrunken bound until all agree.
+    """
+
+    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
+        super().__init__(config, block_pool, hash_block_size)
+        # Full attention first: its answer is the cheapest tight bound for the others.
+        self._lookup_order = sorted(
+            range(len(self.managers)),
+            key=lambda g: not isinstance(self.managers[g], FullAttentionManager),
+        )
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[KVCacheBlocks, int]:
+        managers = self.managers
+        hits: list[list[KVCacheBlock]] = [[] for _ in managers]
+        bound = max_length
+        while True:
+            for g in self._lookup_order:
+                m = managers[g]
+                hits[g] = m.find_longest_cache_hit(block_hashes, bound)
+                bound = min(bound, len(hits[g]) * m.block_size)
+            # A pass that did not shrink the bound left every group at exactly the bound;
+            # otherwise ask again, and the bound strictly shrinks, so this ends.
+            if all(len(h) * m.block_size == bound for h, m in zip(hits, managers)):
+                return tuple(hits), bound
+
+
+def make_kv_cache_coordinator(
+    config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int
+) -> KVCacheCoordinator:
+    cls = (
+        UnitaryKVCacheCoordinator
+        if len(config.kv_cache_groups) == 1
+        else (HybridKVCacheCoordinator)
+    )
+    return cls(config, block_pool, hash_block_size)

@@ -1,0 +1,306 @@
+"""KVCacheManager: the Scheduler's request-level API over the coordinator and block pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import gcd
+
+from enginecore.block_hash import BlockHasher, HashAlgo
+from enginecore.block_pool import BlockPool
+from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
+from enginecore.request import Request
+from enginecore.single_type_kv_cache_manager import FullAttentionManager
+from protocol.kv_cache import KVCacheConfig
+from protocol.kv_events import KVCacheEvent
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, in tokens; lookups of preempted requests counted apart."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Plans before it acts: allocate_slots either changes nothing or does it all."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_algo: HashAlgo = "xxh3_128",
+        enable_kv_events: bool = False,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        groups = kv_cache_config.kv_cache_groups
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, len(groups), enable_caching, enable_kv_events
+        )
+        hash_block_size = 0
+        for group in groups:
+            hash_block_size = gcd(hash_block_size, group.kv_cache_spec.block_size)
+        self.block_hasher = BlockHasher(hash_block_size, hash_algo) if enable_caching else None
+        self.coordinator = make_kv_cache_coordinator(
+            kv_cache_config, self.block_pool, hash_block_size
+        )
+        self.empty_blocks = self.coordinator.empty_blocks
+        self.prefix_cache_stats = PrefixCacheStats()
+        # Requests holding blocks, by id: duplicate ids are refused, not merged.
+        self.requests: dict[str, Request] = {}
+        managers = self.coordinator.managers
+        # The common single full-attention group gets a flat decode path (see allocate_slots).
+        self._flat = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
+        self._flat_tables = managers[0].req_to_blocks
+        self._flat_block_size = managers[0].block_size
+
+    # -- lookup -----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The prefix already cached, block-aligned and at most num_tokens - 1 tokens (the
+        last token always runs, to produce logits). Changes no pool state."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_blocks, 0
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        stats = self.prefix_cache_stats
+        if request.num_preemptions:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+        else:
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    # -- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_in_flight_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Slots for the request's next tokens; the new blocks per group, or None when the
+        pool is short, in which case nothing changed.
+
+        Token space: | computed | new local hits | external computed | new | lookahead |.
+        num_in_flight_tokens are computed tokens a step still in flight may be reading:
+        sliding-window blocks are freed only behind the committed ones.
+        """
+        # A decode step that crosses no block boundary: one lookup, a few comparisons.
+        if (
+            self._flat
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+            and not num_external_computed_tokens
+            and num_new_tokens > 0
+        ):
+            blocks = self._flat_tables.get(request.request_id)
+            if blocks is not None and self.requests[request.request_id] is request:
+                total = request.num_computed_tokens + num_new_tokens
+                if (
+                    total <= len(blocks) * self._flat_block_size
+                    and total <= request.num_tokens
+                    and total <= self.max_model_len
+                ):
+                    if self.enable_caching and not delay_cache_blocks:
+                        self.coordinator.managers[0].cache_blocks(request, total)
+                    return self.empty_blocks
+        return self._allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_in_flight_tokens,
+        )
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_in_flight_tokens: int,
+    ) -> KVCacheBlocks | None:
+        rid = request.request_id
+        known = self.requests.get(rid)
+        if known is not None and known is not request:
+            raise ValueError(f"duplicate request id {rid!r}: another request holds blocks")
+        self._check_allocation(
+            request,
+            known is None,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_in_flight_tokens,
+        )
+        if new_computed_blocks is None:
+            new_computed_blocks = self.empty_blocks
+        coordinator = self.coordinator
+        if known is not None:
+            # Frees only what is unreadable whatever this step does (committed tokens).
+            coordinator.remove_skipped_blocks(
+                rid, request.num_computed_tokens - num_in_flight_tokens
+            )
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_needing_slots = min(
+            num_computed + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens,
+            self.max_model_len,
+        )
+        needed = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_needing_slots, new_computed_blocks
+        )
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+        # Commit: every group's hits are owned before any group takes new blocks, so no
+        # allocation can evict a hit of another group.
+        if known is None:
+            self.requests[rid] = request
+            coordinator.save_new_computed_blocks(rid, new_computed_blocks)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_needing_slots)
+        if self.enable_caching and not delay_cache_blocks:
+            # Lookahead (draft) slots are never published: cap at the real tokens.
+            coordinator.cache_blocks(
+                request,
+                min(
+                    num_computed + num_external_computed_tokens + num_new_tokens, request.num_tokens
+                ),
+            )
+        return new_blocks
+
+    def _check_allocation(
+        self,
+        request: Request,
+        is_new: bool,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_in_flight_tokens: int,
+    ) -> None:
+        rid = request.request_id
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_in_flight_tokens", num_in_flight_tokens),
+        ):
+            if value < 0:
+                raise ValueError(f"request {rid}: {name} must be >= 0, got {value}")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(f"request {rid}: nothing to allocate (num_new_tokens is 0)")
+        end = (
+            request.num_computed_tokens
+            + num_new_computed_tokens
+            + num_external_computed_tokens
+            + num_new_tokens
+        )
+        if end > request.num_tokens:
+            raise ValueError(
+                f"request {rid}: slots up to token {end} asked, but it has {request.num_tokens}"
+            )
+        if end > self.max_model_len:
+            raise ValueError(
+                f"request {rid}: {end} tokens exceed max_model_len {self.max_model_len}"
+            )
+        if num_in_flight_tokens > request.num_computed_tokens:
+            raise ValueError(f"request {rid}: more tokens in flight than computed")
+        if num_new_computed_tokens or new_computed_blocks is not None:
+            if not is_new:
+                raise ValueError(f"request {rid} already holds blocks: no prefix hits now")
+            if new_computed_blocks is None or len(new_computed_blocks) != len(
+                self.coordinator.managers
+            ):
+                raise ValueError(f"request {rid}: prefix hits must list every KV cache group")
+            for m, hits in zip(self.coordinator.managers, new_computed_blocks):
+                if len(hits) * m.block_size != num_new_computed_tokens:
+                    raise ValueError(
+                        f"request {rid}: group {m.group_id} hits cover "
+                        f"{len(hits) * m.block_size} tokens, not {num_new_computed_tokens}"
+                    )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish blocks whose caching was delayed (their external KV has now arrived)."""
+        if self.enable_caching:
+            self._known(request)
+            self.coordinator.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, each group's in reverse order."""
+        self._known(request)
+        del self.requests[request.request_id]
+        self.coordinator.free(request.request_id)
+
+    def _known(self, request: Request) -> None:
+        rid = request.request_id
+        known = self.requests.get(rid)
+        if known is None:
+            raise KeyError(f"unknown request id {rid!r}: it holds no KV cache blocks")
+        if known is not request:
+            raise ValueError(f"request id {rid!r} belongs to another request object")
+
+    # -- whole cache ------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return self.block_pool.get_usage()
+
+    @property
+    def token_usage(self) -> float:
+        """Like usage, but counting only slots holding tokens (partial tail blocks count by
+        their filled part; skipped sliding-window positions hold none)."""
+        pool = self.block_pool
+        used = pool.num_usable_blocks - pool.get_num_free_blocks()
+        empty = 0.0
+        for m in self.coordinator.managers:
+            bs = m.block_size
+            for rid, blocks in m.req_to_blocks.items():
+                slack = len(blocks) * bs - self.requests[rid].num_tokens
+                if slack > 0:
+                    empty += slack / bs
+        return max(0.0, used - empty) / pool.num_usable_blocks
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(
+            [b.block_id for b in m.req_to_blocks.get(request_id, ())]
+            for m in self.coordinator.managers
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def check_invariants(self) -> None:
+        from enginecore.kv_invariants import check_invariants
+
+        check_invariants(self)

@@ -1,0 +1,136 @@
+"""The core's view of one request: its tokens, progress and prefix-cache identity."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids
+
+_NEVER = 1 << 62
+
+
+class MultiModalPlaceholder(NamedTuple):
+    """A multimodal input occupying prompt positions offset .. offset + length - 1."""
+
+    identifier: str  # content hash of the input, computed by the client
+    offset: int
+    length: int
+
+
+class Request:
+    """Token ids (prompt then output), num_computed_tokens, and the block-hash chain.
+
+    Hashes grow as blocks fill (prompt at creation, outputs on append); a token that
+    fills no block costs one comparison.
+    """
+
+    __slots__ = (
+        "_hash_at",
+        "_hasher",
+        "all_token_ids",
+        "block_hashes",
+        "cache_salt",
+        "lora_id",
+        "mm_placeholders",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "prompt_embeds_hash",
+        "request_id",
+        "skip_reading_prefix_cache",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        block_hasher: BlockHasher | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        mm_placeholders: list[MultiModalPlaceholder] | None = None,
+        prompt_embeds_hash: str | None = None,
+        wants_prompt_logprobs: bool = False,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"request {request_id}: cache_salt must be a string")
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)
+        self.prompt_embeds_hash = prompt_embeds_hash
+        # Prompt logprobs need every prompt position's logits: the cache cannot give them.
+        self.skip_reading_prefix_cache = wants_prompt_logprobs
+        self.block_hashes: list[bytes] = []
+        self._hasher = block_hasher
+        if block_hasher is None:
+            pack_token_ids(self.all_token_ids)  # same validation either way
+            self._hash_at = _NEVER
+        else:
+            try:
+                self._extend_hashes()
+            except ValueError as e:
+                raise ValueError(f"request {request_id}: {e}") from None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def has_extra_keys(self) -> bool:
+        return (
+            self.lora_id is not None
+            or bool(self.mm_placeholders)
+            or self.prompt_embeds_hash is not None
+            or self.cache_salt is not None
+        )
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        ids = self.all_token_ids
+        ids.append(token_id)
+        if len(ids) >= self._hash_at:
+            self._extend_hashes()
+
+    def extra_keys(self, start: int, end: int) -> ExtraKeys:
+        """Everything besides token ids that shapes the K/V of positions start .. end - 1."""
+        keys: list[tuple] = []
+        if self.lora_id is not None:
+            keys.append(("lora", self.lora_id))
+        for mm in self.mm_placeholders:
+            if mm.offset >= end:
+                break
+            if mm.offset + mm.length > start:
+                keys.append(("mm", mm.identifier, mm.offset))
+        if self.prompt_embeds_hash is not None and start < self.num_prompt_tokens:
+            keys.append(("embeds", self.prompt_embeds_hash))
+        if start == 0 and self.cache_salt is not None:
+            # Salting the first block is enough: the chain carries it to every later one.
+            keys.append(("salt", self.cache_salt))
+        return tuple(keys) or None
+
+    def _extend_hashes(self) -> None:
+        hasher = self._hasher
+        hasher.extend(
+            self.block_hashes,
+            self.all_token_ids,
+            self.extra_keys if self.has_extra_keys else None,
+        )
+        self._hash_at = (len(self.block_hashes) + 1) * hasher.block_size
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
