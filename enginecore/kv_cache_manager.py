@@ -217,6 +217,21 @@ class KVCacheManager:
                 raise ValueError(f"request {rid}: {name} must be >= 0, got {value}")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(f"request {rid}: nothing to allocate (num_new_tokens is 0)")
+        if num_new_computed_tokens or (
+            new_computed_blocks is not None and any(new_computed_blocks)
+        ):
+            if not is_new:
+                raise ValueError(f"request {rid} already holds blocks: no prefix hits now")
+            if new_computed_blocks is None or len(new_computed_blocks) != len(
+                self.coordinator.managers
+            ):
+                raise ValueError(f"request {rid}: prefix hits must list every KV cache group")
+            for m, hits in zip(self.coordinator.managers, new_computed_blocks):
+                if len(hits) * m.block_size != num_new_computed_tokens:
+                    raise ValueError(
+                        f"request {rid}: group {m.group_id} hits cover "
+                        f"{len(hits) * m.block_size} tokens, not {num_new_computed_tokens}"
+                    )
         end = (
             request.num_computed_tokens
             + num_new_computed_tokens
@@ -233,19 +248,6 @@ class KVCacheManager:
             )
         if num_in_flight_tokens > request.num_computed_tokens:
             raise ValueError(f"request {rid}: more tokens in flight than computed")
-        if num_new_computed_tokens or new_computed_blocks is not None:
-            if not is_new:
-                raise ValueError(f"request {rid} already holds blocks: no prefix hits now")
-            if new_computed_blocks is None or len(new_computed_blocks) != len(
-                self.coordinator.managers
-            ):
-                raise ValueError(f"request {rid}: prefix hits must list every KV cache group")
-            for m, hits in zip(self.coordinator.managers, new_computed_blocks):
-                if len(hits) * m.block_size != num_new_computed_tokens:
-                    raise ValueError(
-                        f"request {rid}: group {m.group_id} hits cover "
-                        f"{len(hits) * m.block_size} tokens, not {num_new_computed_tokens}"
-                    )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish blocks whose caching was delayed (their external KV has now arrived)."""

@@ -1,0 +1,80 @@
+"""Small builders shared by the KV-cache tests (configs, token strings, pool snapshots)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enginecore import KVCacheManager, Request
+from protocol.kv_cache import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+
+def full(block_size: int = 4) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype="float16")
+
+
+def window(sliding_window: int, block_size: int = 4) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=8,
+        dtype="float16",
+        sliding_window=sliding_window,
+    )
+
+
+def make_manager(
+    num_blocks: int, *specs: KVCacheSpec, max_model_len: int = 4096, **kwargs: Any
+) -> KVCacheManager:
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs or (full(),))]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+    return KVCacheManager(config, max_model_len=max_model_len, **kwargs)
+
+
+def tokens(text: str) -> list[int]:
+    """Letters as token ids, so a test reads like the seed document's A-P examples."""
+    return [ord(c) for c in text]
+
+
+def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None) -> Any:
+    """Prefix lookup then allocation of the whole prompt (or num_new_tokens of it)."""
+    hits, num_hit = manager.get_computed_blocks(request)
+    n = request.num_tokens - num_hit if num_new_tokens is None else num_new_tokens
+    new = manager.allocate_slots(request, n, num_hit, hits if num_hit else None)
+    if new is not None:
+        request.num_computed_tokens = num_hit + n
+    return new
+
+
+def decode(manager: KVCacheManager, request: Request, token: int) -> Any:
+    request.append_output_token_ids(token)
+    new = manager.allocate_slots(request, 1)
+    if new is not None:
+        request.num_computed_tokens += 1
+    return new
+
+
+def snapshot(manager: KVCacheManager) -> dict[str, Any]:
+    """Everything allocation may touch, as plain data."""
+    pool = manager.block_pool
+    return {
+        "free_queue": pool.free_block_queue.block_ids(),
+        "num_free": pool.get_num_free_blocks(),
+        "blocks": [(b.block_id, b.ref_cnt, b.block_hash, b.group_id) for b in pool.blocks],
+        "index": [
+            {h: sorted(e) if isinstance(e, dict) else e.block_id for h, e in index.items()}
+            for index in pool.cached_block_hash_to_block
+        ],
+        "tables": [
+            {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
+            for m in manager.coordinator.managers
+        ],
+        "num_cached": [dict(m.num_cached_block) for m in manager.coordinator.managers],
+        "requests": sorted(manager.requests),
+        "events": list(pool._events),
+    }

@@ -1,0 +1,59 @@
+"""KV specs, grouping, pool sizing and unifying configs from several workers."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from kv_helpers import full, window
+
+from enginecore import group_layers_by_spec, make_kv_cache_config, unify_kv_cache_configs
+from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+
+
+def test_page_size_is_k_and_v_of_a_block() -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=40, head_size=128, dtype="float16")
+    assert spec.page_size_bytes == 327_680  # seed 001's Llama-2-13B example
+
+
+def test_specs_validate_their_fields() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        FullAttentionSpec(block_size=0, num_kv_heads=1, head_size=1, dtype="float16")
+    with pytest.raises(ValueError, match="unsupported KV-cache dtype 'int3'"):
+        FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype="int3")
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        window(0)
+
+
+def test_configs_round_trip_on_the_wire() -> None:
+    specs: dict[str, KVCacheSpec] = {"l0": full(16), "l1": window(64, 16), "l2": full(16)}
+    config = make_kv_cache_config(specs, available_memory=1 << 20)
+    data = msgspec.msgpack.encode(config)
+    assert msgspec.msgpack.decode(data, type=KVCacheConfig) == config
+
+
+def test_layers_group_by_spec_and_hybrid_groups_share_buffers() -> None:
+    specs: dict[str, KVCacheSpec] = {
+        "l0": window(64, 16),
+        "l1": full(16),
+        "l2": window(64, 16),
+        "l3": full(16),
+    }
+    groups = group_layers_by_spec(specs)
+    assert [g.layer_names for g in groups] == [["l0", "l2"], ["l1", "l3"]]
+    page = full(16).page_size_bytes
+    config = make_kv_cache_config(specs, available_memory=page * 2 * 100 + 5)
+    assert config.num_blocks == 100
+    assert [t.shared_by for t in config.kv_cache_tensors] == [["l0", "l1"], ["l2", "l3"]]
+    assert all(t.size == page * 100 for t in config.kv_cache_tensors)
+
+
+def test_unify_takes_the_minimum_and_refuses_different_groups() -> None:
+    specs: dict[str, KVCacheSpec] = {"l0": full(16), "l1": full(16)}
+    a = make_kv_cache_config(specs, available_memory=full(16).page_size_bytes * 2 * 50)
+    b = make_kv_cache_config(specs, available_memory=full(16).page_size_bytes * 2 * 40)
+    assert unify_kv_cache_configs([a, b]).num_blocks == 40
+    c = make_kv_cache_config({"l0": full(16), "l1": full(32)}, available_memory=1 << 22)
+    with pytest.raises(ValueError, match="worker 1 reports KV cache groups that differ"):
+        unify_kv_cache_configs([a, c])
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        make_kv_cache_config(specs, available_memory=10)

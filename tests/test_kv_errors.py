@@ -1,0 +1,84 @@
+"""Bad input raises a clear error and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+from kv_helpers import admit, make_manager, snapshot
+
+from enginecore import BlockPool, Request
+
+
+def test_bad_calls_raise_and_leave_state_alone() -> None:
+    m = make_manager(16, max_model_len=64)
+    r = Request("r", list(range(10)), m.block_hasher)
+    admit(m, r)
+    before = snapshot(m)
+    other = Request("r", list(range(10)), m.block_hasher)
+    cases = [
+        (lambda: m.allocate_slots(r, -1), "num_new_tokens must be >= 0"),
+        (lambda: m.allocate_slots(r, 1, num_lookahead_tokens=-2), "num_lookahead_tokens"),
+        (lambda: m.allocate_slots(r, 0), "nothing to allocate"),
+        (lambda: m.allocate_slots(r, 5), "slots up to token 15"),
+        (lambda: m.allocate_slots(other, 1), "duplicate request id"),
+        (lambda: m.free(Request("ghost", [1, 2], m.block_hasher)), "unknown request id"),
+        (lambda: m.free(other), "another request object"),
+        (lambda: m.allocate_slots(r, 1, 4, m.get_computed_blocks(r)[0]), "already holds"),
+    ]
+    for call, message in cases:
+        with pytest.raises((ValueError, KeyError), match=message):
+            call()
+        assert snapshot(m) == before
+
+
+def test_prompt_past_max_model_len_is_refused() -> None:
+    m = make_manager(64, max_model_len=16)
+    r = Request("r", list(range(20)), m.block_hasher)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="exceed max_model_len 16"):
+        m.allocate_slots(r, 20)
+    assert snapshot(m) == before
+
+
+def test_bad_requests_are_refused_at_creation() -> None:
+    m = make_manager(16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        Request("r", [], m.block_hasher)
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
+        Request("r", [1, 2, -3, 4], m.block_hasher)
+    with pytest.raises(ValueError, match="request id"):
+        Request("", [1], m.block_hasher)
+    with pytest.raises(ValueError, match="token ids"):
+        Request("r", [1, 2**40])
+
+
+def test_a_block_freed_twice_is_refused_whole() -> None:
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)
+    pool.free_blocks([blocks[0]])
+    queue = pool.free_block_queue.block_ids()
+    with pytest.raises(ValueError, match=f"block {blocks[0].block_id} freed more often"):
+        pool.free_blocks([blocks[1], blocks[0]])
+    assert blocks[1].ref_cnt == 1
+    assert pool.free_block_queue.block_ids() == queue
+
+
+def test_freeing_a_request_twice_is_refused() -> None:
+    m = make_manager(16)
+    r = Request("r", list(range(10)), m.block_hasher)
+    admit(m, r)
+    m.free(r)
+    before = snapshot(m)
+    with pytest.raises(KeyError, match="unknown request id"):
+        m.free(r)
+    assert snapshot(m) == before
+
+
+def test_pool_too_small_and_oversized_requests() -> None:
+    with pytest.raises(ValueError, match="null block"):
+        BlockPool(1)
+    pool = BlockPool(4)
+    with pytest.raises(ValueError, match="cannot get 4 blocks: 3 free"):
+        pool.get_new_blocks(4)
+    assert pool.get_num_free_blocks() == 3
+    with pytest.raises(ValueError, match="in use"):
+        pool.evict_cached_blocks([pool.null_block])
