@@ -43,7 +43,7 @@ def test_groups_with_different_block_sizes_agree_on_a_common_boundary() -> None:
     a = Request("A", prompt, m.block_hasher)
     admit(m, a)
     m.free(a)
-    b = Request("B", prompt[:45] + [7, 7, 7], m.block_hasher)
+    b = Request("B", [*prompt[:45], 7, 7, 7], m.block_hasher)
     hits, num_hit = m.get_computed_blocks(b)
     # 45 shared tokens: full blocks of 8 give 40, and the window group agrees at 40.
     assert num_hit == 40

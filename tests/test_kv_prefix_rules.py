@@ -7,18 +7,19 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
-from kv_helpers import admit, decode, full, make_manager, tokens
+from kv_helpers import admit, decode, make_manager, tokens
 
-from enginecore import MultiModalPlaceholder, Request
+from enginecore import KVCacheManager, MultiModalPlaceholder, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens, root_hash
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 PROMPT = list(range(100, 133))  # 8 full blocks of 4 and one token more
 
 
-def cached_then(m, prompt, **kwargs):  # noqa: ANN001, ANN201 - tiny local helper
+def cached_then(m: KVCacheManager, prompt: list[int], **kwargs: Any) -> None:
     first = Request("first", prompt, m.block_hasher, **kwargs)
     admit(m, first)
     m.free(first)
