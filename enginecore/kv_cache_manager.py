@@ -63,7 +63,10 @@ class KVCacheManager:
         managers = self.coordinator.managers
         # The common single full-attention group gets a flat decode path (see allocate_slots).
         self._flat = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
-        self._flat_tables = managers[0].req_to_blocks
+        self._flat_manager = managers[0]
+        # The same block lists keyed by the Request object itself (identity hash): one
+        # lookup finds the table and proves the id is not a duplicate.
+        self._flat_tables: dict[Request, list] = {}
         self._flat_block_size = managers[0].block_size
 
     # -- lookup -----------------------------------------------------------------------
@@ -105,24 +108,32 @@ class KVCacheManager:
         num_in_flight_tokens are computed tokens a step still in flight may be reading:
         sliding-window blocks are freed only behind the committed ones.
         """
-        # A decode step that crosses no block boundary: one lookup, a few comparisons.
+        # A decode step that crosses no block boundary: one lookup, a few comparisons,
+        # no object allocated. Everything else takes the general path below.
         if (
             self._flat
-            and not num_new_computed_tokens
-            and not num_lookahead_tokens
-            and not num_external_computed_tokens
             and num_new_tokens > 0
+            and not (
+                num_new_computed_tokens or num_lookahead_tokens or num_external_computed_tokens
+            )
         ):
-            blocks = self._flat_tables.get(request.request_id)
-            if blocks is not None and self.requests[request.request_id] is request:
-                total = request.num_computed_tokens + num_new_tokens
+            blocks = self._flat_tables.get(request)
+            if blocks is not None:
+                computed = request.num_computed_tokens
+                total = computed + num_new_tokens
+                bs = self._flat_block_size
                 if (
-                    total <= len(blocks) * self._flat_block_size
-                    and total <= request.num_tokens
+                    total <= len(blocks) * bs
+                    and total <= len(request.all_token_ids)
                     and total <= self.max_model_len
                 ):
-                    if self.enable_caching and not delay_cache_blocks:
-                        self.coordinator.managers[0].cache_blocks(request, total)
+                    # A block filled: publish it (unless its KV is still arriving).
+                    if (
+                        total // bs != computed // bs
+                        and self.enable_caching
+                        and not delay_cache_blocks
+                    ):
+                        self._flat_manager.cache_blocks(request, total)
                     return self.empty_blocks
         return self._allocate_slots(
             request,
@@ -183,6 +194,8 @@ class KVCacheManager:
         if known is None:
             self.requests[rid] = request
             coordinator.save_new_computed_blocks(rid, new_computed_blocks)
+            if self._flat:
+                self._flat_tables[request] = self._flat_manager.req_to_blocks[rid]
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_needing_slots)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) slots are never published: cap at the real tokens.
@@ -259,6 +272,7 @@ class KVCacheManager:
         """Release every block of the request, each group's in reverse order."""
         self._known(request)
         del self.requests[request.request_id]
+        self._flat_tables.pop(request, None)
         self.coordinator.free(request.request_id)
 
     def _known(self, request: Request) -> None:

@@ -25,6 +25,7 @@ class Request:
     """
 
     __slots__ = (
+        "_extra_keys_of",
         "_hash_at",
         "_hasher",
         "all_token_ids",
@@ -71,6 +72,8 @@ class Request:
         self.skip_reading_prefix_cache = wants_prompt_logprobs
         self.block_hashes: list[bytes] = []
         self._hasher = block_hasher
+        # Extra keys are fixed at creation; most requests have none and skip that work.
+        self._extra_keys_of = self.extra_keys if self.has_extra_keys else None
         if block_hasher is None:
             pack_token_ids(self.all_token_ids)  # same validation either way
             self._hash_at = _NEVER
@@ -122,11 +125,7 @@ class Request:
 
     def _extend_hashes(self) -> None:
         hasher = self._hasher
-        hasher.extend(
-            self.block_hashes,
-            self.all_token_ids,
-            self.extra_keys if self.has_extra_keys else None,
-        )
+        hasher.extend(self.block_hashes, self.all_token_ids, self._extra_keys_of)
         self._hash_at = (len(self.block_hashes) + 1) * hasher.block_size
 
     def __repr__(self) -> str:

@@ -1,0 +1,403 @@
+#!/usr/bin/env python3
+"""Replay a KV-cache trace through enginecore's KVCacheManager and print JSON.
+
+    python benchmarks/kv_cache_bench.py --synthetic [--hash sha256] [--write-trace FILE]
+    python benchmarks/kv_cache_bench.py --trace FILE [--hash sha256]
+
+Trace (JSON lines, execution order): {"op":"meta","block_size":B,"num_gpu_blocks":N,...}
+(N counts the null block), then {"op":"arrive","req":I,"prompt":[ids]} (prefix lookup,
+then allocate the whole prompt), {"op":"decode","req":I,"tok":T} (append T, allocate one
+slot), {"op":"finish","req":I} (free). A request whose allocation fails is dropped and
+counted; its later ops are skipped.
+
+When vLLM's peer venv is present (../shared/peers/vllm, made by its setup.sh) the same
+trace is replayed there too, in the same run, and the ratio is reported. The last line
+of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from enginecore import KVCacheManager, Request  # noqa: E402
+from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "peers"))
+PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm" / "bench_kv.py"
+PEER_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
+OP_KINDS = ("get_computed_blocks", "allocate_slots_prompt", "allocate_slots_decode", "free")
+
+
+def log(msg: str) -> None:
+    print(f"[kv_cache_bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- synthetic traces ---------------------------------------------------------------
+def synthetic_trace(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Shared system prompts + unique suffixes + decode, stepped like a server.
+
+    Each step: one decode per running request, then finishes, then arrivals. Admission
+    reserves every request's whole lifetime of blocks, counting each shared prefix block
+    once while any holder lives, so a correct prefix cache never fails an allocation.
+    """
+    rng = random.Random(a.seed)
+    bs = a.block_size
+    vocab = a.vocab
+
+    def draw(n: int) -> list[int]:
+        return [int(vocab * rng.random()) for _ in range(n)]
+
+    systems = [draw(rng.randint(a.prefix_min, a.prefix_max)) for _ in range(a.num_prefixes)]
+    usable = a.num_gpu_blocks - 1
+    meta = {
+        "op": "meta",
+        "generator": "pagedserve kv_cache_bench",
+        "seed": a.seed,
+        "block_size": bs,
+        "num_gpu_blocks": a.num_gpu_blocks,
+        "max_running": a.max_running,
+        "num_requests": a.num_requests,
+    }
+    ops: list[dict[str, Any]] = [meta]
+    holders: Counter[int] = Counter()  # system prompt -> live requests sharing it
+    private = 0
+    running: list[list[int]] = []  # [req, system, decodes left, private blocks]
+    next_req = 0
+    while next_req < a.num_requests or running:
+        still = []
+        for entry in running:
+            ops.append({"op": "decode", "req": entry[0], "tok": int(vocab * rng.random())})
+            entry[2] -= 1
+        for entry in running:
+            if entry[2] == 0:
+                ops.append({"op": "finish", "req": entry[0]})
+                holders[entry[1]] -= 1
+                private -= entry[3]
+            else:
+                still.append(entry)
+        running = still
+        while next_req < a.num_requests and len(running) < a.max_running:
+            system = rng.randrange(a.num_prefixes)
+            prompt = systems[system] + draw(rng.randint(a.suffix_min, a.suffix_max))
+            decodes = rng.randint(a.decode_min, a.decode_max)
+            shared = len(systems[system]) // bs
+            own = -(-(len(prompt) + decodes) // bs) - shared
+            live_shared = sum(len(systems[s]) // bs for s, n in holders.items() if n > 0)
+            extra_shared = 0 if holders[system] > 0 else shared
+            if live_shared + extra_shared + private + own > usable:
+                if not running:
+                    raise SystemExit(f"request {next_req} alone needs more than {usable} blocks")
+                rng.seed(rng.random())  # keep the stream moving; retry next step
+                break
+            holders[system] += 1
+            private += own
+            ops.append({"op": "arrive", "req": next_req, "prompt": prompt})
+            running.append([next_req, system, decodes, own])
+            next_req += 1
+    return ops
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        ops = [json.loads(line) for line in f if line.strip()]
+    if not ops or ops[0].get("op") != "meta":
+        raise SystemExit(f"{path}: the first line must be the meta op")
+    for key in ("block_size", "num_gpu_blocks"):
+        if not isinstance(ops[0].get(key), int) or ops[0][key] < 1:
+            raise SystemExit(f"{path}: meta needs a positive integer {key!r}")
+    return ops
+
+
+def write_trace(ops: list[dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for op in ops:
+            f.write(json.dumps(op, separators=(",", ":")) + "\n")
+
+
+# -- replay -------------------------------------------------------------------------
+def make_manager(meta: dict[str, Any], hash_algo: str) -> KVCacheManager:
+    spec = FullAttentionSpec(
+        block_size=meta["block_size"], num_kv_heads=1, head_size=1, dtype="float32"
+    )
+    config = KVCacheConfig(
+        num_blocks=meta["num_gpu_blocks"], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return KVCacheManager(config, max_model_len=1 << 30, hash_algo=hash_algo)  # type: ignore[arg-type]
+
+
+def replay(ops: list[dict[str, Any]], hash_algo: str) -> dict[str, Any]:
+    mgr = make_manager(ops[0], hash_algo)
+    hasher = mgr.block_hasher
+    pool = mgr.block_pool
+    get_computed_blocks = mgr.get_computed_blocks
+    allocate_slots = mgr.allocate_slots
+    free = mgr.free
+    reqs: dict[int, Request] = {}
+    dropped_ids: set[int] = set()
+    calls: Counter[str] = Counter()
+    ns: Counter[str] = Counter()
+    hash_ns = 0
+    prompt_tokens = hit_tokens = peak_used = 0
+    usable = pool.num_usable_blocks
+    clock = time.perf_counter_ns
+
+    gc.collect()
+    gc.freeze()
+    wall0 = clock()
+    for op in ops[1:]:
+        kind = op["op"]
+        if kind == "decode":
+            rid = op["req"]
+            r = reqs.get(rid)
+            if r is None:
+                continue
+            t0 = clock()
+            r.append_output_token_ids(op["tok"])
+            t1 = clock()
+            out = allocate_slots(r, 1)
+            t2 = clock()
+            hash_ns += t1 - t0
+            ns["allocate_slots_decode"] += t2 - t1
+            calls["allocate_slots_decode"] += 1
+            if out is None:
+                free(r)
+                del reqs[rid]
+                dropped_ids.add(rid)
+                continue
+            r.num_computed_tokens += 1
+            if out[0]:
+                peak_used = max(peak_used, usable - pool.get_num_free_blocks())
+        elif kind == "arrive":
+            rid = op["req"]
+            t0 = clock()
+            r = Request(str(rid), op["prompt"], hasher)
+            t1 = clock()
+            hits, num_hit = get_computed_blocks(r)
+            t2 = clock()
+            out = allocate_slots(r, r.num_tokens - num_hit, num_hit, hits if num_hit else None)
+            t3 = clock()
+            hash_ns += t1 - t0
+            ns["get_computed_blocks"] += t2 - t1
+            ns["allocate_slots_prompt"] += t3 - t2
+            calls["get_computed_blocks"] += 1
+            calls["allocate_slots_prompt"] += 1
+            prompt_tokens += r.num_tokens
+            if out is None:
+                dropped_ids.add(rid)
+                continue
+            hit_tokens += num_hit
+            r.num_computed_tokens = r.num_tokens
+            reqs[rid] = r
+            peak_used = max(peak_used, usable - pool.get_num_free_blocks())
+        elif kind == "finish":
+            r = reqs.pop(op["req"], None)
+            if r is None:
+                continue
+            t0 = clock()
+            free(r)
+            ns["free"] += clock() - t0
+            calls["free"] += 1
+        else:
+            raise SystemExit(f"unknown trace op {kind!r}")
+    wall = (clock() - wall0) / 1e9
+    gc.unfreeze()
+    mgr.check_invariants()
+    if pool.get_num_free_blocks() != pool.num_usable_blocks:
+        raise SystemExit("blocks leaked: not every block is free after the trace")
+    manager_ns = sum(ns.values())
+    return {
+        "seconds": round((manager_ns + hash_ns) / 1e9, 6),
+        "seconds_manager": round(manager_ns / 1e9, 6),
+        "seconds_hashing": round(hash_ns / 1e9, 6),
+        "replay_wall_seconds": round(wall, 6),
+        "per_op": {
+            k: {
+                "calls": calls[k],
+                "seconds": round(ns[k] / 1e9, 6),
+                "ops_per_s": round(calls[k] / (ns[k] / 1e9), 1) if ns[k] else None,
+                "mean_us": round(ns[k] / calls[k] / 1e3, 3) if calls[k] else None,
+            }
+            for k in OP_KINDS
+        },
+        "ops_per_s": round(sum(calls.values()) / ((manager_ns + hash_ns) / 1e9), 1),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "hit_rate": round(hit_tokens / prompt_tokens, 6) if prompt_tokens else 0.0,
+        "hash_ns_per_prompt_token": None,
+        "evictions": pool.num_evictions,
+        "dropped": len(dropped_ids),
+        "peak_used_blocks": peak_used,
+    }
+
+
+def hashing_ns_per_token(ops: list[dict[str, Any]], hash_algo: str) -> float:
+    """Prompt hashing alone (packing included), over every prompt of the trace."""
+    hasher = make_manager(ops[0], hash_algo).block_hasher
+    prompts = [op["prompt"] for op in ops if op["op"] == "arrive"]
+    n = sum(len(p) for p in prompts)
+    t0 = time.perf_counter_ns()
+    for i, p in enumerate(prompts):
+        Request(str(i), p, hasher)
+    return (time.perf_counter_ns() - t0) / n
+
+
+def steady_decode_allocations(block_size: int, hash_algo: str, running: int = 256) -> dict:
+    """Python allocations of allocate_slots in steady decode (no block boundary crossed),
+    measured with tracemalloc: memory blocks still held afterwards, and the peak of
+    transient bytes during one step of `running` calls."""
+    meta = {"block_size": block_size, "num_gpu_blocks": running * 8 + 1}
+    mgr = make_manager(meta, hash_algo)
+    reqs = []
+    for i in range(running):
+        r = Request(str(i), [i % 97 + 1] * (block_size * 3 + 1), mgr.block_hasher)
+        mgr.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        reqs.append(r)
+    steps = block_size - 2
+    for r in reqs:  # the tokens exist already; only the manager call is measured
+        for t in range(steps):
+            r.all_token_ids.append(t)
+    allocate_slots = mgr.allocate_slots
+    gc.collect()
+    tracemalloc.start()
+    snap0 = tracemalloc.take_snapshot()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(steps):
+        for r in reqs:
+            allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+    peak = tracemalloc.get_traced_memory()[1] - base
+    snap1 = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    held = sum(
+        s.count_diff
+        for s in snap1.compare_to(snap0, "filename")
+        if "enginecore" in s.traceback[0].filename
+    )
+    return {
+        "running_requests": running,
+        "steps": steps,
+        "held_blocks_per_step": held / steps,
+        "transient_peak_bytes_per_step": peak,
+    }
+
+
+# -- the peer -----------------------------------------------------------------------
+def run_peer(trace: Path, python: Path, script: Path, repeat: int) -> dict[str, Any] | None:
+    if not (python.exists() and script.exists()):
+        log(f"vLLM peer not found ({python}); run ../shared/peers/vllm/setup.sh to compare")
+        return None
+    log(f"replaying the same trace through vLLM's KVCacheManager ({script.name})")
+    out = subprocess.run(
+        [str(python), str(script), "--trace", str(trace), "--repeat", str(repeat)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        log(f"vLLM peer failed:\n{out.stderr[-2000:]}")
+        return None
+    return json.loads(out.stdout)
+
+
+# -- main ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, help="replay this JSON-lines trace")
+    src.add_argument("--synthetic", action="store_true", help="generate a trace first")
+    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
+    p.add_argument("--write-trace", type=Path, help="with --synthetic: keep the trace here")
+    p.add_argument("--repeat", type=int, default=3, help="timed replays; the median is reported")
+    p.add_argument(
+        "--peer",
+        choices=("auto", "off"),
+        default="auto",
+        help="also replay through vLLM's peer venv when present (default auto)",
+    )
+    p.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
+    p.add_argument("--peer-script", type=Path, default=PEER_SCRIPT)
+    g = p.add_argument_group("synthetic trace")
+    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--num-requests", type=int, default=2000)
+    g.add_argument("--num-prefixes", type=int, default=8)
+    g.add_argument("--prefix-min", type=int, default=512)
+    g.add_argument("--prefix-max", type=int, default=1024)
+    g.add_argument("--suffix-min", type=int, default=64)
+    g.add_argument("--suffix-max", type=int, default=512)
+    g.add_argument("--decode-min", type=int, default=32)
+    g.add_argument("--decode-max", type=int, default=128)
+    g.add_argument("--max-running", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=4096)
+    g.add_argument("--vocab", type=int, default=32000)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
+    tmp_dir = None
+    if a.synthetic:
+        log(f"generating a synthetic trace ({a.num_requests} requests, seed {a.seed})")
+        ops = synthetic_trace(a)
+        if a.write_trace is None:
+            tmp_dir = tempfile.TemporaryDirectory()
+            trace_path = Path(tmp_dir.name) / "kv_trace.jsonl"
+        else:
+            trace_path = a.write_trace
+        write_trace(ops, trace_path)
+    else:
+        trace_path = a.trace
+        if not trace_path.exists():
+            raise SystemExit(f"trace not found: {trace_path}")
+        ops = read_trace(trace_path)
+    kinds = Counter(op["op"] for op in ops[1:])
+    log(f"{len(ops) - 1} ops: {dict(kinds)}; replaying {a.repeat}x with {a.hash}")
+    runs = [replay(ops, a.hash) for _ in range(a.repeat)]
+    runs.sort(key=lambda r: r["seconds"])
+    result: dict[str, Any] = {"benchmark": "kv_cache", "trace": str(trace_path), "hash": a.hash}
+    result["ops"] = dict(kinds)
+    result.update(runs[len(runs) // 2])
+    result["seconds_all_runs"] = [r["seconds"] for r in runs]
+    result["hash_ns_per_prompt_token"] = round(hashing_ns_per_token(ops, a.hash), 2)
+    result["steady_decode_allocations"] = steady_decode_allocations(ops[0]["block_size"], a.hash)
+    peer = None if a.peer == "off" else run_peer(trace_path, a.peer_python, a.peer_script, a.repeat)
+    if peer is not None:
+        peer_seconds = peer["kv_manager_seconds"] + peer["request_hashing_seconds"]
+        result["peer"] = {
+            "impl": peer.get("impl"),
+            "seconds": round(peer_seconds, 6),
+            "seconds_manager": peer["kv_manager_seconds"],
+            "seconds_hashing": peer["request_hashing_seconds"],
+            "hit_tokens": peer["prefix_hit_tokens"],
+            "per_op_mean_us": {k: v["mean_us"] for k, v in peer["per_op"].items()},
+        }
+        result["speedup_vs_peer"] = round(peer_seconds / result["seconds"], 2)
+        result["same_hit_tokens_as_peer"] = peer["prefix_hit_tokens"] == result["hit_tokens"]
+    if tmp_dir is not None:
+        tmp_dir.cleanup()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
