@@ -1,0 +1,96 @@
+"""EngineCore <-> worker messages: the handshake, the per-step delta, sampled tokens.
+
+SchedulerOutput is a delta: new requests carry their prompt, sampling parameters and
+full block ids per KV group; running requests carry only what changed. Workers keep the
+state the deltas imply (including the tokens they sampled), and the core never resends it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.engine import SamplingParams
+from protocol.kv_cache import KVCacheConfig, KVCacheSpec
+
+# Bumped on any change to a message's fields; checked in the handshake.
+PROTOCOL_VERSION = 1
+
+
+class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
+    """A worker's first message: who it is and what KV cache it can hold."""
+
+    protocol_version: int
+    rank: int
+    world_size: int
+    device: str
+    kv_cache_specs: dict[str, KVCacheSpec]  # layer name -> spec
+    available_kv_memory: int  # bytes
+    vocab_size: int
+    max_model_len: int  # the model's own limit (max_position_embeddings)
+    eos_token_id: int | None
+
+
+class WorkerConfigure(msgspec.Struct, frozen=True, tag="configure", array_like=True):
+    """The core's answer to every worker: allocate exactly this."""
+
+    kv_cache_config: KVCacheConfig
+    max_num_reqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+    rank: int
+    num_gpu_blocks: int
+
+
+class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # per KV cache group
+    num_computed_tokens: int  # prefix-cache hit
+
+
+class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
+    """Running requests, as parallel lists (one entry per request)."""
+
+    req_ids: list[str]
+    # Newly appended block ids per group, or None when no group got a block. For a
+    # request resumed after preemption these are its full tables and replace the old.
+    new_block_ids: list[list[list[int]] | None]
+    num_computed_tokens: list[int]
+    resumed: list[bool]
+
+
+class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
+    step_id: int
+    new_reqs: list[NewRequestData]
+    cached_reqs: CachedRequestData
+    # Tokens to run this step: new requests first, then cached ones, in list order.
+    num_scheduled_tokens: list[int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]  # drop all state
+    preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
+
+
+class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=True):
+    """Sampled tokens of the step, for the requests that reached the end of their tokens
+    (a request in the middle of a chunked prefill samples nothing)."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):
+    rank: int
+    error: str
+
+
+class ShutdownWorker(msgspec.Struct, frozen=True, tag="shutdown", array_like=True):
+    pass
+
+
+CoreToWorker = WorkerConfigure | SchedulerOutput | ShutdownWorker
+WorkerToCore = WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed
