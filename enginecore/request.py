@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids
+from protocol.engine import SamplingParams
 
 _NEVER = 1 << 62
 
@@ -15,6 +17,16 @@ class MultiModalPlaceholder(NamedTuple):
     identifier: str  # content hash of the input, computed by the client
     offset: int
     length: int
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again; its blocks were freed and it will be recomputed
+    FINISHED = 3
+
+
+_DEFAULT_PARAMS = SamplingParams()
 
 
 class Request:
@@ -31,14 +43,19 @@ class Request:
         "all_token_ids",
         "block_hashes",
         "cache_salt",
+        "finish_reason",
+        "known_to_worker",
         "lora_id",
         "mm_placeholders",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "prompt_embeds_hash",
         "request_id",
+        "sampling_params",
         "skip_reading_prefix_cache",
+        "status",
     )
 
     def __init__(
@@ -52,6 +69,7 @@ class Request:
         mm_placeholders: list[MultiModalPlaceholder] | None = None,
         prompt_embeds_hash: str | None = None,
         wants_prompt_logprobs: bool = False,
+        sampling_params: SamplingParams | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
@@ -64,6 +82,13 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.sampling_params = sampling_params or _DEFAULT_PARAMS
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        # Prefix-cache hit at first admission (-1: not admitted yet), reported to clients.
+        self.num_cached_tokens = -1
+        # Once a worker holds its state, finishing it must be announced to the worker.
+        self.known_to_worker = False
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)
@@ -86,6 +111,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:

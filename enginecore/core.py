@@ -1,0 +1,250 @@
+"""The EngineCore process: client requests in, schedule, fan out, outputs back.
+
+Runs without torch. It blocks on its sockets when idle (no spinning), and when a worker
+is lost it fails every open request with the reason, tells the client, and exits.
+
+    python -m enginecore.core '<EngineCoreConfig as JSON>'
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from enginecore.executor import Executor, WorkerDied
+from enginecore.request import Request
+from enginecore.scheduler import Scheduler, SchedulerConfig
+from protocol.codec import Codec, ProtocolError
+from protocol.config import EngineCoreConfig, parent_alive
+from protocol.engine import (
+    AbortRequests,
+    AddRequest,
+    ClientMessage,
+    CoreMessage,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    RequestOutput,
+    ResetPrefixCache,
+    ShutdownCore,
+)
+from protocol.worker import WorkerConfigure
+
+log = logging.getLogger("pagedserve.core")
+
+
+class EngineCore:
+    def __init__(self, config: EngineCoreConfig) -> None:
+        self.config = config
+        self.ctx = zmq.Context()
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.connect(config.input_address)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(config.output_address)
+        self.from_client: Codec[ClientMessage] = Codec(ClientMessage, "client->core")
+        self.to_client: Codec[CoreMessage] = Codec(CoreMessage, "core->client")
+        self.executor = Executor(self.ctx, config)
+        self.scheduler: Scheduler | None = None
+        self._stop = False
+
+    # -- start-up ---------------------------------------------------------------------
+    def start(self) -> None:
+        hellos = self.executor.handshake()
+        first = hellos[0]
+        for hello in hellos[1:]:
+            if hello.kv_cache_specs != first.kv_cache_specs:
+                raise WorkerDied(
+                    f"worker rank {hello.rank} reports KV cache specs that differ from rank 0"
+                )
+        model_len = first.max_model_len
+        max_model_len = self.config.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's limit of {model_len} "
+                f"positions (max_position_embeddings)"
+            )
+        kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
+        sched_config = SchedulerConfig(
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
+        )
+        self.scheduler = Scheduler(sched_config, kv_config, first.vocab_size, first.eos_token_id)
+        self.executor.configure(
+            WorkerConfigure(
+                kv_cache_config=kv_config,
+                max_num_reqs=sched_config.max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=sched_config.max_num_batched_tokens,
+            )
+        )
+        block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size
+        log.info(
+            "KV cache: %d blocks of %d tokens in %d group(s); max_model_len %d",
+            kv_config.num_blocks,
+            block_size,
+            len(kv_config.kv_cache_groups),
+            max_model_len,
+        )
+        self._send(
+            EngineReady(
+                num_gpu_blocks=kv_config.num_blocks,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                vocab_size=first.vocab_size,
+                eos_token_id=first.eos_token_id,
+            )
+        )
+
+    # -- loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        poller = zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        for monitor in self.executor.monitors:
+            poller.register(monitor, zmq.POLLIN)
+        while not self._stop:
+            busy = scheduler.has_unfinished_requests()
+            # Idle: block (waking twice a second to notice a vanished parent).
+            events = dict(poller.poll(0 if busy else 500))
+            for rank, monitor in enumerate(self.executor.monitors):
+                if monitor in events:
+                    raise WorkerDied(self.executor.describe_loss(rank, "next step"))
+            if self.inp in events:
+                self._drain_input()
+            if not busy and not events and not parent_alive(self.config.parent_pid):
+                return
+            if scheduler.has_unfinished_requests():
+                self._step()
+
+    def _drain_input(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        errors: list[RequestOutput] = []
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = self.from_client.decode(frame.buffer)
+            except ProtocolError as e:
+                log.error("%s", e)  # a bad frame from a client fails alone
+                continue
+            if isinstance(msg, AddRequest):
+                errors.extend(self._add(msg))
+            elif isinstance(msg, AbortRequests):
+                errors.extend(scheduler.abort_requests(msg.request_ids))
+            elif isinstance(msg, ResetPrefixCache):
+                ok = scheduler.kv_cache_manager.reset_prefix_cache()
+                log.info("reset prefix cache: %s", "done" if ok else "refused, blocks in use")
+            elif isinstance(msg, ShutdownCore):
+                self._stop = True
+        if errors:
+            self._send(EngineOutputs(errors))
+
+    def _add(self, msg: AddRequest) -> list[RequestOutput]:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        try:
+            request = Request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                scheduler.kv_cache_manager.block_hasher,
+                cache_salt=msg.cache_salt,
+                sampling_params=msg.sampling_params,
+            )
+        except ValueError as e:
+            return [RequestOutput(msg.request_id, [], "error", 0, str(e))]
+        error = scheduler.add_request(request)
+        return [error] if error is not None else []
+
+    def _step(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        so = scheduler.schedule()
+        if so.total_num_scheduled_tokens == 0:
+            outputs = self._unschedulable()
+            if so.finished_req_ids or so.preempted_req_ids:
+                self.executor.broadcast(self.executor.to_worker.encode(so))
+            if outputs:
+                self._send(EngineOutputs(outputs, scheduler.stats()))
+            return
+        self.executor.broadcast(self.executor.to_worker.encode(so))
+        result = self.executor.wait_output()
+        outputs = scheduler.update_from_output(so, result)
+        self._send(EngineOutputs(outputs, scheduler.stats()))
+
+    def _unschedulable(self) -> list[RequestOutput]:
+        """Nothing could run: the head waiting request can never fit; fail it alone."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if scheduler.running or not scheduler.waiting:
+            return []
+        head = scheduler.waiting[0]
+        pool = scheduler.kv_cache_manager.block_pool
+        reason = (
+            f"request {head.request_id} needs more KV cache than exists: {head.num_tokens} "
+            f"tokens do not fit in {pool.num_usable_blocks} blocks"
+        )
+        out = scheduler.abort_requests([head.request_id])
+        return [RequestOutput(o.request_id, [], "error", 0, reason) for o in out]
+
+    def _send(self, msg: object) -> None:
+        self.out.send(self.to_client.encode(msg), copy=False)
+
+    def fail(self, reason: str) -> None:
+        """Fail every open request with reason, tell the client, stop the workers."""
+        if self.scheduler is not None:
+            outputs = self.scheduler.fail_all(reason)
+            if outputs:
+                self._send(EngineOutputs(outputs))
+        self._send(EngineDead(reason))
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.ctx.destroy(linger=1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # The launcher owns Ctrl-C: it shuts us down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if len(argv) != 1:
+        print("usage: python -m enginecore.core '<EngineCoreConfig JSON>'", file=sys.stderr)
+        return 2
+    try:
+        config = msgspec.json.decode(argv[0], type=EngineCoreConfig)
+    except msgspec.DecodeError as e:
+        print(f"enginecore: bad configuration: {e}", file=sys.stderr)
+        return 2
+    core = EngineCore(config)
+    code = 0
+    try:
+        core.start()
+        core.run()
+    except (WorkerDied, ValueError) as e:
+        log.error("%s", e)
+        core.fail(str(e))
+        code = 1
+    except Exception as e:  # a bug in the core: say what, then go down cleanly
+        log.error("engine core crashed:\n%s", traceback.format_exc())
+        core.fail(f"engine core crashed: {type(e).__name__}: {e}")
+        code = 1
+    finally:
+        core.close()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

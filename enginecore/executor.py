@@ -1,0 +1,182 @@
+"""Fans each step out to every worker rank and collects rank 0's answer.
+
+One PUSH socket per rank (the core binds, so each socket has exactly one peer and a
+disconnect names the rank), one PULL socket for all answers. Every rank receives the
+same encoded bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginecore.kv_cache_config import make_kv_cache_config, unify_kv_cache_configs
+from protocol.codec import Codec, ProtocolError
+from protocol.config import EngineCoreConfig, parent_alive
+from protocol.kv_cache import KVCacheConfig
+from protocol.worker import (
+    PROTOCOL_VERSION,
+    CoreToWorker,
+    ModelRunnerOutput,
+    ShutdownWorker,
+    WorkerConfigure,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+    WorkerToCore,
+)
+
+
+class WorkerDied(RuntimeError):
+    """A worker failed or vanished; the message names the rank and why."""
+
+
+class Executor:
+    def __init__(self, ctx: zmq.Context, config: EngineCoreConfig) -> None:
+        self.config = config
+        self.world_size = len(config.worker_addresses)
+        self.to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
+        self.to_worker: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
+        self.push: list[zmq.Socket] = []
+        self.monitors: list[zmq.Socket] = []
+        for address in config.worker_addresses:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(address)
+            self.push.append(sock)
+            self.monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        self.results = ctx.socket(zmq.PULL)
+        self.results.setsockopt(zmq.LINGER, 0)
+        self.results.bind(config.result_address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.results, zmq.POLLIN)
+        for monitor in self.monitors:
+            self.poller.register(monitor, zmq.POLLIN)
+        self.hellos: list[WorkerHello] = []
+
+    # -- start-up ---------------------------------------------------------------------
+    def handshake(self) -> list[WorkerHello]:
+        """Wait for every rank's hello within the timeout; check protocol and ranks."""
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        hellos: dict[int, WorkerHello] = {}
+        while len(hellos) < self.world_size:
+            msg = self._recv(deadline, "hello")
+            if msg is None:
+                missing = sorted(set(range(self.world_size)) - set(hellos))
+                raise WorkerDied(
+                    f"worker rank(s) {missing} did not report within "
+                    f"{self.config.handshake_timeout_s:.0f} s"
+                )
+            if not isinstance(msg, WorkerHello):
+                raise WorkerDied(f"expected a worker hello, got {type(msg).__name__}")
+            if msg.protocol_version != PROTOCOL_VERSION:
+                raise WorkerDied(
+                    f"worker rank {msg.rank} speaks protocol {msg.protocol_version}, "
+                    f"the core speaks {PROTOCOL_VERSION}: versions differ"
+                )
+            if not 0 <= msg.rank < self.world_size or msg.world_size != self.world_size:
+                raise WorkerDied(
+                    f"worker rank {msg.rank} of {msg.world_size} does not fit a group "
+                    f"of {self.world_size}"
+                )
+            if msg.rank in hellos:
+                raise WorkerDied(f"two workers claim rank {msg.rank}")
+            hellos[msg.rank] = msg
+        self.hellos = [hellos[r] for r in range(self.world_size)]
+        return self.hellos
+
+    def build_kv_cache_config(self, num_gpu_blocks: int | None) -> KVCacheConfig:
+        configs = []
+        for hello in self.hellos:
+            if not hello.kv_cache_specs:
+                raise WorkerDied(f"worker rank {hello.rank} reported no KV cache layers")
+            try:
+                configs.append(
+                    make_kv_cache_config(hello.kv_cache_specs, hello.available_kv_memory)
+                )
+            except ValueError as e:
+                raise WorkerDied(f"worker rank {hello.rank}: {e}") from None
+        config = unify_kv_cache_configs(configs)
+        if num_gpu_blocks is not None:
+            if num_gpu_blocks < 2:
+                raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
+            config = KVCacheConfig(
+                num_blocks=num_gpu_blocks,
+                kv_cache_groups=config.kv_cache_groups,
+                kv_cache_tensors=[],  # workers size their buffers from num_blocks
+            )
+        return config
+
+    def configure(self, message: WorkerConfigure) -> None:
+        self.broadcast(self.to_worker.encode(message))
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        ready: set[int] = set()
+        while len(ready) < self.world_size:
+            msg = self._recv(deadline, "ready")
+            if msg is None:
+                missing = sorted(set(range(self.world_size)) - ready)
+                raise WorkerDied(f"worker rank(s) {missing} did not allocate their KV cache")
+            if not isinstance(msg, WorkerReady):
+                raise WorkerDied(f"expected worker ready, got {type(msg).__name__}")
+            ready.add(msg.rank)
+
+    # -- steps ------------------------------------------------------------------------
+    def broadcast(self, frame: bytes) -> None:
+        for sock in self.push:
+            sock.send(frame, copy=False)
+
+    def wait_output(self) -> ModelRunnerOutput:
+        while True:
+            msg = self._recv(None, "model output")
+            if isinstance(msg, ModelRunnerOutput):
+                return msg
+            raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
+
+    def shutdown(self) -> None:
+        frame = self.to_worker.encode(ShutdownWorker())
+        for sock in self.push:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(frame, zmq.NOBLOCK)
+
+    def _recv(self, deadline: float | None, waiting_for: str) -> WorkerToCore | None:
+        """Next worker message; None at the deadline; WorkerDied if a rank is lost."""
+        while True:
+            timeout = 500
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                timeout = min(timeout, int(left * 1000) + 1)
+            events = dict(self.poller.poll(timeout))
+            for rank, monitor in enumerate(self.monitors):
+                if monitor in events:
+                    recv_monitor_message(monitor)
+                    raise WorkerDied(self.describe_loss(rank, waiting_for))
+            if self.results in events:
+                frame = self.results.recv(copy=False)
+                try:
+                    msg = self.to_core.decode(frame.buffer)
+                except ProtocolError as e:
+                    raise WorkerDied(str(e)) from None
+                if isinstance(msg, WorkerFailed):
+                    raise WorkerDied(f"worker rank {msg.rank} failed: {msg.error}")
+                return msg
+            if not parent_alive(self.config.parent_pid):
+                raise WorkerDied("the launching process is gone")
+
+    def describe_loss(self, rank: int, waiting_for: str) -> str:
+        # A worker that raised sends WorkerFailed first; give it a moment to arrive.
+        if self.results.poll(200):
+            try:
+                msg = self.to_core.decode(self.results.recv())
+                if isinstance(msg, WorkerFailed):
+                    return f"worker rank {msg.rank} failed: {msg.error}"
+            except ProtocolError:
+                pass
+        return (
+            f"worker rank {rank} disconnected while the core waited for its {waiting_for} "
+            f"(killed or crashed without a word)"
+        )

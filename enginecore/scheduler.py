@@ -1,0 +1,311 @@
+"""The Scheduler: one rule for prefill and decode, under a token budget.
+
+Each step moves every request's num_computed_tokens toward its num_tokens. Running
+requests go first (decodes and unfinished prefill chunks), then waiting requests in FCFS
+order, each admitted only after a prefix-cache lookup and a successful allocate_slots.
+When a running request cannot get a block, the latest-arrived running request is
+preempted (blocks freed, recomputed later) and the allocation retried.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from enginecore.block_hash import HashAlgo
+from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.request import Request, RequestStatus
+from protocol.engine import RequestOutput, SchedulerStats
+from protocol.kv_cache import KVCacheConfig
+from protocol.worker import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    hash_algo: HashAlgo = "xxh3_128"
+    enable_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        vocab_size: int,
+        eos_token_id: int | None,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            hash_algo=config.hash_algo,
+            enable_kv_events=config.enable_kv_events,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Announced to the workers with the next SchedulerOutput.
+        self._finished_req_ids: list[str] = []
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- requests in and out ----------------------------------------------------------
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; a bad one fails alone: the error output is returned."""
+        rid = request.request_id
+        if rid in self.requests:
+            return RequestOutput(rid, [], "error", 0, f"duplicate request id {rid!r}")
+        error = self._validate(request)
+        if error is not None:
+            return RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")
+        self.requests[rid] = request
+        self.waiting.append(request)
+        return None
+
+    def _validate(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n > self.config.max_model_len:
+            return f"prompt has {n} tokens, longer than max_model_len {self.config.max_model_len}"
+        vocab = self.vocab_size
+        bad = next((t for t in request.all_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary [0, {vocab})"
+        try:
+            request.sampling_params.validate(vocab)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        aborted = set()
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status == RequestStatus.FINISHED:
+                continue
+            aborted.add(rid)
+            if request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.free(request)
+            self._finish(request, "abort")
+            outputs.append(RequestOutput(rid, [], "abort", max(request.num_cached_tokens, 0)))
+        if aborted:
+            self.running = [r for r in self.running if r.request_id not in aborted]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
+        return outputs
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Every open request fails with reason (a worker died); their blocks are freed."""
+        outputs = []
+        for request in [*self.running, *self.waiting]:
+            if request.status == RequestStatus.RUNNING:
+                self.kv_cache_manager.free(request)
+            self._finish(request, "error")
+            outputs.append(
+                RequestOutput(
+                    request.request_id, [], "error", max(request.num_cached_tokens, 0), reason
+                )
+            )
+        self.running = []
+        self.waiting.clear()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        if request.known_to_worker:
+            self._finished_req_ids.append(request.request_id)
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.config.max_num_batched_tokens
+        max_len = self.config.max_model_len
+        preempted: list[str] = []
+        cached_ids: list[str] = []
+        cached_blocks: list[list[list[int]] | None] = []
+        cached_computed: list[int] = []
+        cached_resumed: list[bool] = []
+        cached_counts: list[int] = []
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            if request.num_computed_tokens + num_new > max_len:
+                num_new = max_len - request.num_computed_tokens
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached_ids.append(request.request_id)
+            cached_blocks.append(_block_ids(new_blocks))
+            cached_computed.append(request.num_computed_tokens)
+            cached_resumed.append(False)
+            cached_counts.append(num_new)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS, unless this step already had to preempt.
+        new_reqs: list[NewRequestData] = []
+        new_counts: list[int] = []
+        admitted: list[Request] = []
+        waiting = self.waiting
+        while waiting and not preempted and budget > 0:
+            if len(running) >= self.config.max_num_seqs:
+                break
+            request = waiting[0]
+            hits, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                num_new = budget
+            new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
+            if new_blocks is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            waiting.popleft()
+            running.append(request)
+            admitted.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            table = kv.get_block_ids(request.request_id)
+            if request.known_to_worker:
+                # Resumed after preemption: the worker kept its tokens; the table is new.
+                cached_ids.append(request.request_id)
+                cached_blocks.append(table)
+                cached_computed.append(num_hit)
+                cached_resumed.append(True)
+                cached_counts.append(num_new)
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        request.request_id,
+                        request.all_token_ids[: request.num_tokens],
+                        request.sampling_params,
+                        table,
+                        num_hit,
+                    )
+                )
+                new_counts.append(num_new)
+                request.known_to_worker = True
+            budget -= num_new
+
+        # Progress is counted at schedule time; the next step's allocation relies on it.
+        total = 0
+        for rid, n in zip(cached_ids, cached_counts):
+            self.requests[rid].num_computed_tokens += n
+            total += n
+        for data, n in zip(new_reqs, new_counts):
+            self.requests[data.req_id].num_computed_tokens += n
+            total += n
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        self.step_id += 1
+        return SchedulerOutput(
+            step_id=self.step_id,
+            new_reqs=new_reqs,
+            cached_reqs=CachedRequestData(
+                cached_ids, cached_blocks, cached_computed, cached_resumed
+            ),
+            num_scheduled_tokens=new_counts + cached_counts,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        if output.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"model output of step {output.step_id} does not answer step "
+                f"{scheduler_output.step_id}"
+            )
+        outputs: list[RequestOutput] = []
+        finished: set[str] = set()
+        eos = self.eos_token_id
+        max_len = self.config.max_model_len
+        for rid, token in zip(output.req_ids, output.sampled_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.append_output_token_ids(token)
+            params = request.sampling_params
+            reason = None
+            if token == eos and not params.ignore_eos:
+                reason = "stop"
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                reason = "stop"
+            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
+                reason = "length"
+            if reason is not None:
+                self.kv_cache_manager.free(request)
+                self._finish(request, reason)
+                finished.add(rid)
+            outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        pc = kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=pc.queries + pc.preempted_queries,
+            prefix_cache_hits=pc.hits + pc.preempted_hits,
+            num_preemptions=self.num_preemptions,
+            step=self.step_id,
+        )
+
+
+def _block_ids(blocks: tuple) -> list[list[int]] | None:
+    """Block ids per group, or None when no group got a block (the common decode step)."""
+    if not any(blocks):
+        return None
+    return [[b.block_id for b in group] for group in blocks]
