@@ -9,6 +9,7 @@ is lost it fails every open request with the reason, tells the client, and exits
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -217,7 +218,8 @@ class EngineCore:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
     # The launcher owns Ctrl-C: it shuts us down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if len(argv) != 1:

@@ -1,0 +1,222 @@
+"""Start the EngineCore and worker processes, talk to the core, and take them down.
+
+The core and each worker are separate interpreters (`python -m enginecore.core`,
+`python -m worker.main`) that speak only ZeroMQ. This process owns the client sockets,
+watches its children, and on Ctrl-C or exit stops them all (no orphans: children also
+exit by themselves when this process disappears).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from protocol.codec import Codec
+from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address, ipc_dir
+from protocol.engine import (
+    AbortRequests,
+    AddRequest,
+    ClientMessage,
+    CoreMessage,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    SamplingParams,
+    ShutdownCore,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped; the message says which process and why."""
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    hash_algo: str = "xxh3_128"
+    seed: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory: int | None = None
+    startup_timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet: "
+                "only 1 worker for now"
+            )
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        if self.hash_algo not in ("xxh3_128", "sha256"):
+            raise ValueError(f"hash_algo must be xxh3_128 or sha256, not {self.hash_algo}")
+
+
+class EngineProcesses:
+    """A running engine: core + workers, and the client side of the core's sockets."""
+
+    def __init__(self, args: EngineArgs, log_level: str = "WARNING") -> None:
+        args.validate()
+        self.args = args
+        self._dir = ipc_dir()
+        self.ctx = zmq.Context()
+        self.to_core = self.ctx.socket(zmq.PUSH)
+        self.to_core.setsockopt(zmq.LINGER, 0)
+        self.from_core = self.ctx.socket(zmq.PULL)
+        self.from_client: Codec[ClientMessage] = Codec(ClientMessage, "client->core")
+        self.to_client: Codec[CoreMessage] = Codec(CoreMessage, "core->client")
+        input_address = ipc_address(self._dir, "input")
+        output_address = ipc_address(self._dir, "output")
+        self.to_core.bind(input_address)
+        self.from_core.bind(output_address)
+        n = args.tensor_parallel_size
+        worker_addresses = [ipc_address(self._dir, f"worker{r}") for r in range(n)]
+        result_address = ipc_address(self._dir, "results")
+        core_config = EngineCoreConfig(
+            input_address=input_address,
+            output_address=output_address,
+            worker_addresses=worker_addresses,
+            result_address=result_address,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            hash_algo=args.hash_algo,
+            num_gpu_blocks=args.num_gpu_blocks,
+            handshake_timeout_s=args.startup_timeout_s,
+            parent_pid=os.getpid(),
+        )
+        env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs["engine core"] = self._spawn("enginecore.core", core_config, env)
+        for rank in range(n):
+            worker_config = WorkerConfig(
+                model=args.model,
+                rank=rank,
+                world_size=n,
+                core_address=worker_addresses[rank],
+                result_address=result_address,
+                block_size=args.block_size,
+                dtype=args.dtype,
+                device=args.device,
+                kv_cache_memory=args.kv_cache_memory,
+                seed=args.seed,
+                parent_pid=os.getpid(),
+            )
+            self.procs[f"worker rank {rank}"] = self._spawn("worker.main", worker_config, env)
+        self.ready: EngineReady = self._wait_ready()
+
+    def _spawn(self, module: str, config: msgspec.Struct, env: dict) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+
+    def _wait_ready(self) -> EngineReady:
+        deadline = time.monotonic() + self.args.startup_timeout_s + 30
+        while time.monotonic() < deadline:
+            msg = self._recv(500)
+            if isinstance(msg, EngineReady):
+                return msg
+        self.shutdown()
+        raise EngineDeadError("the engine did not start in time")
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self.to_core.send(self.from_client.encode(msg), copy=False)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.to_core.send(self.from_client.encode(AbortRequests(request_ids)))
+
+    def get_outputs(self, timeout_ms: int = 500) -> EngineOutputs | None:
+        """The next batch of outputs, or None after timeout_ms; EngineDeadError if the
+        engine went down (open requests were failed first and come before it)."""
+        msg = self._recv(timeout_ms)
+        if msg is None or isinstance(msg, EngineOutputs):
+            return msg
+        raise EngineDeadError(f"unexpected {type(msg).__name__} from the engine core")
+
+    def _recv(self, timeout_ms: int) -> CoreMessage | None:
+        if self.from_core.poll(timeout_ms):
+            msg = self.to_client.decode(self.from_core.recv())
+            if isinstance(msg, EngineDead):
+                self.shutdown()
+                raise EngineDeadError(f"engine stopped: {msg.reason}{self._exit_codes()}")
+            return msg
+        dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+        if dead:
+            # Give the core a moment to report what it saw (outputs failed with reasons).
+            if "engine core" not in dead and self.from_core.poll(3000):
+                return self._recv(0)
+            self.shutdown()
+            raise EngineDeadError(f"engine stopped:{self._exit_codes()}")
+        return None
+
+    def _exit_codes(self) -> str:
+        parts = []
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code is not None and code != 0:
+                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+                parts.append(f"{name} (pid {p.pid}) {how}")
+        return (" [" + "; ".join(parts) + "]") if parts else ""
+
+    # -- shutdown ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Ask the core to stop, then make sure every child is gone."""
+        core = self.procs.get("engine core")
+        if core is not None and core.poll() is None:
+            try:
+                self.to_core.send(self.from_client.encode(ShutdownCore()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(3)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if not self.ctx.closed:
+            self.ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EngineProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,65 @@
+"""Tokenizers the launcher can use: a model's tokenizer.json, or the built-in byte one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+BYTE_TOKENIZER_FILE = "pagedserve_tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0..255; then BOS and EOS. Needs no files and no network."""
+
+    def __init__(self, bos_token_id: int = 256, eos_token_id: int = 257) -> None:
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8")]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json, through the `tokenizers` library."""
+
+    def __init__(self, path: Path, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            self._tok = _Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises its own exception types
+            raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)
+
+
+def load_tokenizer(model_dir: str | Path, eos_token_id: int | None) -> Tokenizer | None:
+    """The model directory's tokenizer, or None when it ships none (token-id prompts only)."""
+    directory = Path(model_dir)
+    if (directory / "tokenizer.json").exists():
+        return HFTokenizer(directory / "tokenizer.json", eos_token_id)
+    marker = directory / BYTE_TOKENIZER_FILE
+    if marker.exists():
+        try:
+            spec = json.loads(marker.read_text())
+            return ByteTokenizer(spec["bos_token_id"], spec["eos_token_id"])
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{marker}: malformed byte tokenizer description: {e}") from None
+    return None

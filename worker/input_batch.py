@@ -1,0 +1,276 @@
+"""The persistent batch: the worker's state implied by the stream of SchedulerOutputs.
+
+Each running request owns one row, stable across steps, of per-row numpy arrays and of
+the block tables. The core sends only deltas, so this state is the only place a
+request's tokens (including the ones this worker sampled) and block ids live; `apply()`
+must therefore follow the delta exactly and fail loudly on anything inconsistent.
+After every `apply()` the live rows are dense: 0 .. num_reqs - 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol.engine import SamplingParams
+from protocol.worker import SchedulerOutput
+from worker.block_table import MultiGroupBlockTable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class CachedRequestState:
+    """Everything the worker knows about one request, in the batch or preempted."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # per KV cache group; empty while preempted
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    # Room for a per-request RNG (seeded sampling), so it lives and dies with the request.
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_sizes: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.requests: dict[str, CachedRequestState] = {}
+        self.req_id_to_row: dict[str, int] = {}
+        self._row_to_req: list[str | None] = [None] * max_num_reqs
+        # Rows [0, _end) may be occupied; _holes are the empty rows below _end. Both are
+        # only non-trivial inside apply(): it ends dense with _end == num_reqs.
+        self._end = 0
+        self._holes: list[int] = []
+
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, device)
+
+    # -- queries ------------------------------------------------------------------
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Live requests in row order."""
+        return [r for r in self._row_to_req[: self._end] if r is not None]
+
+    def row_of(self, req_id: str) -> int:
+        try:
+            return self.req_id_to_row[req_id]
+        except KeyError:
+            raise ValueError(f"request {req_id!r} is not in the batch") from None
+
+    def block_ids_of(self, req_id: str) -> list[list[int]]:
+        """The request's live block-table rows, per group."""
+        row = self.row_of(req_id)
+        return [table.row(row).tolist() for table in self.block_table.tables]
+
+    # -- the delta ----------------------------------------------------------------
+
+    def apply(self, so: SchedulerOutput) -> None:
+        """Bring the batch to the state the step's delta describes.
+
+        Order matters: removals first so their rows can be reused by this step's
+        admissions, and a request preempted and resumed in the same step works.
+        A ValueError means the stream is corrupt; the batch is then unusable (the
+        worker reports the failure rather than guess)."""
+        scheduled = [r.req_id for r in so.new_reqs] + list(so.cached_reqs.req_ids)
+        if len(set(scheduled)) != len(scheduled):
+            dup = next(r for r in scheduled if scheduled.count(r) > 1)
+            raise ValueError(f"step {so.step_id}: request {dup!r} is scheduled twice")
+        for req_id in so.finished_req_ids:
+            if req_id not in self.requests:
+                raise ValueError(f"finished request {req_id!r} is unknown to the worker")
+            if req_id in self.req_id_to_row:
+                self._remove(req_id)
+            del self.requests[req_id]
+
+        for req_id in so.preempted_req_ids:
+            if req_id not in self.requests:
+                raise ValueError(f"preempted request {req_id!r} is unknown to the worker")
+            if req_id not in self.req_id_to_row:
+                raise ValueError(f"preempted request {req_id!r} is not in the batch")
+            self._remove(req_id)
+            # The core freed its blocks; its tokens stay for the recompute on resume.
+            self.requests[req_id].block_ids = [[] for _ in self.block_table.tables]
+
+        for new in so.new_reqs:
+            if new.req_id in self.requests:
+                raise ValueError(f"new request {new.req_id!r} already exists in the worker")
+            if not 0 <= new.num_computed_tokens <= len(new.prompt_token_ids):
+                raise ValueError(
+                    f"new request {new.req_id!r}: num_computed_tokens="
+                    f"{new.num_computed_tokens} outside [0, {len(new.prompt_token_ids)}]"
+                )
+            self._check_groups(new.req_id, new.block_ids)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=[list(ids) for ids in new.block_ids],
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self._admit(state)
+            self.requests[new.req_id] = state
+
+        cached = so.cached_reqs
+        n = len(cached.req_ids)
+        if not (
+            len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.resumed) == n
+        ):
+            raise ValueError(
+                f"step {so.step_id}: cached_reqs lists differ in length: req_ids={n}, "
+                f"new_block_ids={len(cached.new_block_ids)}, "
+                f"num_computed_tokens={len(cached.num_computed_tokens)}, "
+                f"resumed={len(cached.resumed)}"
+            )
+        for req_id, new_ids, num_computed, resumed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed
+        ):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"cached request {req_id!r} is unknown to the worker")
+            if not 0 <= num_computed <= state.num_tokens:
+                raise ValueError(
+                    f"cached request {req_id!r}: num_computed_tokens={num_computed} outside "
+                    f"[0, {state.num_tokens}]"
+                )
+            if resumed:
+                if req_id in self.req_id_to_row:
+                    raise ValueError(f"resumed request {req_id!r} is already in the batch")
+                if new_ids is None:
+                    raise ValueError(f"resumed request {req_id!r} came without its block table")
+                self._check_groups(req_id, new_ids)
+                state.block_ids = [list(ids) for ids in new_ids]
+                state.num_computed_tokens = num_computed
+                self._admit(state)
+                continue
+            row = self.req_id_to_row.get(req_id)
+            if row is None:
+                raise ValueError(f"cached request {req_id!r} is not in the batch")
+            if new_ids is not None:
+                self._check_groups(req_id, new_ids)
+                self.block_table.append_row(new_ids, row)
+                for have, add in zip(state.block_ids, new_ids):
+                    have.extend(add)
+            state.num_computed_tokens = num_computed
+            self.num_computed_tokens[row] = num_computed
+
+        self._condense()
+
+    def append_sampled(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """Record the tokens this worker sampled: the core never resends them."""
+        if len(req_ids) != len(token_ids):
+            raise ValueError(
+                f"append_sampled: {len(req_ids)} request ids but {len(token_ids)} tokens"
+            )
+        if not req_ids:
+            return
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError("append_sampled: a request id appears twice")
+        rows = np.fromiter((self.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        full = self.num_tokens[rows] >= self.max_model_len
+        if full.any():
+            raise ValueError(
+                f"append_sampled: request {req_ids[int(np.flatnonzero(full)[0])]!r} already "
+                f"holds max_model_len={self.max_model_len} tokens"
+            )
+        for req_id, tok in zip(req_ids, token_ids):
+            self.requests[req_id].output_token_ids.append(int(tok))
+        # One fancy-indexed write for the whole step.
+        self.token_ids[rows, self.num_tokens[rows]] = np.asarray(token_ids, dtype=np.int32)
+        self.num_tokens[rows] += 1
+
+    # -- rows ---------------------------------------------------------------------
+
+    def _admit(self, state: CachedRequestState) -> None:
+        """Give a request a free row holding its prompt, its outputs so far and its table."""
+        if state.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {state.req_id!r}: {state.num_tokens} tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        if self._holes:
+            row = heapq.heappop(self._holes)
+        elif self._end < self.max_num_reqs:
+            row = self._end
+            self._end += 1
+        else:
+            raise ValueError(
+                f"request {state.req_id!r}: the batch is full (max_num_reqs={self.max_num_reqs})"
+            )
+        num_prompt = len(state.prompt_token_ids)
+        self.token_ids[row, :num_prompt] = state.prompt_token_ids
+        self.token_ids[row, num_prompt : state.num_tokens] = state.output_token_ids
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_tokens[row] = state.num_tokens
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.block_table.add_row(state.block_ids, row)
+        self._row_to_req[row] = state.req_id
+        self.req_id_to_row[state.req_id] = row
+
+    def _remove(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id)
+        self._row_to_req[row] = None
+        self.num_tokens[row] = 0
+        self.num_computed_tokens[row] = 0
+        self.num_prompt_tokens[row] = 0
+        self.block_table.clear_row(row)
+        heapq.heappush(self._holes, row)
+
+    def _move(self, src: int, dst: int) -> None:
+        req_id = self._row_to_req[src]
+        assert req_id is not None and self._row_to_req[dst] is None
+        n = int(self.num_tokens[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        for arr in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens):
+            arr[dst] = arr[src]
+            arr[src] = 0
+        self.block_table.move_row(src, dst)
+        self._row_to_req[dst] = req_id
+        self._row_to_req[src] = None
+        self.req_id_to_row[req_id] = dst
+
+    def _condense(self) -> None:
+        """Fill each hole, lowest first, with the last live row."""
+        while self._holes:
+            hole = heapq.heappop(self._holes)
+            while self._end > 0 and self._row_to_req[self._end - 1] is None:
+                self._end -= 1
+            if hole >= self._end:
+                continue  # the hole was in the empty tail: nothing to move
+            self._move(self._end - 1, hole)
+            self._end -= 1
+        while self._end > 0 and self._row_to_req[self._end - 1] is None:
+            self._end -= 1
+        assert self._end == len(self.req_id_to_row)
+
+    def _check_groups(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        if len(block_ids) != len(self.block_table):
+            raise ValueError(
+                f"request {req_id!r}: block ids for {len(block_ids)} KV cache groups, "
+                f"expected {len(self.block_table)}"
+            )

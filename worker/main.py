@@ -1,0 +1,113 @@
+"""The worker process: handshake with the core, then run every step it sends.
+
+    python -m worker.main '<WorkerConfig as JSON>'
+
+Any failure is reported to the core (WorkerFailed, with the traceback) before exiting,
+so the core can name the rank and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from protocol.codec import Codec
+from protocol.config import WorkerConfig, parent_alive
+from protocol.worker import (
+    PROTOCOL_VERSION,
+    CoreToWorker,
+    SchedulerOutput,
+    ShutdownWorker,
+    WorkerConfigure,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+    WorkerToCore,
+)
+
+log = logging.getLogger("pagedserve.worker")
+
+
+def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
+    from worker.model_runner import ModelRunner  # torch import: after the sockets exist
+
+    to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
+    from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
+    runner = ModelRunner(config)
+    mc = runner.model_config
+    push.send(
+        to_core.encode(
+            WorkerHello(
+                protocol_version=PROTOCOL_VERSION,
+                rank=config.rank,
+                world_size=config.world_size,
+                device=str(runner.device),
+                kv_cache_specs=runner.kv_cache_specs(),
+                available_kv_memory=runner.available_kv_memory(),
+                vocab_size=mc.vocab_size,
+                max_model_len=mc.max_position_embeddings,
+                eos_token_id=mc.eos_token_ids[0] if mc.eos_token_ids else None,
+            )
+        )
+    )
+    answers = config.rank == 0
+    while True:
+        if not pull.poll(500):
+            if not parent_alive(config.parent_pid):
+                return
+            continue
+        msg = from_core.decode(pull.recv(copy=False).buffer)
+        if isinstance(msg, SchedulerOutput):
+            out = runner.execute(msg)
+            if out is not None and answers:
+                push.send(to_core.encode(out), copy=False)
+        elif isinstance(msg, WorkerConfigure):
+            runner.initialize(msg)
+            push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
+        elif isinstance(msg, ShutdownWorker):
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    if len(argv) != 1:
+        print("usage: python -m worker.main '<WorkerConfig JSON>'", file=sys.stderr)
+        return 2
+    try:
+        config = msgspec.json.decode(argv[0], type=WorkerConfig)
+    except msgspec.DecodeError as e:
+        print(f"worker: bad configuration: {e}", file=sys.stderr)
+        return 2
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(config.core_address)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 3000)
+    push.connect(config.result_address)
+    code = 0
+    try:
+        serve(config, pull, push)
+    except Exception as e:
+        detail = traceback.format_exc()
+        log.error("worker rank %d failed:\n%s", config.rank, detail)
+        short = f"{type(e).__name__}: {e}"
+        push.send(Codec(WorkerToCore, "worker->core").encode(WorkerFailed(config.rank, short)))
+        code = 1
+    finally:
+        pull.close(linger=0)
+        push.close()  # linger: let a failure report reach the core
+        ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

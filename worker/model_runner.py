@@ -1,0 +1,159 @@
+"""ModelRunner: the model, its paged KV cache, the persistent batch and the sampler.
+
+Each step: apply the SchedulerOutput delta to the batch, build flat inputs (numpy),
+commit block tables, run the model over the paged KV cache, sample, remember the
+sampled tokens (the core never resends them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from protocol.config import WorkerConfig
+from protocol.engine import SamplingParams
+from protocol.kv_cache import KVCacheSpec
+from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
+from worker.attention import AttentionMetadata
+from worker.input_batch import InputBatch
+from worker.model_config import load_model_config
+from worker.model_inputs import prepare_inputs
+from worker.models import get_model_class
+from worker.sampler import SamplingTensors, sample
+from worker.weights import iterate_weights
+
+log = logging.getLogger("pagedserve.worker")
+
+# CPU workers get an explicit KV budget (there is no device memory to profile).
+DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but no CUDA device is available")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPU: float32 (half precision is slow and imprecise there); GPU: bfloat16.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _TORCH_DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model_config = load_model_config(config.model)
+        cls = get_model_class(self.model_config.architecture)
+        self.model = cls(self.model_config, self.dtype, self.device)
+        self.model.load_weights(iterate_weights(config.model))
+        self.model.eval()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batch: InputBatch | None = None
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        log.info(
+            "rank %d: %s on %s in %s",
+            config.rank,
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+        )
+
+    # -- start-up ---------------------------------------------------------------------
+    def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        kv_dtype = str(self.dtype).removeprefix("torch.")
+        return self.model.kv_cache_specs(self.config.block_size, kv_dtype)
+
+    def available_kv_memory(self) -> int:
+        if self.device.type == "cpu":
+            return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(min(free, total * 0.9))
+
+    def initialize(self, msg: WorkerConfigure) -> None:
+        """Allocate exactly the core's KV cache config and the persistent batch."""
+        config = msg.kv_cache_config
+        layers = self.model.attention_layers()
+        caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        block_sizes = []
+        for group_id, group in enumerate(config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            block_sizes.append(spec.block_size)
+            for name in group.layer_names:
+                if name not in layers:
+                    raise ValueError(f"KV cache config names unknown layer {name!r}")
+                layers[name].kv_group = group_id
+                shape = (config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                caches[name] = (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
+        missing = sorted(set(layers) - set(caches))
+        if missing:
+            raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
+        self.kv_caches = [caches[name] for name in layers]
+        # One extra column: a request's last sampled token lands at position max_model_len.
+        self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
+
+    # -- steps ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        batch = self.batch
+        assert batch is not None, "SchedulerOutput before WorkerConfigure"
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+        batch.apply(so)
+        if so.total_num_scheduled_tokens == 0:
+            return None
+        inputs = prepare_inputs(batch, so)
+        device = self.device
+        tables = batch.block_table.commit(batch.num_reqs)
+        rows = torch.from_numpy(inputs.block_table_rows.astype(np.int64)).to(device)
+        attn = AttentionMetadata(
+            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(device),
+            seq_lens=torch.from_numpy(inputs.seq_lens).to(device),
+            block_tables=[t.index_select(0, rows) for t in tables],
+            slot_mappings=[torch.from_numpy(s).to(device) for s in inputs.slot_mappings],
+        )
+        hidden = self.model(
+            torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
+            torch.from_numpy(inputs.positions).to(device),
+            attn,
+            self.kv_caches,
+        )
+        req_ids = inputs.sampling_req_ids
+        if not req_ids:
+            return ModelRunnerOutput(so.step_id, [], [])
+        logits = self.model.compute_logits(
+            hidden.index_select(0, torch.from_numpy(inputs.logits_indices).to(device))
+        )
+        params = [batch.requests[rid].sampling_params for rid in req_ids]
+        tokens = sample(
+            logits,
+            SamplingTensors.from_params(params, device),
+            [self._generator(rid, p) for rid, p in zip(req_ids, params)],
+        ).tolist()
+        batch.append_sampled(req_ids, tokens)
+        return ModelRunnerOutput(so.step_id, req_ids, tokens)
+
+    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
+        """A seeded request draws from its own generator, so its tokens do not depend on
+        its neighbours in the batch."""
+        if params.seed is None or params.temperature == 0.0:
+            return None
+        gen = self.generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.generators[req_id] = gen
+        return gen
