@@ -8,6 +8,7 @@ sampled tokens (the core never resends them).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -47,10 +48,19 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
+def pick_cpu_threads(world_size: int) -> int:
+    """Intra-op threads for a CPU worker: a share of the cores, leaving one to the core
+    process. Oversubscribed OpenMP threads spin and can make small matmuls 10x slower."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, ((cores or 1) - 1) // world_size)
+
+
 class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(pick_cpu_threads(config.world_size))
         self.dtype = pick_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model_config = load_model_config(config.model)
@@ -143,6 +153,7 @@ class ModelRunner:
             logits,
             SamplingTensors.from_params(params, device),
             [self._generator(rid, p) for rid, p in zip(req_ids, params)],
+            self.default_generator,
         ).tolist()
         batch.append_sampled(req_ids, tokens)
         return ModelRunnerOutput(so.step_id, req_ids, tokens)

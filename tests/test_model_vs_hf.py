@@ -1,0 +1,347 @@
+"""Our paged Llama-family model against Hugging Face transformers, the oracle.
+
+Tiny random checkpoints are built with transformers and saved as safetensors; we load
+them through load_model_config + iterate_weights and run mixed paged batches by hand
+(prefill, chunked prefill, decode in one step), comparing logits at every computed
+position with transformers' logits over the full sequence, and greedy tokens with
+transformers' own generate().
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from protocol.kv_cache import FullAttentionSpec, SlidingWindowSpec
+from worker.attention import AttentionMetadata
+from worker.model_config import ModelConfig, load_model_config, parse_model_config
+from worker.models import get_model_class
+from worker.models.llama import LlamaForCausalLM
+from worker.weights import iterate_weights
+
+VOCAB = 160
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+GEN_TOKENS = 8
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CHECKPOINTS = {
+    # llama3 rope scaling with a short original context, so all three frequency bands
+    # (kept, scaled, blended) are exercised; biases on every attention projection.
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**_COMMON, num_hidden_layers=3, tie_word_embeddings=True)
+    ),
+    # A window much shorter than the prompts, and head_dim * heads != hidden_size.
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**_COMMON, num_hidden_layers=2, head_dim=32, sliding_window=6)
+    ),
+}
+
+
+def _save_checkpoint(name: str, path: Path) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    hf_model = CHECKPOINTS[name]().float().eval()
+    with torch.no_grad():
+        # transformers initialises biases to 0 and norms to 1; perturb them so a
+        # misplaced bias or norm weight shows up in the logits.
+        for pname, p in hf_model.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.save_pretrained(path)
+    hf_model.config._attn_implementation = "eager"
+    return hf_model
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    num_computed: int = 0
+    blocks: list[list[int]] = field(default_factory=list)  # per group
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits
+    generated: list[int] = field(default_factory=list)
+
+
+class _PagedHarness:
+    """Plays the scheduler and model runner: block allocation, metadata, one forward."""
+
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_groups: int) -> None:
+        self.model = model
+        self.num_groups = num_groups
+        # Alternate layers between groups, as the runner would from a KVCacheConfig with
+        # several groups; each group allocates from its own disjoint set of block ids.
+        for i, layer in enumerate(model.attention_layers().values()):
+            layer.kv_group = i % num_groups
+        shape = (NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+        # NaN everywhere not written this run: reading a stale slot poisons the logits.
+        self.kv_caches = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(config.num_hidden_layers)
+        ]
+        rng = random.Random(99)
+        self.free = []
+        for g in range(num_groups):
+            # Block 0 is the null block; shuffled so tables are not contiguous.
+            ids = [i for i in range(1, NUM_BLOCKS) if i % num_groups == g]
+            rng.shuffle(ids)
+            self.free.append(ids)
+
+    def check_layers_wrote_only_their_group_blocks(self) -> None:
+        for i, (key_cache, value_cache) in enumerate(self.kv_caches):
+            written = torch.nonzero(~key_cache.isnan().all(dim=(1, 2, 3))).flatten()
+            assert all(int(b) % self.num_groups == i % self.num_groups for b in written), i
+            assert torch.equal(key_cache.isnan(), value_cache.isnan()), i
+
+    def step(self, scheduled: list[tuple[_Request, int]]) -> None:
+        """Compute `n` new tokens of each (request, n); record logits; sample greedily."""
+        input_ids, positions, qsl, seq_lens = [], [], [0], []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for req, n in scheduled:
+            start, end = req.num_computed, req.num_computed + n
+            if not req.blocks:
+                req.blocks = [[] for _ in range(self.num_groups)]
+            for g in range(self.num_groups):
+                while len(req.blocks[g]) < math.ceil(end / BLOCK_SIZE):
+                    req.blocks[g].append(self.free[g].pop())
+                for p in range(start, end):
+                    block = req.blocks[g][p // BLOCK_SIZE]
+                    slots[g].append(block * BLOCK_SIZE + p % BLOCK_SIZE)
+            input_ids += req.token_ids[start:end]
+            positions += list(range(start, end))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+        # Two padding tokens at the end, as a runner padding to a graph size would add.
+        input_ids += [0, 0]
+        positions += [0, 0]
+        for g in range(self.num_groups):
+            slots[g] += [-1, -1]
+
+        max_blocks = max(len(req.blocks[0]) for req, _ in scheduled) + 2
+        tables = []
+        for g in range(self.num_groups):
+            table = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+            for b, (req, _) in enumerate(scheduled):
+                table[b, : len(req.blocks[g])] = torch.tensor(req.blocks[g], dtype=torch.int32)
+            tables.append(table)
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            slot_mappings=[torch.tensor(s, dtype=torch.int64) for s in slots],
+        )
+        with torch.no_grad():
+            hidden = self.model(
+                torch.tensor(input_ids), torch.tensor(positions), attn, self.kv_caches
+            )
+            logits = self.model.compute_logits(hidden[: qsl[-1]])
+        assert logits.dtype == torch.float32 and logits.shape == (qsl[-1], VOCAB)
+        for b, (req, n) in enumerate(scheduled):
+            for i in range(n):
+                req.logits[req.num_computed + i] = logits[qsl[b] + i]
+            req.num_computed += n
+            if req.num_computed == len(req.token_ids):  # prompt done or decode: sample
+                token = int(logits[qsl[b + 1] - 1].argmax())
+                req.generated.append(token)
+                req.token_ids.append(token)
+
+
+def _load(path: Path) -> tuple[LlamaForCausalLM, ModelConfig]:
+    config = load_model_config(path)
+    model = get_model_class(config.architecture)(config, torch.float32, torch.device("cpu"))
+    model.load_weights(iterate_weights(path))
+    return model, config
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_paged_batches_match_transformers(name: str, tmp_path: Path) -> None:
+    hf_model = _save_checkpoint(name, tmp_path)
+    model, config = _load(tmp_path)
+    harness = _PagedHarness(model, config, num_groups=2 if name == "qwen2" else 1)
+
+    gen = torch.Generator().manual_seed(5)
+    prompt_lens = {"a": 11, "b": 5, "c": 17, "d": 14}
+    prompts = {
+        k: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for k, n in prompt_lens.items()
+    }
+    reqs = {k: _Request(list(p)) for k, p in prompts.items()}
+    a, b, c, d = reqs["a"], reqs["b"], reqs["c"], reqs["d"]
+
+    # Step 1: three whole prompts and the first chunk of d; later steps decode a, b, c
+    # while d's prefill continues in chunks, then d decodes alongside them.
+    harness.step([(a, 11), (b, 5), (d, 6), (c, 17)])
+    harness.step([(d, 5), (a, 1), (b, 1), (c, 1)])
+    harness.step([(a, 1), (d, 3), (b, 1), (c, 1)])
+    while len(d.generated) < GEN_TOKENS:
+        batch = [(r, 1) for r in (a, b, c) if len(r.generated) < GEN_TOKENS]
+        harness.step([*batch, (d, 1)])
+
+    harness.check_layers_wrote_only_their_group_blocks()
+    for key, req in reqs.items():
+        assert len(req.generated) == GEN_TOKENS, key
+        full = torch.tensor([req.token_ids[:-1]])  # the last sample has no logits yet
+        with torch.no_grad():
+            want = hf_model(full).logits[0].float()
+        positions = sorted(req.logits)
+        assert positions == list(range(full.shape[1])), key
+        got = torch.stack([req.logits[p] for p in positions])
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+        prompt = torch.tensor([prompts[key]])
+        with torch.no_grad():
+            hf_out = hf_model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=GEN_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert hf_out[0, prompt.shape[1] :].tolist() == req.generated, key
+
+
+def test_kv_cache_specs_follow_layer_windows(tmp_path: Path) -> None:
+    _save_checkpoint("mistral", tmp_path)
+    model, _ = _load(tmp_path)
+    specs = model.kv_cache_specs(16, "bfloat16")
+    assert specs == {
+        f"model.layers.{i}.self_attn": SlidingWindowSpec(16, 2, 32, "bfloat16", 6) for i in range(2)
+    }
+    llama_cfg = _small_config("LlamaForCausalLM")
+    llama = LlamaForCausalLM(llama_cfg, torch.float32, torch.device("cpu"))
+    assert llama.kv_cache_specs(4, "float16") == {
+        f"model.layers.{i}.self_attn": FullAttentionSpec(4, 2, 16, "float16") for i in range(2)
+    }
+
+
+# ---- loading errors: every message names what is wrong and where ------------------------
+
+
+def _small_config(architecture: str, **overrides: object) -> ModelConfig:
+    raw = {
+        "architectures": [architecture],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        **overrides,
+    }
+    return parse_model_config(raw)
+
+
+def test_config_defaults_and_legacy_rope_fields() -> None:
+    cfg = _small_config("LlamaForCausalLM", rope_theta=500000.0, eos_token_id=[7, 9])
+    assert cfg.head_dim == 16 and cfg.rope_theta == 500000.0 and cfg.rope_scaling is None
+    assert cfg.eos_token_ids == (7, 9) and cfg.sliding_windows == (None, None)
+    legacy = _small_config(
+        "LlamaForCausalLM",
+        rope_theta=500000.0,
+        rope_scaling={"type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4},
+    )
+    assert legacy.rope_theta == 500000.0
+    assert legacy.rope_scaling is not None and legacy.rope_scaling.factor == 8.0
+    assert legacy.rope_scaling.original_max_position_embeddings == 256
+    qwen = _small_config(
+        "Qwen2ForCausalLM",
+        use_sliding_window=True,
+        sliding_window=32,
+        layer_types=["full_attention", "sliding_attention"],
+    )
+    assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.sliding_windows == (None, 32)
+    assert _small_config("Qwen2ForCausalLM", sliding_window=32).sliding_windows == (None, None)
+    assert _small_config("MistralForCausalLM", eos_token_id=2).eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        (None, "missing"),
+        ("{not json", "malformed JSON"),
+        (json.dumps({"architectures": ["GPT2LMHeadModel"]}), "LlamaForCausalLM"),
+        (json.dumps({"architectures": ["LlamaForCausalLM"]}), "'hidden_size'"),
+    ],
+)
+def test_config_file_errors(tmp_path: Path, contents: str | None, message: str) -> None:
+    if contents is not None:
+        (tmp_path / "config.json").write_text(contents)
+    with pytest.raises(ValueError, match=message) as info:
+        load_model_config(tmp_path)
+    assert "config.json" in str(info.value)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model_config(tmp_path / "nope")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"num_attention_heads": 5}, "not divisible"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_config_rejects_nonsense(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _small_config("LlamaForCausalLM", **overrides)
+
+
+def test_weight_errors_name_the_file_or_tensor(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape("no *.safetensors")):
+        list(iterate_weights(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    with pytest.raises(ValueError, match=re.escape("model.safetensors")):
+        list(iterate_weights(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(ValueError, match=re.escape("model-00002-of-00002.safetensors")):
+        list(iterate_weights(tmp_path))
+
+    model = LlamaForCausalLM(_small_config("LlamaForCausalLM"), torch.float32, torch.device("cpu"))
+    weights = dict(model.state_dict())
+    with pytest.raises(ValueError, match=re.escape("missing weights: model.norm.weight")):
+        model.load_weights((k, v) for k, v in weights.items() if k != "model.norm.weight")
+    with pytest.raises(ValueError, match=re.escape("unexpected weight 'model.extra'")):
+        model.load_weights([*weights.items(), ("model.extra", torch.zeros(1))])
+    with pytest.raises(ValueError, match=re.escape("'lm_head.weight' has shape")):
+        model.load_weights({**weights, "lm_head.weight": torch.zeros(3, 64)}.items())

@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+
+The three architectures differ only in configuration, which ModelConfig already
+resolves: Qwen2 has q/k/v biases and may tie its LM head to the embedding; Mistral
+attends through a sliding window on every layer. Parameter names match Hugging Face
+checkpoints so weights copy across by name.
+
+Sliding-window convention (checked in transformers 5.24, masking_utils
+`sliding_window_overlay`: key kv_idx is visible to query q_idx iff
+kv_idx > q_idx - sliding_window, on top of the causal kv_idx <= q_idx): a query at
+position p sees keys p - W + 1 .. p, i.e. W keys counting itself. That is exactly the
+meaning of `sliding_window` in kernels.reference.paged_attention and in
+protocol.kv_cache.SlidingWindowSpec, so config.json's value is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.reference import paged_attention, write_kv_cache
+from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from worker.attention import AttentionMetadata
+from worker.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from worker.model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Present in some older checkpoints; we recompute it, so it is neither loaded nor missing.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        sliding_window: int | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        # Which KV cache group's block table and slot mapping this layer reads; the
+        # runner sets it from the KVCacheConfig the core sends.
+        self.kv_group = 0
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = Linear(hidden, q_size, config.qkv_bias, dtype, device)
+        self.k_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
+        self.v_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
+        self.o_proj = Linear(q_size, hidden, config.o_proj_bias, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        write_kv_cache(k, v, key_cache, value_cache, attn.slot_mappings[self.kv_group])
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            attn.block_tables[self.kv_group],
+            attn.query_start_loc,
+            attn.seq_lens,
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(
+            config, config.sliding_windows[layer_idx], dtype=dtype, device=device
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if len(config.sliding_windows) != config.num_hidden_layers:
+            raise ValueError(
+                f"ModelConfig.sliding_windows has {len(config.sliding_windows)} entries for "
+                f"{config.num_hidden_layers} layers"
+            )
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, device)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, device
+        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        if config.tie_word_embeddings:
+            # One shared Parameter: named_parameters() then lists it once, under the
+            # embedding's name, which is the name checkpoints store it under.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> dict[str, LlamaAttention]:
+        """Attention modules by layer name (the keys of kv_cache_specs)."""
+        return {
+            f"model.layers.{i}.self_attn": layer.self_attn
+            for i, layer in enumerate(self.model.layers)
+        }
+
+    def kv_cache_specs(self, block_size: int, kv_dtype: str) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {}
+        for name, layer in self.attention_layers().items():
+            if layer.sliding_window is None:
+                specs[name] = FullAttentionSpec(
+                    block_size, layer.num_kv_heads, layer.head_dim, kv_dtype
+                )
+            else:
+                specs[name] = SlidingWindowSpec(
+                    block_size, layer.num_kv_heads, layer.head_dim, kv_dtype, layer.sliding_window
+                )
+        return specs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into parameters by name; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                # Some tied checkpoints store a copy of the embedding anyway; the
+                # embedding is authoritative.
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing)}")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flat batch of T tokens."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, attn, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
+        return self.lm_head(hidden).float()
