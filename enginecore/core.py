@@ -53,6 +53,9 @@ class EngineCore:
         self.executor = Executor(self.ctx, config)
         self.scheduler: Scheduler | None = None
         self._stop = False
+        # Debugging and tests: walk the KV invariants after every step, and require every
+        # block back in the pool whenever no request is open.
+        self._check = os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
 
     # -- start-up ---------------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +186,23 @@ class EngineCore:
         self.executor.broadcast(self.executor.to_worker.encode(so))
         result = self.executor.wait_output()
         outputs = scheduler.update_from_output(so, result)
+        if self._check:
+            self._check_invariants()
         self._send(EngineOutputs(outputs, scheduler.stats()))
+
+    def _check_invariants(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        kv = scheduler.kv_cache_manager
+        kv.check_invariants()
+        pool = kv.block_pool
+        if not scheduler.has_unfinished_requests():
+            free = pool.get_num_free_blocks()
+            if free != pool.num_usable_blocks:
+                raise AssertionError(
+                    f"no request is open but only {free} of {pool.num_usable_blocks} "
+                    f"blocks are free"
+                )
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head waiting request can never fit; fail it alone."""

@@ -1,0 +1,65 @@
+"""Tiny random Hugging Face checkpoints (float32, safetensors): the tests' oracle models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 160
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CHECKPOINTS = {
+    # llama3 rope scaling with a short original context, so all three frequency bands
+    # (kept, scaled, blended) are exercised; biases on every attention projection.
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON,
+            num_hidden_layers=2,
+            attention_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=True)
+    ),
+    # A window much shorter than the prompts, and head_dim * heads != hidden_size.
+    "mistral": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32, sliding_window=6)
+    ),
+}
+
+
+def save_checkpoint(name: str, path: Path) -> torch.nn.Module:
+    torch.manual_seed(1234)
+    hf_model = CHECKPOINTS[name]().float().eval()
+    with torch.no_grad():
+        # transformers initialises biases to 0 and norms to 1; perturb them so a
+        # misplaced bias or norm weight shows up in the logits.
+        for pname, p in hf_model.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.save_pretrained(path)
+    hf_model.config._attn_implementation = "eager"
+    return hf_model

@@ -1,0 +1,120 @@
+"""The whole engine, as users run it: `pagedserve generate` starts the EngineCore and a
+worker as separate processes; greedy tokens must equal transformers' own generate()."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_checkpoints import VOCAB, save_checkpoint
+
+MAX_TOKENS = 10
+ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
+
+
+def make_prompts(seed: int = 7) -> list[list[int]]:
+    """18 prompts of mixed lengths: 4 shared prefixes with different suffixes, plus two
+    prompts equal to a prefix (a full hit recomputes the last block)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (9, 13, 17, 24)]
+    prompts = []
+    for prefix in prefixes:
+        for n in (1, 3, 6, 11):
+            prompts.append(prefix + [rng.randrange(3, VOCAB) for _ in range(n)])
+    prompts += [prefixes[1][:12], prefixes[3][:8]]
+    return prompts
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(model dir, prompts, transformers' greedy continuations)."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_checkpoint(request.param, path)
+    hf_model.generation_config.eos_token_id = None  # both sides ignore EOS
+    prompts = make_prompts()
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf_model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    return path, prompts, expected
+
+
+def run_generate(model: Path, lines: list[dict], tmp: Path, *flags: str) -> tuple[list, str]:
+    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--no-progress",
+            "--block-size",
+            "4",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()], proc.stderr
+
+
+def greedy_lines(prompts: list[list[int]]) -> list[dict]:
+    return [
+        {"prompt_token_ids": p, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        for p in prompts
+    ]
+
+
+MODES = {
+    "prefix-caching": (),
+    "no-prefix-caching": ("--no-prefix-caching",),
+    "chunked-prefill": ("--max-num-batched-tokens", "7"),
+    "preemption": ("--num-gpu-blocks", "20", "--max-num-seqs", "12"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_tokens_equal_transformers(checkpoint, mode: str, tmp_path: Path) -> None:
+    path, prompts, expected = checkpoint
+    results, stderr = run_generate(path, greedy_lines(prompts), tmp_path, *MODES[mode])
+    assert [r["index"] for r in results] == list(range(len(prompts)))
+    for r, prompt, want in zip(results, prompts, expected):
+        assert r["prompt_token_ids"] == prompt
+        assert r["token_ids"] == want, f"prompt {r['index']} ({mode})"
+        assert r["finish_reason"] == "length"
+    cached = sum(r["num_cached_tokens"] for r in results)
+    hit_rate = float(re.search(r"prefix-cache hit rate: ([\d.]+)%", stderr).group(1))
+    preemptions = int(re.search(r"preemptions: (\d+)", stderr).group(1))
+    if mode == "no-prefix-caching":
+        assert cached == 0 and hit_rate == 0.0
+    elif mode in ("prefix-caching", "chunked-prefill"):
+        assert cached > 0 and hit_rate > 0.0
+    if mode == "preemption":
+        assert preemptions > 0, stderr
