@@ -1,0 +1,193 @@
+"""Bad input fails alone; a bad model directory, a dead worker or Ctrl-C stop cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hf_checkpoints import VOCAB, save_checkpoint
+
+from launch import LLM, EngineDeadError, SamplingParams
+
+ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    save_checkpoint("llama", path)
+    return path
+
+
+def generate_cli(model: Path | str, lines: list[str], tmp: Path, *flags: str):
+    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    inp.write_text("".join(line + "\n" for line in lines))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--no-progress",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        check=False,
+    )
+    results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    return proc, results
+
+
+def test_bad_requests_fail_alone(llama_dir: Path, tmp_path: Path) -> None:
+    good = json.dumps({"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0})
+    lines = [
+        good,
+        json.dumps({"prompt_token_ids": list(range(3, 103))}),  # 100 > max_model_len 64
+        json.dumps({"prompt_token_ids": []}),
+        json.dumps({"prompt_token_ids": [5, VOCAB + 7, 9]}),
+        json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 0}),
+        json.dumps({"prompt_token_ids": [5, 6], "bogus": 1}),
+        json.dumps({"prompt": "text needs a tokenizer"}),
+        "{not json",
+        good,
+    ]
+    proc, results = generate_cli(llama_dir, lines, tmp_path, "--max-model-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["index"] for r in results] == list(range(len(lines)))
+    errors = {r["index"]: r.get("error", "") for r in results}
+    assert results[0]["finish_reason"] == results[8]["finish_reason"] == "length"
+    assert len(results[0]["token_ids"]) == 4 and results[0]["token_ids"] == results[8]["token_ids"]
+    expected = {
+        1: "longer than max_model_len 64",
+        2: "empty prompt",
+        3: f"token id {VOCAB + 7} is outside the vocabulary",
+        4: "max_tokens must be >= 1",
+        5: "unknown field `bogus`",
+        6: "no tokenizer",
+        7: "in.jsonl:8",
+    }
+    for index, message in expected.items():
+        assert results[index]["finish_reason"] == "error"
+        assert message in errors[index], (index, errors[index])
+    assert "7 failed" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: d.mkdir(), "config.json"),
+        (lambda d: (d.mkdir(), (d / "config.json").write_text("{oops")), "config.json"),
+    ],
+)
+def test_bad_model_directory_fails_at_start_naming_the_file(setup, message, tmp_path: Path):
+    model = tmp_path / "model"
+    setup(model)
+    proc, _ = generate_cli(model, ['{"prompt_token_ids": [1]}'], tmp_path)
+    assert proc.returncode == 1
+    assert message in proc.stderr and str(model) in proc.stderr, proc.stderr
+
+
+def test_missing_weights_fail_at_start(llama_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "noweights"
+    model.mkdir()
+    (model / "config.json").write_text((llama_dir / "config.json").read_text())
+    proc, _ = generate_cli(model, ['{"prompt_token_ids": [1]}'], tmp_path)
+    assert proc.returncode == 1
+    assert "worker rank 0" in proc.stderr and "safetensors" in proc.stderr, proc.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists() and " Z " not in Path(f"/proc/{p}/stat").read_text()
+        ]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_killed_worker_fails_open_requests_and_names_the_rank(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), num_gpu_blocks=64)
+    procs = dict(llm.engine.procs)
+    worker = procs["worker rank 0"]
+
+    def kill_soon() -> None:
+        time.sleep(1.0)
+        worker.send_signal(signal.SIGKILL)
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with pytest.raises(EngineDeadError, match="worker rank 0") as info:
+        # Long enough to still be running when the worker dies.
+        for _ in range(100):
+            llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+    assert "killed by signal 9" in str(info.value) or "disconnected" in str(info.value)
+    llm.close()
+    assert _gone([p.pid for p in procs.values()])
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}) + "\n")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "generate",
+            "--input",
+            str(inp),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    deadline = time.monotonic() + 120
+    children: list[int] = []
+    while time.monotonic() < deadline and len(children) < 2:
+        time.sleep(0.2)
+        children = _children(proc.pid)
+    assert len(children) == 2, "core and worker did not start"
+    time.sleep(3)  # let it get going
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert _gone(children), "orphan processes after Ctrl-C"
