@@ -192,6 +192,9 @@ def generate(args: argparse.Namespace) -> int:
     for r in results:
         if r.error:
             print(f"  request {r.index} failed: {r.error}", file=sys.stderr)
+    if llm.dead_reason is not None:
+        print(f"pagedserve generate: {llm.dead_reason}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -165,6 +165,15 @@ class EngineProcesses:
             return msg
         raise EngineDeadError(f"unexpected {type(msg).__name__} from the engine core")
 
+    def dead_reason(self, wait_ms: int = 200) -> str | None:
+        """Why the engine stopped, if it did (open requests already failed with it)."""
+        try:
+            while self._recv(wait_ms) is not None:
+                pass
+        except EngineDeadError as e:
+            return str(e)
+        return None
+
     def _recv(self, timeout_ms: int) -> CoreMessage | None:
         if self.from_core.poll(timeout_ms):
             msg = self.to_client.decode(self.from_core.recv())

@@ -69,6 +69,7 @@ class LLM:
         self.engine = EngineProcesses(EngineArgs(model=model, **kwargs), log_level=log_level)
         self.vocab_size = self.engine.ready.vocab_size
         self.last_summary = RunSummary()
+        self.dead_reason: str | None = None  # set once the engine has stopped
         self._next_id = 0
 
     def generate(
@@ -133,6 +134,9 @@ class LLM:
             bar.close()
         summary.seconds = time.perf_counter() - start
         summary.failed = sum(1 for r in results if r.finish_reason == "error")
+        if summary.failed:
+            # Failures may be the engine going down: say so rather than look healthy.
+            self.dead_reason = self.engine.dead_reason()
         if self.tokenizer is not None:
             for r in results:
                 r.text = self.tokenizer.decode(r.token_ids)

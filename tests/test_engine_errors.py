@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hf_checkpoints import VOCAB, save_checkpoint
 
-from launch import LLM, EngineDeadError, SamplingParams
+from launch import LLM, SamplingParams
 
 ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
 
@@ -140,22 +140,19 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
-def test_killed_worker_fails_open_requests_and_names_the_rank(llama_dir: Path) -> None:
-    llm = LLM(str(llama_dir), num_gpu_blocks=64)
+def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
+    llm = LLM(num_gpu_blocks=64)  # the built-in model: 4096 positions, long runs
     procs = dict(llm.engine.procs)
     worker = procs["worker rank 0"]
-
-    def kill_soon() -> None:
-        time.sleep(1.0)
-        worker.send_signal(signal.SIGKILL)
-
-    threading.Thread(target=kill_soon, daemon=True).start()
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    with pytest.raises(EngineDeadError, match="worker rank 0") as info:
-        # Long enough to still be running when the worker dies.
-        for _ in range(100):
-            llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
-    assert "killed by signal 9" in str(info.value) or "disconnected" in str(info.value)
+    threading.Timer(1.0, lambda: worker.send_signal(signal.SIGKILL)).start()
+    params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "error"
+        assert "worker rank 0 disconnected" in (out.error or "")
+        assert 0 < len(out.token_ids) < 3000  # what was streamed before the loss is kept
+    assert llm.dead_reason is not None
+    assert "worker rank 0" in llm.dead_reason and "killed by signal 9" in llm.dead_reason
     llm.close()
     assert _gone([p.pid for p in procs.values()])
 
