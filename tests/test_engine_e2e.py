@@ -4,19 +4,16 @@ worker as separate processes; greedy tokens must equal transformers' own generat
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import generate_cli
 from hf_checkpoints import VOCAB, save_checkpoint
 
 MAX_TOKENS = 10
-ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
 
 
 def make_prompts(seed: int = 7) -> list[list[int]]:
@@ -56,33 +53,11 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def run_generate(model: Path, lines: list[dict], tmp: Path, *flags: str) -> tuple[list, str]:
-    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "generate",
-            "--model",
-            str(model),
-            "--input",
-            str(inp),
-            "--output",
-            str(out),
-            "--no-progress",
-            "--block-size",
-            "4",
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-        check=False,
+    proc, results = generate_cli(
+        model, [json.dumps(x) for x in lines], tmp, "--block-size", "4", *flags
     )
     assert proc.returncode == 0, proc.stderr
-    return [json.loads(line) for line in out.read_text().splitlines()], proc.stderr
+    return results, proc.stderr
 
 
 def greedy_lines(prompts: list[list[int]]) -> list[dict]:

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import ENV, generate_cli
 from hf_checkpoints import VOCAB, save_checkpoint
 
 from launch import LLM, SamplingParams
-
-ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
 
 
 @pytest.fixture(scope="module")
@@ -24,34 +23,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama")
     save_checkpoint("llama", path)
     return path
-
-
-def generate_cli(model: Path | str, lines: list[str], tmp: Path, *flags: str):
-    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
-    inp.write_text("".join(line + "\n" for line in lines))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "generate",
-            "--model",
-            str(model),
-            "--input",
-            str(inp),
-            "--output",
-            str(out),
-            "--no-progress",
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-        check=False,
-    )
-    results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    return proc, results
 
 
 def test_bad_requests_fail_alone(llama_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,26 @@
+"""Running `pagedserve generate` as a user would: a real subprocess, files in and out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# The core checks every KV invariant after each step and that no block leaks at idle.
+ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
+
+
+def generate_cli(
+    model: Path | str, lines: list[str], tmp: Path, *flags: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """Run generate over raw input lines; (the process, the parsed output lines)."""
+    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    inp.write_text("".join(line + "\n" for line in lines))
+    cmd = [sys.executable, "-m", "launch.cli", "generate", "--model", str(model)]
+    cmd += ["--input", str(inp), "--output", str(out), "--no-progress", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    return proc, results
