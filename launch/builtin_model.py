@@ -60,18 +60,27 @@ def builtin_model_dir() -> Path:
 
 
 def _write(directory: Path) -> None:
+    write_llama_checkpoint(directory, CONFIG, SEED, std=0.16)  # large weights: livelier text
+    (directory / BYTE_TOKENIZER_FILE).write_text(
+        json.dumps({"type": "byte", "bos_token_id": 256, "eos_token_id": 257})
+    )
+
+
+def write_llama_checkpoint(directory: Path, config: dict, seed: int, std: float = 0.02) -> None:
+    """A Hugging Face Llama directory with normal(0, std) weights drawn from seed."""
     import torch
     from safetensors.torch import save_file
 
-    c = CONFIG
-    gen = torch.Generator().manual_seed(SEED)
+    c = config
+    gen = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02 * 8  # larger weights: livelier text
+        return torch.randn(*shape, generator=gen) * std
 
-    hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim", hidden // c["num_attention_heads"])
     q_out = c["num_attention_heads"] * head_dim
-    kv_out = c["num_key_value_heads"] * head_dim
+    kv_out = c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
     tensors = {"model.embed_tokens.weight": w(c["vocab_size"], hidden)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -87,9 +96,8 @@ def _write(directory: Path) -> None:
             p + "mlp.down_proj.weight": w(hidden, inter),
         }
     tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = w(c["vocab_size"], hidden)
+    if not c.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = w(c["vocab_size"], hidden)
+    directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(c, indent=2))
-    (directory / BYTE_TOKENIZER_FILE).write_text(
-        json.dumps({"type": "byte", "bos_token_id": 256, "eos_token_id": 257})
-    )
