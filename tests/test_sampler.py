@@ -117,3 +117,23 @@ def _assert_distribution(tokens: torch.Tensor, expected: torch.Tensor, n: int) -
     chi2 = float((((counts[support] - exp_counts) ** 2) / exp_counts).sum())
     # With <= 4 degrees of freedom, chi-square exceeds 25 with probability < 1e-4.
     assert chi2 < 25.0, (counts, exp_counts)
+
+
+def test_from_arrays_matches_from_params() -> None:
+    import numpy as np
+
+    params = [
+        SamplingParams(temperature=0.0, top_k=5),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=3, seed=4),
+    ]
+    a = SamplingTensors.from_params(params, "cpu")
+    b = SamplingTensors.from_arrays(
+        np.array([p.temperature for p in params], dtype=np.float32),
+        np.array([p.top_k for p in params], dtype=np.int64),
+        np.array([p.top_p for p in params], dtype=np.float32),
+        "cpu",
+    )
+    for name in ("temperature", "top_k", "top_p", "greedy"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.all_greedy, a.any_top_k, a.any_top_p) == (b.all_greedy, b.any_top_k, b.any_top_p)

@@ -64,6 +64,21 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Sampling parameters per row, so a step gathers them with one index per array
+        # instead of walking every request's SamplingParams.
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.seeded = np.zeros(max_num_reqs, dtype=bool)
+        self._row_arrays = (
+            self.num_tokens,
+            self.num_computed_tokens,
+            self.num_prompt_tokens,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seeded,
+        )
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, device)
 
     # -- queries ------------------------------------------------------------------
@@ -82,6 +97,15 @@ class InputBatch:
             return self.req_id_to_row[req_id]
         except KeyError:
             raise ValueError(f"request {req_id!r} is not in the batch") from None
+
+    def rows_of(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Batch rows of req_ids, in order (int32)."""
+        try:
+            return np.fromiter(
+                map(self.req_id_to_row.__getitem__, req_ids), dtype=np.int32, count=len(req_ids)
+            )
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]!r} is not in the batch") from None
 
     def block_ids_of(self, req_id: str) -> list[list[int]]:
         """The request's live block-table rows, per group."""
@@ -181,17 +205,26 @@ class InputBatch:
 
         self._condense()
 
-    def append_sampled(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
-        """Record the tokens this worker sampled: the core never resends them."""
+    def append_sampled(
+        self,
+        req_ids: Sequence[str],
+        token_ids: Sequence[int],
+        rows: np.ndarray | None = None,
+    ) -> None:
+        """Record the tokens this worker sampled: the core never resends them.
+
+        rows, when given, are the requests' batch rows as prepare_inputs found them
+        (distinct by construction), which saves a lookup pass per step."""
         if len(req_ids) != len(token_ids):
             raise ValueError(
                 f"append_sampled: {len(req_ids)} request ids but {len(token_ids)} tokens"
             )
         if not req_ids:
             return
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError("append_sampled: a request id appears twice")
-        rows = np.fromiter((self.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if rows is None:
+            if len(set(req_ids)) != len(req_ids):
+                raise ValueError("append_sampled: a request id appears twice")
+            rows = self.rows_of(req_ids).astype(np.int64)
         full = self.num_tokens[rows] >= self.max_model_len
         if full.any():
             raise ValueError(
@@ -228,6 +261,11 @@ class InputBatch:
         self.num_prompt_tokens[row] = num_prompt
         self.num_tokens[row] = state.num_tokens
         self.num_computed_tokens[row] = state.num_computed_tokens
+        params = state.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.seeded[row] = params.seed is not None and params.temperature > 0.0
         self.block_table.add_row(state.block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row
@@ -235,9 +273,9 @@ class InputBatch:
     def _remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id)
         self._row_to_req[row] = None
-        self.num_tokens[row] = 0
-        self.num_computed_tokens[row] = 0
-        self.num_prompt_tokens[row] = 0
+        for arr in self._row_arrays:
+            arr[row] = 0
+        self.top_p[row] = 1.0
         self.block_table.clear_row(row)
         heapq.heappush(self._holes, row)
 
@@ -246,9 +284,10 @@ class InputBatch:
         assert req_id is not None and self._row_to_req[dst] is None
         n = int(self.num_tokens[src])
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        for arr in (self.num_tokens, self.num_computed_tokens, self.num_prompt_tokens):
+        for arr in self._row_arrays:
             arr[dst] = arr[src]
             arr[src] = 0
+        self.top_p[src] = 1.0
         self.block_table.move_row(src, dst)
         self._row_to_req[dst] = req_id
         self._row_to_req[src] = None

@@ -36,6 +36,7 @@ class ModelInputs:
     slot_mappings: list[np.ndarray]  # per KV group, [T_pad] int64; -1 in padding
     logits_indices: np.ndarray  # [K] int64 index into the T tokens of each sampling request
     sampling_req_ids: list[str]  # [K] requests that sample this step, scheduled order
+    sampling_rows: np.ndarray  # [K] int64 their batch rows (for append_sampled)
     max_query_len: int
     max_seq_len: int
 
@@ -64,7 +65,7 @@ def prepare_inputs(
             f"step {so.step_id}: {len(so.num_scheduled_tokens)} num_scheduled_tokens "
             f"entries for {num_reqs} scheduled requests"
         )
-    rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int32, count=num_reqs)
+    rows = batch.rows_of(req_ids)
     num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int32).reshape(num_reqs)
     if num_reqs and int(num_scheduled.min()) < 0:
         raise ValueError(f"step {so.step_id}: negative num_scheduled_tokens")
@@ -124,6 +125,7 @@ def prepare_inputs(
         slot_mappings=slot_mappings,
         logits_indices=logits_indices,
         sampling_req_ids=[req_ids[i] for i in sampling.tolist()],
+        sampling_rows=rows[sampling].astype(np.int64),
         max_query_len=int(num_scheduled.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
     )

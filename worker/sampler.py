@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from protocol.engine import SamplingParams
@@ -46,6 +47,28 @@ class SamplingTensors:
             # Greedy rows ignore k and p, so they need not trigger the sort.
             any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
             any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
+        )
+
+
+    @classmethod
+    def from_arrays(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """The same from per-row numpy arrays (the persistent batch keeps them)."""
+        greedy = temperature == 0.0
+        sampled = ~greedy
+        return cls(
+            temperature=torch.from_numpy(temperature).to(device),
+            top_k=torch.from_numpy(top_k).to(device),
+            top_p=torch.from_numpy(top_p).to(device),
+            greedy=torch.from_numpy(greedy).to(device),
+            all_greedy=bool(greedy.all()),
+            any_top_k=bool((top_k[sampled] > 0).any()),
+            any_top_p=bool((top_p[sampled] < 1.0).any()),
         )
 
 
