@@ -521,13 +521,11 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
     a = s.a
     n = a.requests
     directory = ipc_dir()
-    worker_address = ipc_address(directory, "worker0")
-    result_address = ipc_address(directory, "results")
+    worker_address = ipc_address(directory, "workers")
     core_config = EngineCoreConfig(
         input_address=ipc_address(directory, "input"),
         output_address=ipc_address(directory, "output"),
-        worker_addresses=[worker_address],
-        result_address=result_address,
+        worker_address=worker_address,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=n,
         max_model_len=s.max_model_len,
@@ -540,7 +538,6 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
         rank=0,
         world_size=1,
         core_address=worker_address,
-        result_address=result_address,
         block_size=a.block_size,
         device=a.device,
         parent_pid=os.getpid(),

@@ -15,7 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.kv_cache_config import make_kv_cache_config, unify_kv_cache_configs
 from protocol.codec import Codec, ProtocolError
-from protocol.config import EngineCoreConfig, parent_alive
+from protocol.config import EngineCoreConfig, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
 from protocol.worker import (
     PROTOCOL_VERSION,
@@ -37,12 +37,13 @@ class WorkerDied(RuntimeError):
 class Executor:
     def __init__(self, ctx: zmq.Context, config: EngineCoreConfig) -> None:
         self.config = config
-        self.world_size = len(config.worker_addresses)
+        self.world_size = config.world_size
+        result_address, step_addresses = worker_sockets(config.worker_address, config.world_size)
         self.to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
         self.to_worker: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
         self.push: list[zmq.Socket] = []
         self.monitors: list[zmq.Socket] = []
-        for address in config.worker_addresses:
+        for address in step_addresses:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(address)
@@ -50,7 +51,7 @@ class Executor:
             self.monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         self.results = ctx.socket(zmq.PULL)
         self.results.setsockopt(zmq.LINGER, 0)
-        self.results.bind(config.result_address)
+        self.results.bind(result_address)
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:

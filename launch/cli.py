@@ -89,8 +89,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
     )
+    g.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="wait for N `pagedserve worker` processes instead of spawning them",
+    )
+    g.add_argument(
+        "--worker-address",
+        help="where the core listens for workers "
+        "(tcp://HOST:PORT; default: private ipc, or tcp://127.0.0.1:29550 "
+        "with --external-workers)",
+    )
+    g.add_argument(
+        "--dist-init",
+        help="torch.distributed rendezvous for TP workers "
+        "(tcp://HOST:PORT; default: a free loopback port)",
+    )
+    g.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every worker to report at start-up",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="WARNING", help="engine processes' log level")
+
+    w = sub.add_parser("worker", help="run one worker rank that connects to a core")
+    w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
+    w.add_argument("--rank", type=int, required=True)
+    w.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive("--tp"), default=1)
+    w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
+    w.add_argument("--model", help="local Hugging Face model directory (default: built-in)")
+    w.add_argument("--block-size", type=_positive("--block-size"), default=16)
+    w.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    w.add_argument("--device", default="auto")
+    w.add_argument("--kv-cache-memory", type=_positive("--kv-cache-memory"))
+    w.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -131,13 +165,6 @@ def generate(args: argparse.Namespace) -> int:
     from launch.engine import EngineDeadError
     from launch.llm import LLM, CompletionOutput
 
-    if args.tensor_parallel_size != 1:
-        print(
-            f"pagedserve generate: --tensor-parallel-size {args.tensor_parallel_size} is not "
-            "supported yet (only 1 worker for now)",
-            file=sys.stderr,
-        )
-        return 2
     items = _read_inputs(args.input, args)
     try:
         llm = LLM(
@@ -153,6 +180,11 @@ def generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            external_workers=args.external_workers,
+            worker_address=args.worker_address,
+            dist_init=args.dist_init,
+            startup_timeout_s=args.worker_timeout,
             log_level=args.log_level,
         )
     except (ValueError, EngineDeadError) as e:
@@ -224,7 +256,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "generate":
         return generate(args)
+    if args.command == "worker":
+        return worker(args)
     return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    from protocol.config import WorkerConfig
+    from worker.main import run
+
+    if not 0 <= args.rank < args.tp:
+        print(f"pagedserve worker: --rank {args.rank} is outside --tp {args.tp}", file=sys.stderr)
+        return 2
+    if args.tp > 1 and not args.dist_init:
+        print("pagedserve worker: --dist-init is required when --tp > 1", file=sys.stderr)
+        return 2
+    model = args.model
+    if model is None:
+        from launch.builtin_model import builtin_model_dir
+
+        model = str(builtin_model_dir())
+    return run(
+        WorkerConfig(
+            model=model,
+            rank=args.rank,
+            world_size=args.tp,
+            core_address=args.core,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_memory=args.kv_cache_memory,
+            seed=args.seed,
+            dist_init=args.dist_init,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,14 @@ import msgspec
 import zmq
 
 from protocol.codec import Codec
-from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address, ipc_dir
+from protocol.config import (
+    EngineCoreConfig,
+    WorkerConfig,
+    free_port,
+    ipc_address,
+    ipc_dir,
+    worker_sockets,
+)
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -31,6 +38,8 @@ from protocol.engine import (
     SamplingParams,
     ShutdownCore,
 )
+
+DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
 
 
 class EngineDeadError(RuntimeError):
@@ -53,14 +62,19 @@ class EngineArgs:
     device: str = "auto"
     kv_cache_memory: int | None = None
     startup_timeout_s: float = 300.0
+    # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
+    # of being spawned here; dist_init is their torch.distributed rendezvous.
+    external_workers: bool = False
+    worker_address: str | None = None
+    dist_init: str | None = None
 
     def validate(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet: "
-                "only 1 worker for now"
-            )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "tensor_parallel_size",
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
@@ -91,13 +105,17 @@ class EngineProcesses:
         self.to_core.bind(input_address)
         self.from_core.bind(output_address)
         n = args.tensor_parallel_size
-        worker_addresses = [ipc_address(self._dir, f"worker{r}") for r in range(n)]
-        result_address = ipc_address(self._dir, "results")
+        worker_address = args.worker_address or (
+            DEFAULT_EXTERNAL_WORKER_ADDRESS
+            if args.external_workers
+            else ipc_address(self._dir, "workers")
+        )
+        worker_sockets(worker_address, n)  # a bad address fails here, with its reason
         core_config = EngineCoreConfig(
             input_address=input_address,
             output_address=output_address,
-            worker_addresses=worker_addresses,
-            result_address=result_address,
+            worker_address=worker_address,
+            world_size=n,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
@@ -110,13 +128,16 @@ class EngineProcesses:
         env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
         self.procs: dict[str, subprocess.Popen] = {}
         self.procs["engine core"] = self._spawn("enginecore.core", core_config, env)
-        for rank in range(n):
+        dist_init = args.dist_init
+        if dist_init is None and n > 1:
+            dist_init = f"tcp://127.0.0.1:{free_port()}"
+        for rank in range(0 if args.external_workers else n):
             worker_config = WorkerConfig(
                 model=args.model,
                 rank=rank,
                 world_size=n,
-                core_address=worker_addresses[rank],
-                result_address=result_address,
+                core_address=worker_address,
+                dist_init=dist_init,
                 block_size=args.block_size,
                 dtype=args.dtype,
                 device=args.device,

@@ -4,6 +4,7 @@ their command line), and the socket address helpers they share."""
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 
 import msgspec
@@ -12,8 +13,8 @@ import msgspec
 class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     input_address: str  # client -> core (the client binds)
     output_address: str  # core -> client (the client binds)
-    worker_addresses: list[str]  # core -> worker rank r (the core binds)
-    result_address: str  # workers -> core (the core binds)
+    worker_address: str  # where the core binds for its workers (see worker_sockets)
+    world_size: int = 1
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own limit
@@ -28,13 +29,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str  # a local Hugging Face directory
     rank: int
     world_size: int
-    core_address: str  # the core's socket for this rank
-    result_address: str
+    core_address: str  # the core's worker address (see worker_sockets)
     block_size: int = 16
     dtype: str = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None  # bytes on CPU; None: a default
     seed: int = 0
+    dist_init: str | None = None  # torch.distributed init method when world_size > 1
     parent_pid: int | None = None
 
 
@@ -45,6 +46,34 @@ def ipc_dir() -> str:
 
 def ipc_address(directory: str, name: str) -> str:
     return f"ipc://{os.path.join(directory, name)}"
+
+
+def worker_sockets(address: str, world_size: int) -> tuple[str, list[str]]:
+    """(results address, per-rank step addresses), all derived from one address.
+
+    tcp://HOST:PORT: results on PORT, rank r's steps on PORT + 1 + r. ipc://PATH:
+    PATH.results and PATH.rank<r>. One address is all a worker needs to be told, and
+    one socket per rank lets the core name the rank that disconnects."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"worker address {address!r} is not tcp://HOST:PORT")
+        base = int(port)
+        if not 0 < base <= 65535 - world_size - 1:
+            raise ValueError(f"worker address {address!r}: port out of range")
+        return address, [f"tcp://{host}:{base + 1 + r}" for r in range(world_size)]
+    if address.startswith("ipc://"):
+        return f"{address}.results", [f"{address}.rank{r}" for r in range(world_size)]
+    raise ValueError(f"worker address {address!r} must start with tcp:// or ipc://")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on host (for a loopback rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def parent_alive(parent_pid: int | None) -> bool:

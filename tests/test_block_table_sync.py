@@ -28,9 +28,7 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = tmp_path_factory.mktemp("qwen2")
     save_checkpoint("qwen2", path)
     return ModelRunner(
-        WorkerConfig(
-            model=str(path), rank=0, world_size=1, core_address="", result_address="", block_size=4
-        )
+        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", block_size=4)
     )
 
 

@@ -1,8 +1,10 @@
-"""Building blocks of Llama-family decoders: linear, embedding, RMSNorm, rotary, MLP.
+"""Building blocks of Llama-family decoders: linear, embedding, RMSNorm, rotary, MLP, and
+their tensor-parallel forms (how they split is described in worker.parallel).
 
 Parameters are allocated uninitialised (`torch.empty`): every one is overwritten by
 `load_weights`, and random initialisation of a multi-billion-parameter model on the CPU
-would cost minutes at start-up for nothing.
+would cost minutes at start-up for nothing. A sharded parameter records which part of the
+checkpoint tensor it holds (`mark_sharded`), so loading slices by parameter, not by name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model_config import Llama3RopeScaling
+from worker.parallel import Shard, TPContext, even_shard, mark_sharded
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -37,15 +40,92 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class Embedding(nn.Module):
+class ColumnParallelLinear(Linear):
+    """Holds output rows `rows` of the full weight (and bias): its output is this rank's
+    slice of features, consumed locally, so no communication."""
+
     def __init__(
-        self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        in_features: int,
+        rows: Shard,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(in_features, rows.size, bias, dtype, device)
+        mark_sharded(self.weight, 0, rows)
+        if self.bias is not None:
+            mark_sharded(self.bias, 0, rows)
+
+
+class RowParallelLinear(Linear):
+    """Holds input columns `cols` of the full weight: each rank's product is a partial
+    sum, all-reduced. The bias is replicated and added after the reduce, so it counts once."""
+
+    def __init__(
+        self,
+        cols: Shard,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPContext,
+    ) -> None:
+        super().__init__(cols.size, out_features, bias, dtype, device)
+        mark_sharded(self.weight, 1, cols)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Holds the embedding rows of vocabulary slice `vocab`; other ids embed to zero here
+    and get their rows from the rank that has them through the all-reduce."""
+
+    def __init__(
+        self, vocab: Shard, dim: int, dtype: torch.dtype, device: torch.device, tp: TPContext
     ) -> None:
         super().__init__()
-        self.weight = _empty_param(num_embeddings, dim, dtype=dtype, device=device)
+        self.vocab = vocab
+        self.tp = tp
+        self.weight = _empty_param(vocab.size, dim, dtype=dtype, device=device)
+        mark_sharded(self.weight, 0, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab.start
+        inside = (local >= 0) & (local < self.vocab.size)
+        out = F.embedding(torch.where(inside, local, 0), self.weight)
+        out.masked_fill_(~inside[..., None], 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Holds the output rows of vocabulary slice `vocab` (possibly the embedding's own
+    Parameter when tied); returns the full float32 logits on every rank."""
+
+    def __init__(
+        self, vocab: Shard, dim: int, dtype: torch.dtype, device: torch.device, tp: TPContext
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tp = tp
+        self.weight = _empty_param(vocab.size, dim, dtype=dtype, device=device)
+        mark_sharded(self.weight, 0, vocab)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        if self.tp.size == 1:
+            return logits
+        # Padding is cut only after the gather (each rank's slice has the same width),
+        # and before anyone samples, so a padded id can never be chosen.
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab.full]
 
 
 class RMSNorm(nn.Module):
@@ -116,7 +196,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), the intermediate features split across ranks."""
 
     def __init__(
         self,
@@ -125,11 +205,14 @@ class GatedMLP(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias, dtype, device)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+        tp = tp or TPContext()
+        part = even_shard(intermediate_size, tp, "intermediate_size")
+        self.gate_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
+        self.up_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
+        self.down_proj = RowParallelLinear(part, hidden_size, bias, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from protocol.codec import Codec
-from protocol.config import WorkerConfig, parent_alive
+from protocol.config import WorkerConfig, parent_alive, worker_sockets
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
@@ -57,8 +57,18 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         )
     )
     answers = config.rank == 0
+    # A worker started on its own (no parent to watch) leaves when the core goes away.
+    monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     while True:
-        if not pull.poll(500):
+        events = dict(poller.poll(500))
+        if monitor in events and pull not in events and not pull.poll(100):
+            # The core closed its end (its shutdown message, if any, came first).
+            log.warning("worker rank %d: the engine core went away; exiting", config.rank)
+            return
+        if pull not in events:
             if not parent_alive(config.parent_pid):
                 return
             continue
@@ -76,9 +86,6 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     if len(argv) != 1:
         print("usage: python -m worker.main '<WorkerConfig JSON>'", file=sys.stderr)
         return 2
@@ -87,12 +94,28 @@ def main(argv: list[str] | None = None) -> int:
     except msgspec.DecodeError as e:
         print(f"worker: bad configuration: {e}", file=sys.stderr)
         return 2
+    return run(config)
+
+
+def run(config: WorkerConfig) -> int:
+    """Serve the core at config.core_address until it says stop; the exit status."""
+    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    if config.parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
+    try:
+        result_address, step_addresses = worker_sockets(config.core_address, config.world_size)
+        if not 0 <= config.rank < config.world_size:
+            raise ValueError(f"rank {config.rank} is outside a group of {config.world_size}")
+    except ValueError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.connect(config.core_address)
+    pull.connect(step_addresses[config.rank])
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 3000)
-    push.connect(config.result_address)
+    push.connect(result_address)
     code = 0
     try:
         serve(config, pull, push)

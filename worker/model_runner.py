@@ -22,6 +22,7 @@ from worker.input_batch import InputBatch
 from worker.model_config import load_model_config
 from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
+from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
 from worker.sampler import SamplingTensors, sample
 from worker.weights import iterate_weights
 
@@ -59,13 +60,27 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
+        if config.world_size > 1 and self.device.type == "cuda" and self.device.index is None:
+            # One GPU per rank; modulo so a launcher that narrows CUDA_VISIBLE_DEVICES to
+            # one GPU per process gets cuda:0 everywhere.
+            self.device = torch.device("cuda", config.rank % torch.cuda.device_count())
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(pick_cpu_threads(config.world_size))
         self.dtype = pick_dtype(config.dtype, self.device)
+        # Same seed on every rank: ranks sample identical tokens (see worker.parallel).
         torch.manual_seed(config.seed)
+        # Config errors surface before the rendezvous, which would wait for all ranks.
         self.model_config = load_model_config(config.model)
+        self.tp = TPContext()
+        if config.world_size > 1:
+            self.tp = init_distributed(
+                config.rank,
+                config.world_size,
+                config.dist_init or dist_init_method_from_env(),
+                self.device,
+            )
         cls = get_model_class(self.model_config.architecture)
-        self.model = cls(self.model_config, self.dtype, self.device)
+        self.model = cls(self.model_config, self.dtype, self.device, self.tp)
         self.model.load_weights(iterate_weights(config.model))
         self.model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

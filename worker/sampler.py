@@ -49,7 +49,6 @@ class SamplingTensors:
             any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
         )
 
-
     @classmethod
     def from_arrays(
         cls,

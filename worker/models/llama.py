@@ -3,7 +3,8 @@
 The three architectures differ only in configuration, which ModelConfig already
 resolves: Qwen2 has q/k/v biases and may tie its LM head to the embedding; Mistral
 attends through a sliding window on every layer. Parameter names match Hugging Face
-checkpoints so weights copy across by name.
+checkpoints so weights copy across by name; under tensor parallelism (worker.parallel)
+each rank builds only its shard and slices it out of the full checkpoint tensors.
 
 Sliding-window convention (checked in transformers 5.24, masking_utils
 `sliding_window_overlay`: key kv_idx is visible to query q_idx iff
@@ -24,14 +25,17 @@ from kernels.reference import paged_attention, write_kv_cache
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
 from worker.layers import (
-    Embedding,
+    ColumnParallelLinear,
     GatedMLP,
-    Linear,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     apply_rotary,
 )
 from worker.model_config import ModelConfig
+from worker.parallel import TPContext, load_shard, shard_heads, shard_vocab
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,22 +50,27 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPContext,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        # Local counts: this rank's query heads and the KV heads they read, which is also
+        # what its KV cache holds.
+        self.num_heads = heads.q_heads.size
+        self.num_kv_heads = heads.kv_heads.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         # Which KV cache group's block table and slot mapping this layer reads; the
         # runner sets it from the KVCacheConfig the core sends.
         self.kv_group = 0
-        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(hidden, q_size, config.qkv_bias, dtype, device)
-        self.k_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
-        self.v_proj = Linear(hidden, kv_size, config.qkv_bias, dtype, device)
-        self.o_proj = Linear(q_size, hidden, config.o_proj_bias, dtype, device)
+        hidden, bias = config.hidden_size, config.qkv_bias
+        q_rows = heads.q_heads.scaled(self.head_dim)
+        kv_rows = heads.kv_heads.scaled(self.head_dim)
+        self.q_proj = ColumnParallelLinear(hidden, q_rows, bias, dtype, device)
+        self.k_proj = ColumnParallelLinear(hidden, kv_rows, bias, dtype, device)
+        self.v_proj = ColumnParallelLinear(hidden, kv_rows, bias, dtype, device)
+        self.o_proj = RowParallelLinear(q_rows, hidden, config.o_proj_bias, dtype, device, tp)
 
     def forward(
         self,
@@ -94,17 +103,22 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPContext,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(
-            config, config.sliding_windows[layer_idx], dtype=dtype, device=device
+            config, config.sliding_windows[layer_idx], dtype=dtype, device=device, tp=tp
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device
+            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, tp
         )
 
     def forward(
@@ -120,18 +134,29 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPContext
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        vocab = shard_vocab(config.vocab_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPContext | None = None,
+    ) -> None:
+        """tp: this rank's tensor-parallel context; None builds the whole model."""
         super().__init__()
+        tp = tp or TPContext()
         if len(config.sliding_windows) != config.num_hidden_layers:
             raise ValueError(
                 f"ModelConfig.sliding_windows has {len(config.sliding_windows)} entries for "
@@ -139,14 +164,18 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, device)
+        self.tp = tp
+        self.model = LlamaModel(config, dtype, device, tp)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, device
         )
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = ParallelLMHead(
+            shard_vocab(config.vocab_size, tp), config.hidden_size, dtype, device, tp
+        )
         if config.tie_word_embeddings:
             # One shared Parameter: named_parameters() then lists it once, under the
-            # embedding's name, which is the name checkpoints store it under.
+            # embedding's name, which is the name checkpoints store it under. Both hold
+            # the same vocabulary slice, so the tie survives sharding.
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def attention_layers(self) -> dict[str, LlamaAttention]:
@@ -170,7 +199,12 @@ class LlamaForCausalLM(nn.Module):
         return specs
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into parameters by name; every parameter must be set."""
+        """Copy checkpoint tensors into parameters by name; every parameter must be set.
+
+        Tensors are the full, unsharded checkpoint ones; each parameter takes its rank's
+        part (and shapes are checked against the full tensor, so errors name the
+        checkpoint's shape whatever the tensor-parallel size).
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -183,12 +217,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+            load_shard(param, name, tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -211,5 +240,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the selected hidden states [N, hidden]."""
-        return self.lm_head(hidden).float()
+        """float32 logits [N, vocab] for the selected hidden states [N, hidden]; the full
+        vocabulary on every rank."""
+        return self.lm_head(hidden)
