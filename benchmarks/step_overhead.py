@@ -228,10 +228,11 @@ INPROC_KEYS = (
     "encode_so",
     "decode_so",
     "apply",
+    # Three pieces of prepare_step timed again on their own, for the breakdown only.
     "prepare_inputs",
-    "slot_mapping",  # computed again on its own: prepare_inputs already includes it
+    "slot_mapping",
     "commit",
-    "tensors",
+    "prepare_step",
     "fake_model",
     "append_sampled",
     "encode_mro",
@@ -243,9 +244,7 @@ CORE_KEYS = ("schedule", "encode_so", "decode_mro", "update", "client_encode")
 WORKER_KEYS = (
     "decode_so",
     "apply",
-    "prepare_inputs",
-    "commit",
-    "tensors",
+    "prepare_step",
     "append_sampled",
     "encode_mro",
 )
@@ -254,14 +253,11 @@ WORKER_KEYS = (
 def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, Any]:
     """Per-step nanoseconds of every piece (and the frame sizes), and the profiles."""
     import numpy as np
-    import torch
 
     from enginecore.kv_cache_config import make_kv_cache_config
     from protocol.config import WorkerConfig
-    from worker.attention import AttentionMetadata
     from worker.model_inputs import prepare_inputs
     from worker.model_runner import ModelRunner
-    from worker.sampler import SamplingTensors
 
     a = s.a
     n = a.requests
@@ -271,7 +267,6 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
             rank=0,
             world_size=1,
             core_address="",
-            result_address="",
             block_size=a.block_size,
             device=a.device,
         )
@@ -282,7 +277,6 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
     runner.initialize(s.configure(kv_config))
     batch = runner.batch
     assert batch is not None
-    device = runner.device
     sched = s.scheduler(kv_config)
     core_to_worker: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
     worker_from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
@@ -314,29 +308,17 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
             slots = [np.empty(len(inputs.positions), np.int64) for _ in batch.block_table.tables]
             batch.block_table.compute_slot_mapping(inputs.req_rows, inputs.positions, slots)
             t.append(clock())
-            tables = batch.block_table.commit(batch.num_reqs)
+            batch.block_table.commit(batch.num_reqs)
             t.append(clock())
-            # The host side of ModelRunner.execute between the commit and the model.
-            rows = torch.from_numpy(inputs.block_table_rows.astype(np.int64)).to(device)
-            AttentionMetadata(
-                query_start_loc=torch.from_numpy(inputs.query_start_loc).to(device),
-                seq_lens=torch.from_numpy(inputs.seq_lens).to(device),
-                block_tables=[table.index_select(0, rows) for table in tables],
-                slot_mappings=[torch.from_numpy(x).to(device) for x in inputs.slot_mappings],
-            )
-            torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device)
-            torch.from_numpy(inputs.positions).to(device)
-            torch.from_numpy(inputs.logits_indices).to(device)
-            req_ids = inputs.sampling_req_ids
-            params = [batch.requests[rid].sampling_params for rid in req_ids]
-            SamplingTensors.from_params(params, device)
-            [runner._generator(rid, p) for rid, p in zip(req_ids, params)]
+            # The rest of ModelRunner's host path before the model: tensors, sampling.
+            prepared = runner.prepare_step(wso)
+            req_ids = prepared.sampling_req_ids
         t.append(clock())
         reqs = batch.requests  # the fake model: as the peer's, one token per sampler
         tokens = [(1000 + 31 * int(r) + len(reqs[r].output_token_ids)) % vocab for r in req_ids]
         t.append(clock())
         with worker:
-            batch.append_sampled(req_ids, tokens)
+            batch.append_sampled(req_ids, tokens, prepared.sampling_rows)
             t.append(clock())
             out_frame = worker_to_core.encode(ModelRunnerOutput(wso.step_id, req_ids, tokens))
         t.append(clock())

@@ -12,7 +12,8 @@ block when the block is handed out again. From it the test predicts every prefix
 a hash, which blocks an allocation takes from the free queue, where freed blocks go, and
 that a refused allocation changed nothing. At the end every non-null block is free.
 
-PAGEDSERVE_KV_SM_EXAMPLES raises the number of examples for a longer bug hunt.
+PAGEDSERVE_KV_SM_EXAMPLES and PAGEDSERVE_KV_SM_STEPS (defaults 150 and 50) raise the
+number of examples and steps for a longer bug hunt.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ class KVStateMachine(RuleBasedStateMachine):
 
         assert n_hit == self.expected_hit(r), (n_hit, self.expected_hit(r))
         if n_hit:
-            event("prefix hit" + (" with a sliding window" if any(self.windows) else ""))
+            sliding = any(w is not None for w in self.windows)
+            event("prefix hit" + (" with a sliding window" if sliding else ""))
         assert 0 <= n_hit <= r.num_tokens - 1
         assert len(hits) == self.num_groups
         for g, group_hits in enumerate(hits):
@@ -289,10 +291,12 @@ class KVStateMachine(RuleBasedStateMachine):
         released: list[list[int]],
         hashed_before: set[int],
         taken: set[int] | None = None,
+        ordered: bool = False,
     ) -> None:
         """Blocks whose last reference went away joined the free queue: unhashed ones at
-        the front, hashed ones at the back, each group's in reverse table order (released
-        lists each group's blocks in that order). ``taken`` blocks left it again since."""
+        the front, hashed ones at the back; ``taken`` blocks left it again since. With
+        ``ordered``, each group's blocks keep the order of ``released`` (a request frees
+        in reverse table order, so that a chain's tail is reused before its head)."""
         taken = taken or set()
         queue = self.mgr.block_pool.free_block_queue.block_ids()
         flat = [b for group in released for b in group if b not in taken]
@@ -303,6 +307,8 @@ class KVStateMachine(RuleBasedStateMachine):
         assert set(queue[: len(front)]) == front
         assert queue[len(front) : len(front) + len(middle)] == middle
         assert set(queue[len(front) + len(middle) :]) == back
+        if not ordered:
+            return
         pos = {b: i for i, b in enumerate(queue)}
         for group in released:
             for part in (front, back):
@@ -461,7 +467,7 @@ class KVStateMachine(RuleBasedStateMachine):
         m.free(r)
         del self.running[rid]
         released = [[b for b in reversed(t) if b != NULL and refs_before[b] == 1] for t in tables]
-        self.check_release(before["queue"], released, hashed_before)
+        self.check_release(before["queue"], released, hashed_before, ordered=True)
         after = self.snapshot()
         assert not any(self.tables(rid))
         assert after["index"] == before["index"], "free is not evict"
@@ -483,7 +489,9 @@ class KVStateMachine(RuleBasedStateMachine):
         r.num_preemptions += 1
         self.waiting[r.request_id] = r
 
-    def new_request(self, prompt: list[int], salt: str | None, lora: int | None, lp: bool):
+    def new_request(
+        self, prompt: list[int], salt: str | None, lora: int | None, lp: bool
+    ) -> Request:
         rid = f"r{self.next_id}"
         self.next_id += 1
         r = Request(
@@ -710,13 +718,14 @@ class KVStateMachine(RuleBasedStateMachine):
         self.m.check_invariants()
         pool = self.m.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
+        assert self.m.usage == 0.0
         assert self.m.reset_prefix_cache()
         self.m.check_invariants()
 
 
 KVStateMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("PAGEDSERVE_KV_SM_EXAMPLES", "150")),
-    stateful_step_count=50,
+    stateful_step_count=int(os.environ.get("PAGEDSERVE_KV_SM_STEPS", "50")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -62,26 +62,31 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    while True:
-        events = dict(poller.poll(500))
-        if monitor in events and pull not in events and not pull.poll(100):
-            # The core closed its end (its shutdown message, if any, came first).
-            log.warning("worker rank %d: the engine core went away; exiting", config.rank)
-            return
-        if pull not in events:
-            if not parent_alive(config.parent_pid):
+    try:
+        while True:
+            events = dict(poller.poll(500))
+            if monitor in events and pull not in events and not pull.poll(100):
+                # The core closed its end (its shutdown message, if any, came first).
+                log.warning("worker rank %d: the engine core went away; exiting", config.rank)
                 return
-            continue
-        msg = from_core.decode(pull.recv(copy=False).buffer)
-        if isinstance(msg, SchedulerOutput):
-            out = runner.execute(msg)
-            if out is not None and answers:
-                push.send(to_core.encode(out), copy=False)
-        elif isinstance(msg, WorkerConfigure):
-            runner.initialize(msg)
-            push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
-        elif isinstance(msg, ShutdownWorker):
-            return
+            if pull not in events:
+                if not parent_alive(config.parent_pid):
+                    return
+                continue
+            msg = from_core.decode(pull.recv(copy=False).buffer)
+            if isinstance(msg, SchedulerOutput):
+                out = runner.execute(msg)
+                if out is not None and answers:
+                    push.send(to_core.encode(out), copy=False)
+            elif isinstance(msg, WorkerConfigure):
+                runner.initialize(msg)
+                push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
+            elif isinstance(msg, ShutdownWorker):
+                return
+    finally:
+        # An open monitor socket would keep the context from terminating.
+        pull.disable_monitor()
+        monitor.close(linger=0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from protocol.config import WorkerConfig
-from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
@@ -54,6 +54,20 @@ def pick_cpu_threads(world_size: int) -> int:
     process. Oversubscribed OpenMP threads spin and can make small matmuls 10x slower."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - 1) // world_size)
+
+
+@dataclass
+class StepInputs:
+    """Everything a step needs on the device, prepared on the host."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_req_ids: list[str]
+    sampling_rows: np.ndarray
+    sampling: SamplingTensors
+    generators: list[torch.Generator | None]
 
 
 class ModelRunner:
@@ -134,6 +148,7 @@ class ModelRunner:
     # -- steps ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the delta; run the step if it schedules tokens; remember what it sampled."""
         batch = self.batch
         assert batch is not None, "SchedulerOutput before WorkerConfigure"
         for rid in so.finished_req_ids:
@@ -141,6 +156,16 @@ class ModelRunner:
         batch.apply(so)
         if so.total_num_scheduled_tokens == 0:
             return None
+        step = self.prepare_step(so)
+        tokens = self.run_step(step)
+        batch.append_sampled(step.sampling_req_ids, tokens, step.sampling_rows)
+        return ModelRunnerOutput(so.step_id, step.sampling_req_ids, tokens)
+
+    def prepare_step(self, so: SchedulerOutput) -> StepInputs:
+        """The host side of a step (after batch.apply): flat inputs, committed block
+        tables and sampling tensors, all on the device."""
+        batch = self.batch
+        assert batch is not None
         inputs = prepare_inputs(batch, so)
         device = self.device
         tables = batch.block_table.commit(batch.num_reqs)
@@ -151,31 +176,43 @@ class ModelRunner:
             block_tables=[t.index_select(0, rows) for t in tables],
             slot_mappings=[torch.from_numpy(s).to(device) for s in inputs.slot_mappings],
         )
-        hidden = self.model(
-            torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
-            torch.from_numpy(inputs.positions).to(device),
-            attn,
-            self.kv_caches,
-        )
         req_ids = inputs.sampling_req_ids
-        if not req_ids:
-            return ModelRunnerOutput(so.step_id, [], [])
-        logits = self.model.compute_logits(
-            hidden.index_select(0, torch.from_numpy(inputs.logits_indices).to(device))
+        sampling_rows = inputs.sampling_rows
+        # Per-row arrays of the batch: one gather each, no walk over SamplingParams.
+        sampling = SamplingTensors.from_arrays(
+            batch.temperature[sampling_rows],
+            batch.top_k[sampling_rows],
+            batch.top_p[sampling_rows],
+            device,
         )
-        params = [batch.requests[rid].sampling_params for rid in req_ids]
-        tokens = sample(
-            logits,
-            SamplingTensors.from_params(params, device),
-            [self._generator(rid, p) for rid, p in zip(req_ids, params)],
-            self.default_generator,
-        ).tolist()
-        batch.append_sampled(req_ids, tokens)
-        return ModelRunnerOutput(so.step_id, req_ids, tokens)
+        if batch.seeded[sampling_rows].any():
+            generators = [self._generator(rid) for rid in req_ids]
+        else:
+            generators = [None] * len(req_ids)
+        return StepInputs(
+            input_ids=torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
+            positions=torch.from_numpy(inputs.positions).to(device),
+            attn=attn,
+            logits_indices=torch.from_numpy(inputs.logits_indices).to(device),
+            sampling_req_ids=req_ids,
+            sampling_rows=sampling_rows,
+            sampling=sampling,
+            generators=generators,
+        )
 
-    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
+    def run_step(self, step: StepInputs) -> list[int]:
+        """The model over the paged KV cache, then the sampler: one token per sampler."""
+        hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
+        if not step.sampling_req_ids:
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+        return sample(logits, step.sampling, step.generators, self.default_generator).tolist()
+
+    def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on
         its neighbours in the batch."""
+        assert self.batch is not None
+        params = self.batch.requests[req_id].sampling_params
         if params.seed is None or params.temperature == 0.0:
             return None
         gen = self.generators.get(req_id)
