@@ -41,6 +41,17 @@ CHECKPOINTS = {
     "qwen2": lambda: transformers.Qwen2ForCausalLM(
         transformers.Qwen2Config(**COMMON, num_hidden_layers=3, tie_word_embeddings=True)
     ),
+    # Interleaved sliding-window and full-attention layers (two KV cache groups), as
+    # transformers' Qwen2 runs them from `layer_types`.
+    "qwen2_interleaved": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **COMMON,
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+    ),
     # A window much shorter than the prompts, and head_dim * heads != hidden_size.
     "mistral": lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32, sliding_window=6)

@@ -29,7 +29,7 @@ def make_prompts(seed: int = 7) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module")
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(model dir, prompts, transformers' greedy continuations)."""
     path = tmp_path_factory.mktemp(request.param)
@@ -75,10 +75,25 @@ MODES = {
 }
 
 
+ALL = ["llama", "qwen2", "mistral", "qwen2_interleaved"]
+
+
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("checkpoint", ALL, indirect=True)
 def test_greedy_tokens_equal_transformers(checkpoint, mode: str, tmp_path: Path) -> None:
+    check_against_transformers(checkpoint, mode, tmp_path)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2"], indirect=True)
+def test_tensor_parallel_2_equals_transformers(checkpoint, mode: str, tmp_path: Path) -> None:
+    check_against_transformers(checkpoint, mode, tmp_path, "--tensor-parallel-size", "2")
+
+
+def check_against_transformers(checkpoint, mode: str, tmp_path: Path, *extra: str) -> None:
     path, prompts, expected = checkpoint
-    results, stderr = run_generate(path, greedy_lines(prompts), tmp_path, *MODES[mode])
+    flags = (*MODES[mode], *extra)
+    results, stderr = run_generate(path, greedy_lines(prompts), tmp_path, *flags)
     assert [r["index"] for r in results] == list(range(len(prompts)))
     for r, prompt, want in zip(results, prompts, expected):
         assert r["prompt_token_ids"] == prompt
