@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from enginecore.executor import Executor, WorkerDied
+from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
@@ -62,9 +63,11 @@ class EngineCore:
         hellos = self.executor.handshake()
         first = hellos[0]
         for hello in hellos[1:]:
-            if hello.kv_cache_specs != first.kv_cache_specs:
+            diff = describe_spec_difference(first.kv_cache_specs, hello.kv_cache_specs)
+            if diff is not None:
                 raise WorkerDied(
-                    f"worker rank {hello.rank} reports KV cache specs that differ from rank 0"
+                    f"worker rank {hello.rank} reports KV cache specs that differ from "
+                    f"rank 0 ({diff}): start every rank with the same model and flags"
                 )
         model_len = first.max_model_len
         max_model_len = self.config.max_model_len or model_len

@@ -23,6 +23,7 @@ from protocol.worker import (
     ModelRunnerOutput,
     ShutdownWorker,
     WorkerConfigure,
+    WorkerConnected,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
@@ -63,14 +64,15 @@ class Executor:
         """Wait for every rank's hello within the timeout; check protocol and ranks."""
         deadline = time.monotonic() + self.config.handshake_timeout_s
         hellos: dict[int, WorkerHello] = {}
+        connected: dict[int, WorkerConnected] = {}
         while len(hellos) < self.world_size:
             msg = self._recv(deadline, "hello")
             if msg is None:
-                missing = sorted(set(range(self.world_size)) - set(hellos))
-                raise WorkerDied(
-                    f"worker rank(s) {missing} did not report within "
-                    f"{self.config.handshake_timeout_s:.0f} s"
-                )
+                raise WorkerDied(self._missing(connected, hellos))
+            if isinstance(msg, WorkerConnected):
+                self._check_rank(msg.rank, self.world_size)
+                connected[msg.rank] = msg
+                continue
             if not isinstance(msg, WorkerHello):
                 raise WorkerDied(f"expected a worker hello, got {type(msg).__name__}")
             if msg.protocol_version != PROTOCOL_VERSION:
@@ -78,16 +80,38 @@ class Executor:
                     f"worker rank {msg.rank} speaks protocol {msg.protocol_version}, "
                     f"the core speaks {PROTOCOL_VERSION}: versions differ"
                 )
-            if not 0 <= msg.rank < self.world_size or msg.world_size != self.world_size:
-                raise WorkerDied(
-                    f"worker rank {msg.rank} of {msg.world_size} does not fit a group "
-                    f"of {self.world_size}"
-                )
+            self._check_rank(msg.rank, msg.world_size)
             if msg.rank in hellos:
                 raise WorkerDied(f"two workers claim rank {msg.rank}")
             hellos[msg.rank] = msg
         self.hellos = [hellos[r] for r in range(self.world_size)]
         return self.hellos
+
+    def _check_rank(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < self.world_size or world_size != self.world_size:
+            raise WorkerDied(
+                f"worker rank {rank} of {world_size} does not fit a group of {self.world_size}"
+            )
+
+    def _missing(self, connected: dict[int, WorkerConnected], hellos: dict) -> str:
+        waited = f"{self.config.handshake_timeout_s:g} s"
+        never = [r for r in range(self.world_size) if r not in connected and r not in hellos]
+        stuck = [r for r in connected if r not in hellos]
+        parts = []
+        if never:
+            parts.append(
+                f"worker rank(s) {never} never connected to {self.config.worker_address} "
+                f"within {waited}"
+            )
+        if stuck:
+            where = ", ".join(
+                f"rank {r} (pid {connected[r].pid} on {connected[r].host})" for r in stuck
+            )
+            parts.append(
+                f"{where} connected but did not finish loading (or waited for "
+                f"the missing ranks to join the group)"
+            )
+        return "; ".join(parts)
 
     def build_kv_cache_config(self, num_gpu_blocks: int | None) -> KVCacheConfig:
         configs = []
@@ -163,21 +187,40 @@ class Executor:
                 except ProtocolError as e:
                     raise WorkerDied(str(e)) from None
                 if isinstance(msg, WorkerFailed):
-                    raise WorkerDied(f"worker rank {msg.rank} failed: {msg.error}")
+                    raise WorkerDied(self._describe_failure(msg))
                 return msg
             if not parent_alive(self.config.parent_pid):
                 raise WorkerDied("the launching process is gone")
 
+    def _describe_failure(self, msg: WorkerFailed) -> str:
+        return self._diagnose([msg], "next step")
+
     def describe_loss(self, rank: int, waiting_for: str) -> str:
-        # A worker that raised sends WorkerFailed first; give it a moment to arrive.
-        if self.results.poll(200):
-            try:
-                msg = self.to_core.decode(self.results.recv())
+        return self._diagnose([], waiting_for, lost=rank)
+
+    def _diagnose(
+        self, failures: list[WorkerFailed], waiting_for: str, lost: int | None = None
+    ) -> str:
+        """Which rank went first. A rank that vanished without a word is the cause; ranks
+        that then failed (a collective lost its peer) are named after it."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if self.results.poll(20):
+                try:
+                    msg = self.to_core.decode(self.results.recv())
+                except ProtocolError:
+                    continue
                 if isinstance(msg, WorkerFailed):
-                    return f"worker rank {msg.rank} failed: {msg.error}"
-            except ProtocolError:
-                pass
-        return (
-            f"worker rank {rank} disconnected while the core waited for its {waiting_for} "
+                    failures.append(msg)
+        failed = {f.rank for f in failures}
+        silent = [
+            r for r, m in enumerate(self.monitors) if (r == lost or m.poll(0)) and r not in failed
+        ]
+        parts = [
+            f"worker rank {r} disconnected while the core waited for its {waiting_for} "
             f"(killed or crashed without a word)"
-        )
+            for r in silent[:1]
+        ]
+        lead = "then " if parts else ""
+        parts += [f"worker rank {f.rank} {lead}failed: {f.error}" for f in failures]
+        return "; ".join(parts) or "a worker disconnected"

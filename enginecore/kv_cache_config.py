@@ -89,3 +89,30 @@ def _describe_difference(a: list[KVCacheGroupSpec], b: list[KVCacheGroupSpec]) -
         if ga.layer_names != gb.layer_names:
             return f"group {i} layers {ga.layer_names} vs {gb.layer_names}"
     return "unknown difference"
+
+
+def describe_spec_difference(
+    a: Mapping[str, KVCacheSpec], b: Mapping[str, KVCacheSpec], limit: int = 3
+) -> str | None:
+    """How two workers' per-layer KV specs differ (None when equal), naming layers and
+    fields, so a misconfigured rank is obvious from the message alone."""
+    diffs = []
+    for name in sorted(set(a) | set(b)):
+        x, y = a.get(name), b.get(name)
+        if x == y:
+            continue
+        if x is None or y is None:
+            diffs.append(f"layer {name} only on {'the second' if x is None else 'the first'}")
+        elif type(x) is not type(y):
+            diffs.append(f"layer {name}: {type(x).__name__} vs {type(y).__name__}")
+        else:
+            fields = [
+                f"{f} {getattr(x, f)} vs {getattr(y, f)}"
+                for f in x.__struct_fields__
+                if getattr(x, f) != getattr(y, f)
+            ]
+            diffs.append(f"layer {name}: {', '.join(fields)}")
+    if not diffs:
+        return None
+    more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return "; ".join(diffs[:limit]) + more

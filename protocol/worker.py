@@ -16,6 +16,15 @@ from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 PROTOCOL_VERSION = 1
 
 
+class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
+    """Sent on connecting, before the model loads: lets a start-up timeout tell a rank
+    that never came from one that came but is still loading or waiting for its group."""
+
+    rank: int
+    pid: int
+    host: str
+
+
 class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
     """A worker's first message: who it is and what KV cache it can hold."""
 
@@ -93,4 +102,4 @@ class ShutdownWorker(msgspec.Struct, frozen=True, tag="shutdown", array_like=Tru
 
 
 CoreToWorker = WorkerConfigure | SchedulerOutput | ShutdownWorker
-WorkerToCore = WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed
+WorkerToCore = WorkerConnected | WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed

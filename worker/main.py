@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 
@@ -25,6 +26,7 @@ from protocol.worker import (
     SchedulerOutput,
     ShutdownWorker,
     WorkerConfigure,
+    WorkerConnected,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
@@ -121,6 +123,11 @@ def run(config: WorkerConfig) -> int:
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 3000)
     push.connect(result_address)
+    push.send(
+        Codec(WorkerToCore, "worker->core").encode(
+            WorkerConnected(config.rank, os.getpid(), socket.gethostname())
+        )
+    )
     code = 0
     try:
         serve(config, pull, push)
