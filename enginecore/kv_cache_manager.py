@@ -9,7 +9,7 @@ from enginecore.block_hash import BlockHasher, HashAlgo
 from enginecore.block_pool import BlockPool
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.request import Request
-from enginecore.single_type_kv_cache_manager import FullAttentionManager
+from enginecore.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
 
@@ -61,6 +61,7 @@ class KVCacheManager:
         # Requests holding blocks, by id: duplicate ids are refused, not merged.
         self.requests: dict[str, Request] = {}
         managers = self.coordinator.managers
+        self.has_sliding_window = any(isinstance(m, SlidingWindowManager) for m in managers)
         # The common single full-attention group gets a flat decode path (see allocate_slots).
         self._flat = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
         self._flat_manager = managers[0]
@@ -312,6 +313,21 @@ class KVCacheManager:
             [b.block_id for b in m.req_to_blocks.get(request_id, ())]
             for m in self.coordinator.managers
         )
+
+    def take_skipped_blocks(self) -> dict[str, list[int]]:
+        """Requests whose sliding-window groups replaced leading blocks with the null
+        block since the last call: request id -> leading null blocks per group (0 for
+        groups without a change)."""
+        changed: dict[str, list[int]] = {}
+        managers = self.coordinator.managers
+        for g, m in enumerate(managers):
+            if not isinstance(m, SlidingWindowManager) or not m.skipped_changed:
+                continue
+            skipped = m.skipped_changed
+            for rid, count in skipped.items():
+                changed.setdefault(rid, [0] * len(managers))[g] = count
+            skipped.clear()
+        return changed
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

@@ -225,6 +225,13 @@ class Scheduler:
                 request.known_to_worker = True
             budget -= num_new
 
+        # Sliding windows freed leading blocks of some running requests: tell the worker.
+        skipped = kv.take_skipped_blocks() if kv.has_sliding_window else {}
+        cached_skipped = [
+            None if resumed else skipped.get(rid)
+            for rid, resumed in zip(cached_ids, cached_resumed)
+        ]
+
         # Progress is counted at schedule time; the next step's allocation relies on it.
         total = 0
         for rid, n in zip(cached_ids, cached_counts):
@@ -239,7 +246,7 @@ class Scheduler:
             step_id=self.step_id,
             new_reqs=new_reqs,
             cached_reqs=CachedRequestData(
-                cached_ids, cached_blocks, cached_computed, cached_resumed
+                cached_ids, cached_blocks, cached_computed, cached_resumed, cached_skipped
             ),
             num_scheduled_tokens=new_counts + cached_counts,
             total_num_scheduled_tokens=total,

@@ -138,6 +138,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = spec.sliding_window
         # A query at token L reads L - window + 1 .. L - 1 from the cache.
         self._blocks_needed = -(-(spec.sliding_window - 1) // self.block_size)
+        # Requests whose leading null blocks grew since the last SchedulerOutput, with
+        # the new count: the worker's table must forget those block ids too.
+        self.skipped_changed: dict[str, int] = {}
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_length: int
@@ -186,6 +189,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             blocks[i] = null
         if removed:
             self.block_pool.free_blocks(removed)
+            self.skipped_changed[request_id] = first_useful // self.block_size
+
+    def free(self, request_id: str) -> None:
+        self.skipped_changed.pop(request_id, None)
+        super().free(request_id)
 
 
 _MANAGERS: dict[type, type[SingleTypeKVCacheManager]] = {

@@ -70,6 +70,9 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     new_block_ids: list[list[list[int]] | None]
     num_computed_tokens: list[int]
     resumed: list[bool]
+    # Per group, how many leading blocks are now the null block (a sliding window moved
+    # past them and the core freed them), or None when that did not change this step.
+    num_skipped_blocks: list[list[int] | None]
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):

@@ -47,6 +47,7 @@ class Cached:
     new_blocks: list[list[int]] | None
     computed: int
     resumed: bool = False
+    skipped: list[int] | None = None
 
 
 def step(
@@ -67,6 +68,7 @@ def step(
             new_block_ids=[c.new_blocks for c, _ in cached],
             num_computed_tokens=[c.computed for c, _ in cached],
             resumed=[c.resumed for c, _ in cached],
+            num_skipped_blocks=[c.skipped for c, _ in cached],
         ),
         num_scheduled_tokens=sched,
         total_num_scheduled_tokens=sum(sched),

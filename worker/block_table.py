@@ -92,6 +92,15 @@ class BlockTable:
         self.num_blocks_per_row[dst] = n
         self.clear_row(src)
 
+    def null_prefix(self, row: int, count: int) -> None:
+        """The first count entries of row become the null block id 0."""
+        if count > self.num_blocks_per_row[row]:
+            raise ValueError(
+                f"row {row}: {count} leading null blocks, but it holds "
+                f"{self.num_blocks_per_row[row]}"
+            )
+        self.table[row, :count] = 0
+
     def clear_row(self, row: int) -> None:
         self._check_row(row)
         self.table[row] = 0
@@ -204,6 +213,12 @@ class MultiGroupBlockTable:
     def move_row(self, src: int, dst: int) -> None:
         for table in self.tables:
             table.move_row(src, dst)
+
+    def null_prefix(self, counts: Sequence[int], row: int) -> None:
+        self._check_groups(counts)
+        for table, count in zip(self.tables, counts):
+            if count:
+                table.null_prefix(row, count)
 
     def clear_row(self, row: int) -> None:
         for table in self.tables:

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     import torch
 
 
+# The core's permanent placeholder block (skipped sliding-window positions).
+NULL_BLOCK_ID = 0
+
+
 @dataclass
 class CachedRequestState:
     """Everything the worker knows about one request, in the batch or preempted."""
@@ -163,7 +167,11 @@ class InputBatch:
         cached = so.cached_reqs
         n = len(cached.req_ids)
         if not (
-            len(cached.new_block_ids) == len(cached.num_computed_tokens) == len(cached.resumed) == n
+            len(cached.new_block_ids)
+            == len(cached.num_computed_tokens)
+            == len(cached.resumed)
+            == len(cached.num_skipped_blocks)
+            == n
         ):
             raise ValueError(
                 f"step {so.step_id}: cached_reqs lists differ in length: req_ids={n}, "
@@ -171,8 +179,12 @@ class InputBatch:
                 f"num_computed_tokens={len(cached.num_computed_tokens)}, "
                 f"resumed={len(cached.resumed)}"
             )
-        for req_id, new_ids, num_computed, resumed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed
+        for req_id, new_ids, num_computed, resumed, skipped in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.resumed,
+            cached.num_skipped_blocks,
         ):
             state = self.requests.get(req_id)
             if state is None:
@@ -200,6 +212,12 @@ class InputBatch:
                 self.block_table.append_row(new_ids, row)
                 for have, add in zip(state.block_ids, new_ids):
                     have.extend(add)
+            if skipped is not None:
+                # The core freed blocks a sliding window left behind: forget their ids
+                # here too, so nothing can read blocks now owned by other requests.
+                self.block_table.null_prefix(skipped, row)
+                for have, count in zip(state.block_ids, skipped):
+                    have[:count] = [NULL_BLOCK_ID] * min(count, len(have))
             state.num_computed_tokens = num_computed
             self.num_computed_tokens[row] = num_computed
 
