@@ -74,3 +74,19 @@ def save_checkpoint(name: str, path: Path) -> torch.nn.Module:
     hf_model.save_pretrained(path)
     hf_model.config._attn_implementation = "eager"
     return hf_model
+
+
+def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of prompt: exactly n tokens, EOS ignored."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -9,9 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from cli_helpers import generate_cli
-from hf_checkpoints import VOCAB, save_checkpoint
+from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
 
 MAX_TOKENS = 10
 
@@ -34,21 +33,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     """(model dir, prompts, transformers' greedy continuations)."""
     path = tmp_path_factory.mktemp(request.param)
     hf_model = save_checkpoint(request.param, path)
-    hf_model.generation_config.eos_token_id = None  # both sides ignore EOS
     prompts = make_prompts()
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(prompt) :].tolist())
+    expected = [hf_greedy(hf_model, prompt, MAX_TOKENS) for prompt in prompts]
     return path, prompts, expected
 
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from hf_checkpoints import VOCAB, save_checkpoint
+from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
 
 from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.kv_cache_config import make_kv_cache_config
@@ -54,20 +54,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRunner, torch.
         WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", block_size=BLOCK_SIZE)
     )
     return runner, hf_model
-
-
-def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 class Engine:

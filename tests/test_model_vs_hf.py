@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_checkpoints import CHECKPOINTS, VOCAB, save_checkpoint
+from hf_checkpoints import CHECKPOINTS, VOCAB, hf_greedy, save_checkpoint
 
 from protocol.kv_cache import FullAttentionSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
@@ -131,30 +131,39 @@ def _load(path: Path) -> tuple[LlamaForCausalLM, ModelConfig]:
     return model, config
 
 
-@pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_paged_batches_match_transformers(name: str, tmp_path: Path) -> None:
-    hf_model = save_checkpoint(name, tmp_path)
-    model, config = _load(tmp_path)
-    harness = _PagedHarness(model, config, num_groups=2 if name == "qwen2" else 1)
+PROMPT_LENS = {"a": 11, "b": 5, "c": 17, "d": 14}
 
+
+def paged_prompts() -> dict[str, list[int]]:
     gen = torch.Generator().manual_seed(5)
-    prompt_lens = {"a": 11, "b": 5, "c": 17, "d": 14}
-    prompts = {
-        k: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for k, n in prompt_lens.items()
+    return {
+        k: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for k, n in PROMPT_LENS.items()
     }
+
+
+def run_paged_batches(harness: _PagedHarness, prompts: dict[str, list[int]]) -> dict[str, _Request]:
+    """Step 1: three whole prompts and the first chunk of d; later steps decode a, b, c
+    while d's prefill continues in chunks, then d decodes alongside them."""
     reqs = {k: _Request(list(p)) for k, p in prompts.items()}
     a, b, c, d = reqs["a"], reqs["b"], reqs["c"], reqs["d"]
-
-    # Step 1: three whole prompts and the first chunk of d; later steps decode a, b, c
-    # while d's prefill continues in chunks, then d decodes alongside them.
     harness.step([(a, 11), (b, 5), (d, 6), (c, 17)])
     harness.step([(d, 5), (a, 1), (b, 1), (c, 1)])
     harness.step([(a, 1), (d, 3), (b, 1), (c, 1)])
     while len(d.generated) < GEN_TOKENS:
         batch = [(r, 1) for r in (a, b, c) if len(r.generated) < GEN_TOKENS]
         harness.step([*batch, (d, 1)])
-
     harness.check_layers_wrote_only_their_group_blocks()
+    return reqs
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_paged_batches_match_transformers(name: str, tmp_path: Path) -> None:
+    hf_model = save_checkpoint(name, tmp_path)
+    model, config = _load(tmp_path)
+    harness = _PagedHarness(model, config, num_groups=2 if name == "qwen2" else 1)
+
+    prompts = paged_prompts()
+    reqs = run_paged_batches(harness, prompts)
     for key, req in reqs.items():
         assert len(req.generated) == GEN_TOKENS, key
         full = torch.tensor([req.token_ids[:-1]])  # the last sample has no logits yet
@@ -167,17 +176,7 @@ def test_paged_batches_match_transformers(name: str, tmp_path: Path) -> None:
             got, want, atol=1e-4, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}"
         )
 
-        prompt = torch.tensor([prompts[key]])
-        with torch.no_grad():
-            hf_out = hf_model.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                do_sample=False,
-                max_new_tokens=GEN_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert hf_out[0, prompt.shape[1] :].tolist() == req.generated, key
+        assert hf_greedy(hf_model, prompts[key], GEN_TOKENS) == req.generated, key
 
 
 def test_kv_cache_specs_follow_layer_windows(tmp_path: Path) -> None:

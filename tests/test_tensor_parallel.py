@@ -22,8 +22,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from hf_checkpoints import VOCAB, save_checkpoint
-from test_model_vs_hf import GEN_TOKENS, _PagedHarness, _Request, _small_config
+from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from test_model_vs_hf import (
+    GEN_TOKENS,
+    _PagedHarness,
+    _Request,
+    _small_config,
+    paged_prompts,
+    run_paged_batches,
+)
 
 from enginecore.kv_cache_config import make_kv_cache_config
 from enginecore.request import Request
@@ -63,13 +70,6 @@ RUNNER_PARAMS = {
 }
 
 
-def _prompts() -> dict[str, list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return {
-        k: torch.randint(3, VOCAB, (n,), generator=gen).tolist() for k, n in PROMPT_LENS.items()
-    }
-
-
 # ---- run inside each spawned rank -------------------------------------------------------
 
 
@@ -80,16 +80,7 @@ def _child_setup() -> None:
 
 
 def _run_paged_batches(harness: _PagedHarness) -> dict[str, _Request]:
-    reqs = {k: _Request(list(p)) for k, p in _prompts().items()}
-    a, b, c, d = reqs["a"], reqs["b"], reqs["c"], reqs["d"]
-    harness.step([(a, 11), (b, 5), (d, 6), (c, 17)])
-    harness.step([(d, 5), (a, 1), (b, 1), (c, 1)])
-    harness.step([(a, 1), (d, 3), (b, 1), (c, 1)])
-    while len(d.generated) < GEN_TOKENS:
-        batch = [(r, 1) for r in (a, b, c) if len(r.generated) < GEN_TOKENS]
-        harness.step([*batch, (d, 1)])
-    harness.check_layers_wrote_only_their_group_blocks()
-    return reqs
+    return run_paged_batches(harness, paged_prompts())
 
 
 def _model_results(tp: TPContext, model_dir: str, num_groups: int) -> dict[str, Any]:
@@ -138,7 +129,7 @@ def _drive_runner(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     scheduler = Scheduler(sched_config, kv_config, runner.model_config.vocab_size, None)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 16))
     codec = Codec(CoreToWorker, "core->worker")
-    prompts = _prompts()
+    prompts = paged_prompts()
     for (rid, params), prompt in zip(RUNNER_PARAMS.items(), prompts.values()):
         req = Request(rid, prompt, scheduler.kv_cache_manager.block_hasher, sampling_params=params)
         assert scheduler.add_request(req) is None
@@ -213,20 +204,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str
     return out
 
 
-def _hf_generate(hf_model: Any, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def _check_against_transformers(name: str, hf_model: Any, ranks: list[dict]) -> None:
     first = ranks[0][name]
     for rank, results in enumerate(ranks[1:], start=1):
@@ -234,7 +211,7 @@ def _check_against_transformers(name: str, hf_model: Any, ranks: list[dict]) -> 
         for key, logits in first["logits"].items():
             assert torch.equal(results[name]["logits"][key], logits), (name, rank, key)
         assert results[name]["generated"] == first["generated"], (name, rank)
-    for key, prompt in _prompts().items():
+    for key, prompt in paged_prompts().items():
         generated = first["generated"][key]
         full = torch.tensor([prompt + generated[:-1]])
         with torch.no_grad():
@@ -246,7 +223,7 @@ def _check_against_transformers(name: str, hf_model: Any, ranks: list[dict]) -> 
             rtol=1e-4,
             msg=lambda m, k=key: f"{name} {k}: {m}",
         )
-        assert _hf_generate(hf_model, prompt, GEN_TOKENS) == generated, (name, key)
+        assert hf_greedy(hf_model, prompt, GEN_TOKENS) == generated, (name, key)
 
 
 def test_tp2_matches_transformers_and_ranks_agree(
@@ -269,7 +246,7 @@ def test_tp2_matches_transformers_and_ranks_agree(
             tokens[rid].append(token)
     assert all(len(t) == 6 and all(0 <= x < VOCAB for x in t) for t in tokens.values())
     hf_qwen = checkpoints["qwen2"][1]
-    assert tokens["greedy"] == _hf_generate(hf_qwen, _prompts()["a"], 6)
+    assert tokens["greedy"] == hf_greedy(hf_qwen, paged_prompts()["a"], 6)
 
 
 def test_tp4_replicates_kv_heads(checkpoints: dict[str, tuple[str, Any]], tmp_path: Path) -> None:
