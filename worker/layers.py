@@ -82,9 +82,8 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Holds the embedding rows of vocabulary slice `vocab`; other ids embed to zero here
-    and get their rows from the rank that has them through the all-reduce."""
+class _VocabRows(nn.Module):
+    """A [vocab slice, dim] weight: this rank's rows of the vocabulary."""
 
     def __init__(
         self, vocab: Shard, dim: int, dtype: torch.dtype, device: torch.device, tp: TPContext
@@ -94,6 +93,11 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.weight = _empty_param(vocab.size, dim, dtype=dtype, device=device)
         mark_sharded(self.weight, 0, vocab)
+
+
+class VocabParallelEmbedding(_VocabRows):
+    """Holds the embedding rows of vocabulary slice `vocab`; other ids embed to zero here
+    and get their rows from the rank that has them through the all-reduce."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -105,18 +109,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabRows):
     """Holds the output rows of vocabulary slice `vocab` (possibly the embedding's own
     Parameter when tied); returns the full float32 logits on every rank."""
-
-    def __init__(
-        self, vocab: Shard, dim: int, dtype: torch.dtype, device: torch.device, tp: TPContext
-    ) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.tp = tp
-        self.weight = _empty_param(vocab.size, dim, dtype=dtype, device=device)
-        mark_sharded(self.weight, 0, vocab)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight).float()
