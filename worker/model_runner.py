@@ -101,12 +101,16 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        log.info(
-            "rank %d: %s on %s in %s",
+        kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
+        # Logged at warning level so it shows at the default level: which kernels run
+        # decides both speed and numerics.
+        log.warning(
+            "rank %d: %s on %s in %s; attention kernels: %s",
             config.rank,
             self.model_config.architecture,
             self.device,
             self.dtype,
+            ", ".join(sorted(kernels)),
         )
 
     # -- start-up ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.reference import paged_attention, write_kv_cache
+from kernels import select_kernels
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
 from worker.layers import (
@@ -64,6 +64,7 @@ class LlamaAttention(nn.Module):
         # Which KV cache group's block table and slot mapping this layer reads; the
         # runner sets it from the KVCacheConfig the core sends.
         self.kv_group = 0
+        self.kernels = select_kernels(device, dtype, self.head_dim)
         hidden, bias = config.hidden_size, config.qkv_bias
         q_rows = heads.q_heads.scaled(self.head_dim)
         kv_rows = heads.kv_heads.scaled(self.head_dim)
@@ -87,8 +88,8 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache
-        write_kv_cache(k, v, key_cache, value_cache, attn.slot_mappings[self.kv_group])
-        out = paged_attention(
+        self.kernels.write_kv_cache(k, v, key_cache, value_cache, attn.slot_mappings[self.kv_group])
+        out = self.kernels.paged_attention(
             q,
             key_cache,
             value_cache,

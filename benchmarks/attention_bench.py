@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Paged-attention CUDA kernels on a GPU: correctness sweep and speed, as JSON.
+
+    python benchmarks/attention_bench.py check [--quick] [--out FILE]
+    python benchmarks/attention_bench.py bench [--quick] [--out FILE]
+
+check: kernels.cuda_kernels against kernels.reference over a sweep (batch 1-256, contexts
+1 to 32k, mixed prefill/extend/decode, GQA 1/4/8, head dims 64/128/256, window on/off,
+soft cap, fp16/bf16, block sizes 16 and 32, padding rows, released out-of-window blocks
+pointing at a NaN null block), plus the cache write. Exit status 1 if any case fails.
+
+bench: decode (batch 1/16/64/256 x context 1k/4k/16k; 32 query heads, 8 kv heads, head
+dim 128, bf16, block size 16, pages shuffled): achieved GB/s of K/V read against the
+device's copy bandwidth measured in the same run, against torch SDPA on contiguous K/V
+and against the torch reference gathering pages; prefill and extend TFLOP/s against SDPA.
+
+The last line printed is the JSON object (also written to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import cuda_kernels, reference  # noqa: E402
+
+DEVICE = "cuda"
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import cupy
+
+        info["cupy"] = cupy.__version__
+        info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as exc:
+        info["cupy"] = f"unavailable: {exc}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
+    return info
+
+
+def paged_batch(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    pad_rows: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Shuffled pages on the GPU; block 0 is a NaN null block no request owns."""
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[start : start + n]
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
+    value_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
+    key_cache[0] = float("nan")
+    value_cache[0] = float("nan")
+    query = torch.randn(sum(query_lens) + pad_rows, num_q_heads, head_dim, device=DEVICE)
+    qsl = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return query.to(dtype), key_cache, value_cache, table.to(DEVICE), qsl, lens
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def time_ms(fn: Callable[[], object], min_ms: float = 40.0, max_iters: int = 50) -> float:
+    """Mean milliseconds per call after a warm-up call (which also compiles)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    iters = int(max(1, min(max_iters, min_ms / once)))
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+# -- check ------------------------------------------------------------------------------
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 2e-2 if dtype == torch.bfloat16 else 4e-3
+
+
+def check_case(
+    name: str,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_kv_heads: int = 8,
+    group: int = 4,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    pad_rows: int = 0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    query, kc, vc, table, qsl, lens = paged_batch(
+        gen,
+        seq_lens,
+        query_lens,
+        block_size,
+        num_kv_heads,
+        num_kv_heads * group,
+        head_dim,
+        dtype,
+        pad_rows,
+    )
+    if window is not None:  # release blocks no window reaches, as the scheduler may
+        for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
+            table[b, : max(0, s - n - window + 1) // block_size] = 0
+    scale = head_dim**-0.5
+    plan = cuda_kernels.plan_attention(
+        query.shape[0],
+        len(seq_lens),
+        query.shape[1],
+        num_kv_heads,
+        head_dim,
+        table.shape[1] * block_size,
+        window,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+    )
+    result: dict[str, Any] = {
+        "name": name,
+        "batch": len(seq_lens),
+        "max_context": max(seq_lens),
+        "query_tokens": sum(query_lens),
+        "block_size": block_size,
+        "gqa": group,
+        "head_dim": head_dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "window": window,
+        "soft_cap": soft_cap,
+        "splits": plan.num_splits,
+    }
+    try:
+        got = cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
+        want = reference.paged_attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
+        torch.cuda.synchronize()
+        err = (got.float() - want.float()).abs()
+        tol = _tolerance(dtype) * (1 + want.float().abs())
+        pad_ok = pad_rows == 0 or bool(torch.all(got[-pad_rows:] == 0))
+        result.update(
+            max_abs_err=float(err.max()),
+            mean_abs_err=float(err.mean()),
+            nan=bool(torch.isnan(got).any()),
+            ok=bool((err <= tol).all()) and pad_ok and not torch.isnan(got).any(),
+        )
+    except Exception as exc:  # report and go on: one broken case must not hide the rest
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return result
+
+
+def check_write(dtype: torch.dtype, block_size: int) -> dict[str, Any]:
+    key = torch.randn(300, 8, 128, device=DEVICE).to(dtype)
+    value = torch.randn(300, 8, 128, device=DEVICE).to(dtype)
+    slots = torch.randperm(64 * block_size, device=DEVICE)[:300]
+    slots[::7] = -1
+    got_k = torch.zeros(64, block_size, 8, 128, dtype=dtype, device=DEVICE)
+    got_v = torch.zeros_like(got_k)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    cuda_kernels.write_kv_cache(key, value, got_k, got_v, slots)
+    reference.write_kv_cache(key, value, want_k, want_v, slots)
+    ok = torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    return {"name": "write_kv_cache", "dtype": str(dtype), "block_size": block_size, "ok": ok}
+
+
+def sweep(quick: bool) -> list[dict[str, Any]]:
+    rng = random.Random(0)
+    cases: list[dict[str, Any]] = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for block_size in (16, 32):
+            cases.append(check_write(dtype, block_size))
+    seed = 0
+
+    def add(name: str, seq_lens: list[int], query_lens: list[int], **kw: Any) -> None:
+        nonlocal seed
+        seed += 1
+        cases.append(check_case(name, seq_lens, query_lens, seed=seed, **kw))
+        torch.cuda.empty_cache()
+
+    # Decode: batch 1..256, contexts 1..32k.
+    for batch, max_ctx in ((1, 1), (1, 32768), (4, 32768), (16, 8192), (64, 4096), (256, 2048)):
+        lens = [rng.randint(1, max_ctx) for _ in range(batch)]
+        lens[0] = max_ctx
+        for dtype in (torch.bfloat16, torch.float16):
+            add(f"decode b{batch} ctx<={max_ctx}", lens, [1] * batch, dtype=dtype)
+    # Mixed prefill / extend / decode across the option grid.
+    for dtype in (torch.float16, torch.bfloat16):
+        for block_size in (16, 32):
+            for group in (1, 4, 8):
+                for window in (None, 1000):
+                    if quick and (group == 8 or block_size == 32):
+                        continue
+                    n_dec, n_ext = rng.randint(1, 24), rng.randint(1, 4)
+                    lens = [rng.randint(1, 6000) for _ in range(n_dec)]
+                    qlens = [1] * n_dec
+                    for _ in range(n_ext):  # extend after a cached prefix, or prefill
+                        q = rng.randint(1, 300)
+                        lens.append(q + rng.choice([0, rng.randint(1, 5000)]))
+                        qlens.append(q)
+                    add(
+                        f"mixed g{group} bs{block_size} w{window}",
+                        lens,
+                        qlens,
+                        block_size=block_size,
+                        group=group,
+                        dtype=dtype,
+                        window=window,
+                        pad_rows=rng.choice([0, 3]),
+                    )
+    # Head dims, soft cap, long prefill, small windows, odd GQA.
+    for head_dim in (64, 256):
+        add(f"mixed d{head_dim}", [3000, 17, 900], [1, 17, 128], head_dim=head_dim)
+    add("soft cap", [4000, 300, 1], [1, 64, 1], soft_cap=30.0)
+    add("prefill 2048", [2048], [2048], dtype=torch.float16)
+    add("window 64 extend", [5000, 700], [200, 1], window=64)
+    add("gqa 7 (28/4 heads)", [2500, 40], [1, 40], num_kv_heads=4, group=7)
+    if not quick:
+        add("decode b2 ctx 32k window 4096", [32768, 32000], [1, 1], window=4096)
+        add("extend 512 on 16k", [16896], [512], block_size=32)
+    return cases
+
+
+# -- bench ------------------------------------------------------------------------------
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy, bytes read plus written per second."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device=DEVICE)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), min_ms=100)
+    return 2 * (2 << 30) / (ms * 1e-3) / 1e9
+
+
+def bench_decode(batch: int, ctx: int, copy_gbps: float, with_reference: bool) -> dict[str, Any]:
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    gen = torch.Generator().manual_seed(batch * 7 + ctx)
+    query, kc, vc, table, qsl, lens = paged_batch(
+        gen, [ctx] * batch, [1] * batch, bs, hkv, hq, d, dtype
+    )
+    scale = d**-0.5
+    kv_bytes = 2 * batch * ctx * hkv * d * kc.element_size()
+    ms = time_ms(lambda: cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale))
+    row: dict[str, Any] = {
+        "batch": batch,
+        "context": ctx,
+        "kv_gb": round(kv_bytes / 1e9, 3),
+        "kernel_ms": round(ms, 4),
+        "kernel_gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+    }
+    row["fraction_of_copy_bw"] = round(row["kernel_gbps"] / copy_gbps, 3)
+    # torch SDPA on contiguous K/V (what paging costs against an unpaged layout)
+    k = torch.randn(batch, hkv, ctx, d, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    q = query.view(batch, hq, 1, d)
+    try:
+        sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        row["sdpa_ms"] = round(sdpa_ms, 4)
+        row["speedup_vs_sdpa"] = round(sdpa_ms / ms, 3)
+    except Exception as exc:
+        row["sdpa_error"] = f"{type(exc).__name__}: {exc}"
+    k = v = None  # free the contiguous copy before the reference gathers pages
+    torch.cuda.empty_cache()
+    if with_reference:
+        ref_ms = time_ms(
+            lambda: reference.paged_attention(query, kc, vc, table, qsl, lens, scale),
+            min_ms=1,
+            max_iters=3,
+        )
+        row["reference_ms"] = round(ref_ms, 3)
+        row["speedup_vs_reference"] = round(ref_ms / ms, 2)
+    return row
+
+
+def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any]:
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    total = prefix + new
+    gen = torch.Generator().manual_seed(total)
+    query, kc, vc, table, qsl, lens = paged_batch(
+        gen, [total] * batch, [new] * batch, bs, hkv, hq, d, dtype
+    )
+    scale = d**-0.5
+    # Visible (query, key) pairs: each query at p sees p + 1 keys.
+    pairs = batch * sum(prefix + i + 1 for i in range(new))
+    flops = 4 * pairs * hq * d
+    ms = time_ms(lambda: cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale))
+    row: dict[str, Any] = {
+        "case": name,
+        "batch": batch,
+        "new_tokens": new,
+        "prefix": prefix,
+        "kernel_ms": round(ms, 4),
+        "kernel_tflops": round(flops / (ms * 1e-3) / 1e12, 2),
+    }
+    q = query.view(batch, new, hq, d).transpose(1, 2)
+    k = torch.randn(batch, hkv, total, d, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    try:
+        if prefix == 0:
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(new, total)
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+        sdpa_ms = time_ms(sdpa)
+        row["sdpa_ms"] = round(sdpa_ms, 4)
+        row["sdpa_tflops"] = round(flops / (sdpa_ms * 1e-3) / 1e12, 2)
+        row["speedup_vs_sdpa"] = round(sdpa_ms / ms, 3)
+    except Exception as exc:
+        row["sdpa_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def bench(quick: bool) -> dict[str, Any]:
+    copy_gbps = copy_bandwidth_gbps()
+    torch.cuda.empty_cache()
+    batches = (1, 16, 64, 256)
+    contexts = (1024, 4096) if quick else (1024, 4096, 16384)
+    decode = []
+    for batch in batches:
+        for ctx in contexts:
+            decode.append(bench_decode(batch, ctx, copy_gbps, with_reference=batch * ctx <= 2**20))
+            torch.cuda.empty_cache()
+            print(json.dumps(decode[-1]), file=sys.stderr, flush=True)
+    prefill_cases = [("prefill", 1, 4096, 0), ("prefill", 4, 2048, 0), ("extend", 1, 512, 8192)]
+    if not quick:
+        prefill_cases += [("prefill", 1, 16384, 0), ("extend", 16, 256, 2048)]
+    prefill = []
+    for case in prefill_cases:
+        prefill.append(bench_prefill(*case))
+        torch.cuda.empty_cache()
+        print(json.dumps(prefill[-1]), file=sys.stderr, flush=True)
+    return {"copy_bandwidth_gbps_read_plus_write": round(copy_gbps, 1), "decode": decode,
+            "prefill": prefill}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["check", "bench"])
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA GPU"}))
+        return 2
+    start = time.perf_counter()
+    report: dict[str, Any] = {"mode": args.mode, "environment": environment()}
+    status = 0
+    if args.mode == "check":
+        cases = sweep(args.quick)
+        failed = [c for c in cases if not c["ok"]]
+        report.update(cases=cases, passed=len(cases) - len(failed), failed=len(failed))
+        for c in failed:
+            print(f"FAILED {json.dumps(c)}", file=sys.stderr)
+        status = 1 if failed else 0
+    else:
+        report.update(bench(args.quick))
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    text = json.dumps(report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA kernels: compile check, GPU tests, correctness sweep, benchmark.
+#
+# On a GPU machine, from the repository root:
+#   bash benchmarks/gpu_check.sh [--quick]
+# Results (JSON and logs) go to $OUT if set (the device tool's output folder), else to
+# results/gpu_check/. The last line printed is a JSON summary; exit status 1 if anything
+# failed.
+#
+# The GPU machine may have no network. The kernels need torch and CuPy (cupy-cuda12x or
+# cupy-cuda13x); the compile check needs cuda-bindings + nvidia-cuda-nvrtc +
+# nvidia-cuda-runtime; the rest of pagedserve (not this script) needs pyzmq and msgspec.
+# Whatever is missing there can travel as wheels in .whl/ (ignored by git). Fetch them
+# beforehand on a machine with PyPI access:
+#   bash benchmarks/gpu_check.sh --fetch-wheels [PY_VERSION=3.12] [extra packages...]
+# and carry `.whl` with the working tree; this script installs them into /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+  shift
+  pyver="${PY_VERSION:-3.12}"
+  mkdir -p .whl
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+  platforms=()
+  for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
+    manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  exec python3 -m pip download --no-deps --only-binary=:all: --python-version "$pyver" \
+    --implementation cp "${platforms[@]}" -d .whl pyzmq msgspec "$@"
+fi
+
+QUICK=""
+[[ "${1:-}" == "--quick" ]] && QUICK="--quick"
+RESULTS="${OUT:-results/gpu_check}"
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+
+# Install carried wheels only when something they provide is missing.
+if ! "$PY" -c "import cupy, zmq, msgspec" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+"$PY" - <<'EOF' | tee "$RESULTS/environment.txt"
+import importlib
+for name in ("torch", "cupy", "cuda.bindings", "zmq", "msgspec", "pytest"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name} {getattr(mod, '__version__', '?')}")
+    except Exception as exc:
+        print(f"{name} MISSING ({exc})")
+import torch
+print("cuda available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+EOF
+
+declare -A status
+run() {  # run NAME CMD...: log to $RESULTS/NAME.log, remember the exit status
+  local name="$1"
+  shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$RESULTS/$name.log"
+  status[$name]=${PIPESTATUS[0]}
+  echo "=== $name: exit ${status[$name]} in $((SECONDS - start))s"
+}
+
+run nvrtc "$PY" -m kernels.nvrtc_check
+run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
+  tests/test_cuda_kernels.py tests/test_reference_kernels.py
+run check "$PY" benchmarks/attention_bench.py check $QUICK --out "$RESULTS/check.json"
+run bench "$PY" benchmarks/attention_bench.py bench $QUICK --out "$RESULTS/bench.json"
+
+failed=0
+summary="{"
+for name in nvrtc pytest check bench; do
+  [[ "${status[$name]}" != 0 ]] && failed=1
+  summary+="\"$name\": ${status[$name]}, "
+done
+summary+="\"failed\": $failed}"
+echo "$summary" | tee "$RESULTS/summary.json"
+exit $failed

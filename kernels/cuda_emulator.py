@@ -1,0 +1,176 @@
+"""Run the CUDA kernel sources on the CPU, for tests on machines without a GPU.
+
+The .cu files build as C++ with -DPS_EMULATE (kernels/cuda/ps_emulate.h stands in for
+the CUDA intrinsics: threads as fibers, real barriers, warp shuffles and mma.sync through
+an exchange buffer with the PTX fragment layouts, cp.async deferred to its wait). The
+launchers are kernels.cuda_kernels' own, so the grid planning, the split-K reduction and
+every index the kernels compute are exercised; only speed and the hardware itself are
+not. Slow (every thread is a fiber): keep problems small.
+
+    from kernels import cuda_emulator as E
+    out = E.paged_attention(...)   # CPU fp16/bf16 tensors, same signature as the reference
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kernels.cuda_kernels import Arg, paged_attention_with, write_kv_cache_with
+from kernels.cuda_sources import CUDA_DIR, KernelBuild
+
+EMULATED_SMS = 8  # small, so that tests reach the split-K path with little work
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+class EmulatorBackend:
+    def __init__(self, num_sms: int = EMULATED_SMS) -> None:
+        self._libs: dict[KernelBuild, ctypes.CDLL] = {}
+        self._num_sms = num_sms
+
+    def num_sms(self, device: torch.device) -> int:
+        return self._num_sms
+
+    def _library(self, build: KernelBuild) -> ctypes.CDLL:
+        lib = self._libs.get(build)
+        if lib is not None:
+            return lib
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError("the CUDA emulator needs a C++17 compiler (g++)")
+        unit = f'#include "{build.source}"\n' + "".join(
+            f"PS_EMU_EXPORT({k})\n" for k in build.kernels
+        )
+        digest = hashlib.sha256(unit.encode())
+        for path in sorted(CUDA_DIR.iterdir()):
+            digest.update(path.name.encode() + path.read_bytes())
+        digest.update(" ".join(build.define_options()).encode())
+        cache = Path(tempfile.gettempdir()) / "pagedserve-emulator"
+        cache.mkdir(exist_ok=True)
+        so = cache / f"{build.path.stem}-{digest.hexdigest()[:16]}.so"
+        if not so.exists():
+            src = cache / f"{so.stem}.cpp"
+            src.write_text(unit)
+            tmp = so.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [
+                cxx,
+                "-std=c++17",
+                "-O1",
+                "-g",
+                "-fPIC",
+                "-shared",
+                "-fno-strict-aliasing",
+                "-DPS_EMULATE",
+                *build.define_options(),
+                f"-I{CUDA_DIR}",
+                str(src),
+                "-o",
+                str(tmp),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"emulator build of {build.label()} failed:\n{proc.stderr}")
+            os.replace(tmp, so)
+        lib = ctypes.CDLL(str(so))
+        lib.emu_error.restype = ctypes.c_char_p
+        lib.emu_add_range.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong]
+        self._libs[build] = lib
+        return lib
+
+    def launch(
+        self,
+        build: KernelBuild,
+        kernel: str,
+        grid: tuple[int, int, int],
+        block: int,
+        smem: int,
+        args: Sequence[Arg],
+        device: torch.device,
+    ) -> None:
+        lib = self._library(build)
+        lib.emu_clear_ranges()
+        values: list[ctypes._SimpleCData] = []
+        for arg in args:
+            if arg.kind == "ptr":
+                t = arg.value
+                if t is not None:
+                    if t.device.type != "cpu":
+                        raise ValueError("the emulator runs on CPU tensors")
+                    storage = t.untyped_storage()
+                    lib.emu_add_range(storage.data_ptr(), storage.nbytes())
+                values.append(ctypes.c_void_p(0 if t is None else t.data_ptr()))
+            elif arg.kind == "i32":
+                values.append(ctypes.c_int32(arg.value))
+            elif arg.kind == "i64":
+                values.append(ctypes.c_int64(arg.value))
+            else:
+                values.append(ctypes.c_float(arg.value))
+        argv = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        fn = getattr(lib, f"emu_{kernel}")
+        fn.argtypes = [
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_uint,
+            ctypes.c_ulonglong,
+            ctypes.c_void_p,
+        ]
+        rc = fn(*grid, block, smem, argv)
+        if rc != 0:
+            raise RuntimeError(f"emulated {kernel}: {lib.emu_error().decode()}")
+
+
+_BACKEND: EmulatorBackend | None = None
+
+
+def backend() -> EmulatorBackend:
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = EmulatorBackend()
+    return _BACKEND
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    write_kv_cache_with(backend(), key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    return paged_attention_with(
+        backend(),
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+        soft_cap,
+    )

@@ -1,0 +1,517 @@
+"""CUDA launchers for the paged KV cache kernels, with kernels.reference's signatures.
+
+    from kernels import cuda_kernels as K
+    K.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    out = K.paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
+                            seq_lens, scale, sliding_window=None, soft_cap=None)
+
+The CUDA C sources in kernels/cuda/ are compiled by CuPy's NVRTC at first use (one
+module per element type and head dim) and cached by CuPy on disk; nothing is built at
+install time. CuPy is imported inside the functions, never at module import, so this
+module imports on a machine without CUDA. Tensors are passed by device address
+(`tensor.data_ptr()`), so nothing is copied or converted, and every kernel runs on
+`torch.cuda.current_stream()`; no launch synchronises with the host, so grids are sized
+from tensor shapes and the kernels find their work on the device.
+
+Supported: fp16 and bf16 (fp32 accumulate), head dims 64/128/256 (any multiple of 16 up to
+256 compiles), any block size, GQA with any group size, sliding window, soft cap, caches
+that are strided views (head_dim contiguous, 16-byte aligned rows). `supports()` says
+whether a (dtype, head_dim) has a kernel; callers fall back to kernels.reference otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kernels.cuda_sources import (
+    ATTN_BLOCK_M,
+    ATTN_THREADS,
+    KV_WRITE_UNITS,
+    REDUCE_MAX_SPLITS,
+    KernelBuild,
+    attention_build,
+    attention_smem_bytes,
+    base_options,
+    cuda_include_dirs,
+    kv_write_build,
+)
+
+LOG2E = 1.4426950408889634
+KV_WRITE_THREADS = 128
+# Split a tile's keys (flash-decoding) only while the grid has fewer CTAs than this many
+# per SM, and never into pieces shorter than MIN_KEYS_PER_SPLIT keys.
+TARGET_CTAS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+# Upper bound on the fp32 scratch of split partial outputs.
+MAX_SPLIT_SCRATCH_BYTES = 512 << 20
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_attention has a CUDA kernel for this element type and head size."""
+    return dtype in _DTYPE_NAMES and head_dim % 16 == 0 and 16 <= head_dim <= 256
+
+
+# -- kernel arguments and backends ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument: kind is 'ptr' (value: a tensor or None), 'i32', 'i64' or 'f32'."""
+
+    kind: str
+    value: Any
+
+
+def _ptr(t: torch.Tensor | None) -> Arg:
+    return Arg("ptr", t)
+
+
+def _i32(x: int) -> Arg:
+    if not -(2**31) <= x < 2**31:
+        raise OverflowError(f"{x} does not fit a 32-bit kernel argument")
+    return Arg("i32", int(x))
+
+
+def _i64(x: int) -> Arg:
+    return Arg("i64", int(x))
+
+
+def _f32(x: float) -> Arg:
+    return Arg("f32", float(x))
+
+
+class Backend(Protocol):
+    def launch(
+        self,
+        build: KernelBuild,
+        kernel: str,
+        grid: tuple[int, int, int],
+        block: int,
+        smem: int,
+        args: Sequence[Arg],
+        device: torch.device,
+    ) -> None: ...
+
+    def num_sms(self, device: torch.device) -> int: ...
+
+
+class CupyBackend:
+    """Compiles with CuPy (NVRTC) at first use and launches on torch's current stream."""
+
+    def __init__(self) -> None:
+        self._modules: dict[tuple[KernelBuild, int], Any] = {}
+        self._functions: dict[tuple[KernelBuild, int, str], Any] = {}
+        self._sms: dict[int, int] = {}
+        self._streams: dict[int, Any] = {}
+
+    def num_sms(self, device: torch.device) -> int:
+        index = _device_index(device)
+        if index not in self._sms:
+            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sms[index]
+
+    def _function(self, build: KernelBuild, kernel: str, index: int, smem: int) -> Any:
+        key = (build, index, kernel)
+        fn = self._functions.get(key)
+        if fn is None:
+            import cupy
+
+            module = self._modules.get((build, index))
+            if module is None:
+                module = self._compile(cupy, build, index)
+                self._modules[(build, index)] = module
+            with cupy.cuda.Device(index):
+                fn = module.get_function(kernel)
+                if smem > 48 * 1024:
+                    fn.max_dynamic_shared_size_bytes = smem
+            self._functions[key] = fn
+        return fn
+
+    @staticmethod
+    def _compile(cupy: Any, build: KernelBuild, index: int) -> Any:
+        # CuPy adds the include path of the CUDA it runs on (it needs cuda_fp16.h itself);
+        # only if that fails, try the headers of an installed nvidia-cuda-runtime wheel,
+        # so that NVRTC and the headers normally come from the same CUDA.
+        options = [*base_options(), *build.define_options()]
+        with cupy.cuda.Device(index):
+            try:
+                module = cupy.RawModule(code=build.code(), options=tuple(options))
+                module.compile()
+                return module
+            except Exception as exc:
+                include = cuda_include_dirs()
+                if not include or "cuda_" not in str(exc):
+                    raise
+            module = cupy.RawModule(code=build.code(), options=(*options, f"-I{include[0]}"))
+            module.compile()
+            return module
+
+    def launch(
+        self,
+        build: KernelBuild,
+        kernel: str,
+        grid: tuple[int, int, int],
+        block: int,
+        smem: int,
+        args: Sequence[Arg],
+        device: torch.device,
+    ) -> None:
+        import cupy
+        import numpy as np
+
+        index = _device_index(device)
+        fn = self._function(build, kernel, index, smem)
+        values: list[Any] = []
+        for arg in args:
+            if arg.kind == "ptr":
+                values.append(np.uint64(0 if arg.value is None else arg.value.data_ptr()))
+            elif arg.kind == "i32":
+                values.append(np.int32(arg.value))
+            elif arg.kind == "i64":
+                values.append(np.int64(arg.value))
+            else:
+                values.append(np.float32(arg.value))
+        handle = torch.cuda.current_stream(device).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:  # ExternalStream(ptr) only wraps torch's stream; torch owns it
+            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle)
+        with cupy.cuda.Device(index), stream:
+            fn(grid, (block, 1, 1), tuple(values), shared_mem=smem)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_CUPY_BACKEND: CupyBackend | None = None
+
+
+def _cuda_backend() -> CupyBackend:
+    global _CUPY_BACKEND
+    if _CUPY_BACKEND is None:
+        _CUPY_BACKEND = CupyBackend()
+    return _CUPY_BACKEND
+
+
+# -- cache write ------------------------------------------------------------------------
+
+
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along head_dim, got strides {t.stride()}")
+
+
+def _kv_write_unit(row_bytes: int, byte_strides: Sequence[int], addresses: Sequence[int]) -> int:
+    for unit in KV_WRITE_UNITS:
+        sizes = [row_bytes, *byte_strides, *addresses]
+        if all(x % unit == 0 for x in sizes):
+            return unit
+    return 1
+
+
+def write_kv_cache_with(
+    backend: Backend,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_size = key_cache.shape[1]
+    if key_cache.shape[2:] != (num_heads, head_dim) or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"key {tuple(key.shape)} does not fit caches {tuple(key_cache.shape)} / "
+            f"{tuple(value_cache.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} != key {tuple(key.shape)}")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError("key_cache and value_cache dtypes differ")
+    # As the reference: the new rows take the cache's dtype (a no-op in the worker).
+    key = key.to(key_cache.dtype)
+    value = value.to(key_cache.dtype)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    _check_last_dim_contiguous("key_cache", key_cache)
+    _check_last_dim_contiguous("value_cache", value_cache)
+    slots = slot_mapping[:num_tokens].to(torch.int64).contiguous()
+
+    elem = key_cache.element_size()
+    strides = [
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+    ]
+    byte_strides = [s * elem for s in strides]
+    addresses = [t.data_ptr() for t in (key, value, key_cache, value_cache)]
+    unit = _kv_write_unit(head_dim * elem, byte_strides, addresses)
+    args = [
+        _ptr(key),
+        _ptr(value),
+        _ptr(key_cache),
+        _ptr(value_cache),
+        _ptr(slots),
+        _i32(num_heads),
+        _i32(head_dim * elem // unit),
+        *(_i64(s) for s in byte_strides),
+        _i32(block_size),
+    ]
+    backend.launch(
+        kv_write_build(),
+        f"kv_cache_write_u{8 * unit}",
+        (num_tokens, 1, 1),
+        KV_WRITE_THREADS,
+        0,
+        args,
+        key.device,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding."""
+    write_kv_cache_with(_cuda_backend(), key, value, key_cache, value_cache, slot_mapping)
+
+
+# -- paged attention --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one paged_attention call is laid out on the GPU (see paged_attention.cu)."""
+
+    heads_per_cta: int  # query heads of one GQA group that one CTA packs into its rows
+    head_chunks: int  # CTAs along a group with more heads than fit one tile
+    tokens_per_tile: int
+    grid: tuple[int, int, int]  # (tiles upper bound, kv heads * head_chunks, splits)
+    num_splits: int
+
+
+def plan_attention(
+    num_tokens: int,
+    num_reqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    sliding_window: int | None,
+    num_sms: int,
+) -> AttentionPlan:
+    """Grid and split count from shapes alone (no device values, so no synchronisation).
+
+    max_context bounds every request's length (block table width * block size).
+    """
+    group = num_q_heads // num_kv_heads
+    heads_per_cta = min(group, ATTN_BLOCK_M)
+    head_chunks = math.ceil(group / heads_per_cta)
+    tpt = ATTN_BLOCK_M // heads_per_cta
+    # Tiles: sum_b ceil(n_b / tpt) <= (T + B (tpt - 1)) / tpt, and never more than T.
+    tiles = max(1, min(num_tokens, (num_tokens + num_reqs * (tpt - 1)) // tpt))
+    ctas = tiles * num_kv_heads * head_chunks
+    span = max_context if sliding_window is None else min(max_context, sliding_window + tpt - 1)
+    splits = 1
+    target = TARGET_CTAS_PER_SM * num_sms
+    if ctas < target:
+        splits = min(
+            math.ceil(target / ctas), math.ceil(span / MIN_KEYS_PER_SPLIT), REDUCE_MAX_SPLITS
+        )
+        per_split_bytes = num_tokens * num_q_heads * (head_dim + 1) * 4
+        splits = max(1, min(splits, MAX_SPLIT_SCRATCH_BYTES // max(1, per_split_bytes)))
+    grid = (tiles, num_kv_heads * head_chunks, splits)
+    return AttentionPlan(heads_per_cta, head_chunks, tpt, grid, splits)
+
+
+def _aligned_rows(t: torch.Tensor, dims: int) -> bool:
+    """Last dim contiguous; every row of head_dim starts on a 16-byte boundary."""
+    elem = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((t.stride(i) * elem) % 16 == 0 for i in range(dims - 1))
+    )
+
+
+def paged_attention_with(
+    backend: Backend,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
+    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / "
+            f"{tuple(value_cache.shape)}"
+        )
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(
+            f"query, key_cache, value_cache dtypes differ: {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}"
+        )
+    if not supports(query.dtype, head_dim):
+        raise NotImplementedError(
+            f"no CUDA paged_attention for {query.dtype} with head_dim {head_dim}; "
+            "use kernels.reference"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    num_reqs = seq_lens.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    if num_reqs == 0:
+        return out.zero_()
+    if block_table.shape[0] < num_reqs or query_start_loc.shape[0] < num_reqs + 1:
+        raise ValueError("block_table / query_start_loc have fewer rows than seq_lens")
+
+    if not _aligned_rows(query, 3):
+        query = query.contiguous()
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not _aligned_rows(cache, 4):
+            raise ValueError(
+                f"{name} rows must be contiguous and 16-byte aligned, strides {cache.stride()}"
+            )
+    block_table = block_table.to(torch.int32)
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+
+    plan = plan_attention(
+        num_tokens,
+        num_reqs,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_table.shape[1] * block_size,
+        sliding_window,
+        backend.num_sms(query.device),
+    )
+    part_o: torch.Tensor | None = None
+    part_lse: torch.Tensor | None = None
+    if plan.num_splits > 1:
+        shape = (plan.num_splits, num_tokens, num_q_heads)
+        part_o = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
+
+    build = attention_build(_DTYPE_NAMES[query.dtype], head_dim)
+    cap_scale = 0.0 if soft_cap is None else scale / soft_cap
+    cap_log2 = 0.0 if soft_cap is None else soft_cap * LOG2E
+    args = [
+        _ptr(query),
+        _i64(query.stride(0)),
+        _i64(query.stride(1)),
+        _ptr(key_cache),
+        _ptr(value_cache),
+        *(_i64(s) for s in key_cache.stride()[:3]),
+        *(_i64(s) for s in value_cache.stride()[:3]),
+        _ptr(block_table),
+        _i64(block_table.stride(0)),
+        _ptr(query_start_loc),
+        _ptr(seq_lens),
+        _ptr(out),
+        _ptr(part_o),
+        _ptr(part_lse),
+        _i32(num_reqs),
+        _i32(num_tokens),
+        _i32(num_q_heads),
+        _i32(num_kv_heads),
+        _i32(block_size),
+        _f32(scale * LOG2E),
+        _f32(cap_scale),
+        _f32(cap_log2),
+        _i32(sliding_window or 0),
+        _i32(plan.num_splits),
+        _i32(plan.tokens_per_tile),
+        _i32(plan.heads_per_cta),
+        _i32(plan.head_chunks),
+    ]
+    backend.launch(
+        build,
+        "paged_attention",
+        plan.grid,
+        ATTN_THREADS,
+        attention_smem_bytes(head_dim),
+        args,
+        query.device,
+    )
+    if plan.num_splits > 1:
+        reduce_args = [
+            _ptr(part_o),
+            _ptr(part_lse),
+            _ptr(out),
+            _ptr(query_start_loc),
+            _i32(num_reqs),
+            _i32(num_tokens),
+            _i32(num_q_heads),
+            _i32(plan.num_splits),
+        ]
+        backend.launch(
+            build,
+            "paged_attention_reduce",
+            (num_tokens * num_q_heads, 1, 1),
+            head_dim,
+            0,
+            reduce_args,
+            query.device,
+        )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch over paged K/V; see kernels.reference.paged_attention."""
+    return paged_attention_with(
+        _cuda_backend(),
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+        soft_cap,
+    )

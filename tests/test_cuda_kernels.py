@@ -1,0 +1,334 @@
+"""The CUDA kernels against the torch reference (kernels.reference).
+
+Two runners for the same comparisons:
+- on a CUDA GPU, kernels.cuda_kernels (CuPy); skipped when no CUDA GPU is present;
+- on the CPU, kernels.cuda_emulator, which builds the same .cu sources as C++ and runs
+  every CTA thread by thread through the same launchers: indexing, masking, GQA packing,
+  the split-K reduction and the cache write are checked here on every CI run (only speed
+  and the hardware's own behaviour need the GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cuda_kernels import plan_attention, supports
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _emulator_or_skip():
+    from kernels import cuda_emulator
+
+    if cuda_emulator.compiler() is None:
+        pytest.skip("the CPU emulator of the CUDA kernels needs a C++ compiler (g++)")
+    return cuda_emulator
+
+
+def _cuda_or_skip():
+    if not HAS_CUDA:
+        pytest.skip("no CUDA GPU present: the CuPy kernels run only on a GPU")
+    from kernels import cuda_kernels
+
+    return cuda_kernels
+
+
+def make_batch(
+    gen: torch.Generator,
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    pad_rows: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Random paged K/V in shuffled blocks; block 0 is the NaN null block."""
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        table[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    key_cache[0] = float("nan")
+    value_cache[0] = float("nan")
+    query = torch.randn(sum(query_lens) + pad_rows, num_q_heads, head_dim, generator=gen)
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tensors = (query.to(dtype), key_cache, value_cache, table, qsl, lens)
+    return tuple(t.to(device) for t in tensors)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 3e-3, "rtol": 3e-3}
+
+
+def _compare_attention(
+    attention: Callable[..., torch.Tensor],
+    device: str,
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_kv_heads: int = 2,
+    group: int = 4,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float16,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    pad_rows: int = 0,
+    release_out_of_window: bool = False,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    query, kc, vc, table, qsl, lens = make_batch(
+        gen,
+        seq_lens,
+        query_lens,
+        block_size,
+        num_kv_heads,
+        num_kv_heads * group,
+        head_dim,
+        dtype,
+        device,
+        pad_rows,
+    )
+    if release_out_of_window and window is not None:
+        # The scheduler may point blocks no query's window reaches at the NaN null block.
+        for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
+            first_key = max(0, s - n - window + 1)
+            table[b, : first_key // block_size] = 0
+    scale = head_dim**-0.5
+    got = attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
+    want = reference.paged_attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), want.float(), **_tolerance(dtype))
+    if pad_rows:
+        assert torch.all(got[-pad_rows:] == 0)
+
+
+# Batches: decode, prefill from scratch, extend after a cached prefix, odd lengths.
+MIXED = ([23, 9, 37, 1, 18, 70], [1, 9, 6, 1, 18, 33])
+DECODE_LONG = ([700, 310, 65], [1, 1, 1])  # long enough to split on 8 emulated SMs
+
+
+# -- plan (pure Python) -----------------------------------------------------------------
+
+
+def test_plan_splits_small_batches_and_not_large_ones() -> None:
+    one = plan_attention(1, 1, 32, 8, 128, 32768, None, num_sms=132)
+    assert one.num_splits > 8 and one.grid == (1, 8, one.num_splits)
+    big = plan_attention(256, 256, 32, 8, 128, 32768, None, num_sms=132)
+    assert big.num_splits == 1 and big.grid == (256, 8, 1)
+    short = plan_attention(1, 1, 32, 8, 128, 200, None, num_sms=132)
+    assert short.num_splits == 1  # 200 keys are not worth splitting
+    window = plan_attention(1, 1, 32, 8, 128, 32768, 512, num_sms=132)
+    assert window.num_splits <= math.ceil((512 + window.tokens_per_tile) / 256)
+
+
+def test_plan_packs_gqa_groups_into_tiles() -> None:
+    plan = plan_attention(100, 1, 28, 4, 128, 4096, None, num_sms=132)  # group of 7
+    assert plan.heads_per_cta == 7 and plan.tokens_per_tile == 9 and plan.head_chunks == 1
+    assert plan.grid[0] == math.ceil(100 / 9)
+    wide = plan_attention(10, 2, 96, 1, 64, 4096, None, num_sms=132)  # group of 96
+    assert wide.heads_per_cta == 64 and wide.head_chunks == 2 and wide.tokens_per_tile == 1
+
+
+def test_supports() -> None:
+    assert supports(torch.bfloat16, 128) and supports(torch.float16, 64)
+    assert not supports(torch.float32, 128) and not supports(torch.float16, 72)
+
+
+# -- emulated on the CPU ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("window", [None, 5])
+def test_emulated_attention_mixed_batch(block_size: int, group: int, window: int | None) -> None:
+    emu = _emulator_or_skip()
+    _compare_attention(
+        emu.paged_attention,
+        "cpu",
+        *MIXED,
+        block_size=block_size,
+        group=group,
+        window=window,
+        release_out_of_window=True,
+        seed=block_size + group,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_attention_soft_cap_and_padding_rows(dtype: torch.dtype) -> None:
+    emu = _emulator_or_skip()
+    _compare_attention(
+        emu.paged_attention, "cpu", *MIXED, dtype=dtype, soft_cap=2.0, pad_rows=3, seed=5
+    )
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("pad_rows", [0, 2])
+def test_emulated_split_k_decode(window: int | None, pad_rows: int) -> None:
+    emu = _emulator_or_skip()
+    plan = plan_attention(3 + pad_rows, 3, 8, 2, 64, 45 * 16, window, emu.EMULATED_SMS)
+    assert plan.num_splits > 1  # the case this test is for
+    _compare_attention(
+        emu.paged_attention,
+        "cpu",
+        *DECODE_LONG,
+        window=window,
+        pad_rows=pad_rows,
+        release_out_of_window=True,
+        seed=11,
+    )
+
+
+def test_emulated_split_k_extend_with_bf16() -> None:
+    # Chunks where some rows of a tile see no key at all (causal), merged by the reduction.
+    emu = _emulator_or_skip()
+    _compare_attention(
+        emu.paged_attention, "cpu", [600, 40], [150, 1], group=8, num_kv_heads=1,
+        dtype=torch.bfloat16, seed=3,
+    )  # fmt: skip
+
+
+def test_emulated_split_where_a_row_sees_no_key() -> None:
+    # 2 tokens x 8 heads = 16 rows (key mode); 769 keys in splits of 256: the last split
+    # holds only the newest key, which the first token may not see.
+    emu = _emulator_or_skip()
+    plan = plan_attention(2, 1, 8, 1, 64, 50 * 16, None, emu.EMULATED_SMS)
+    assert plan.num_splits == 4
+    _compare_attention(
+        emu.paged_attention, "cpu", [769], [2], num_kv_heads=1, group=8, seed=4
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_emulated_attention_head_dims(head_dim: int) -> None:
+    emu = _emulator_or_skip()
+    _compare_attention(
+        emu.paged_attention, "cpu", [40, 5, 90], [3, 5, 1], head_dim=head_dim, seed=head_dim
+    )
+
+
+def test_emulated_attention_on_strided_cache_views() -> None:
+    # K and V of a layer interleaved per block in one buffer: non-contiguous cache views.
+    emu = _emulator_or_skip()
+    gen = torch.Generator().manual_seed(9)
+    query, kc, vc, table, qsl, lens = make_batch(gen, [30, 17], [4, 17], 16, 2, 4, 64, torch.half)
+    buffer = torch.stack([kc, vc], dim=1)  # [NB, 2, BS, H, D]
+    k_view, v_view = buffer[:, 0], buffer[:, 1]
+    assert not k_view.is_contiguous()
+    got = emu.paged_attention(query, k_view, v_view, table, qsl, lens, 0.125)
+    want = reference.paged_attention(query, kc, vc, table, qsl, lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **_tolerance(torch.half))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_emulated_write_kv_cache(dtype: torch.dtype) -> None:
+    emu = _emulator_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(7, 2, 64, generator=gen).to(dtype)
+    value = torch.randn(7, 2, 64, generator=gen).to(dtype)
+    slots = torch.tensor([13, -1, 2, 7, -1, 19, 40], dtype=torch.int64)
+    got_k, got_v = torch.zeros(3, 16, 2, 64, dtype=dtype), torch.zeros(3, 16, 2, 64, dtype=dtype)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    emu.write_kv_cache(key, value, got_k, got_v, slots)
+    reference.write_kv_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_emulated_write_kv_cache_into_interleaved_views_and_int32_slots() -> None:
+    emu = _emulator_or_skip()
+    buffer = torch.zeros(3, 2, 4, 1, 8, dtype=torch.half)  # head_dim 8: 16-byte rows
+    key = torch.randn(2, 1, 8).half()
+    emu.write_kv_cache(key, -key, buffer[:, 0], buffer[:, 1], torch.tensor([5, 11]).int())
+    assert torch.equal(buffer[1, 0, 1], key[0]) and torch.equal(buffer[1, 1, 1], -key[0])
+    assert torch.equal(buffer[2, 0, 3], key[1]) and torch.equal(buffer[2, 1, 3], -key[1])
+    assert torch.count_nonzero(buffer) == 4 * 8
+
+
+# -- on a CUDA GPU ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("window", [None, 7])
+def test_cuda_attention_mixed_batch(
+    dtype: torch.dtype, head_dim: int, group: int, window: int | None
+) -> None:
+    kernels = _cuda_or_skip()
+    _compare_attention(
+        kernels.paged_attention,
+        "cuda",
+        *MIXED,
+        head_dim=head_dim,
+        group=group,
+        dtype=dtype,
+        window=window,
+        pad_rows=2,
+        release_out_of_window=True,
+        seed=head_dim + group,
+    )
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 1000])
+def test_cuda_split_k_long_contexts(block_size: int, window: int | None) -> None:
+    kernels = _cuda_or_skip()
+    _compare_attention(
+        kernels.paged_attention,
+        "cuda",
+        [5000, 1, 3000, 17],
+        [1, 1, 64, 17],
+        block_size=block_size,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        window=window,
+        soft_cap=30.0,
+        release_out_of_window=True,
+        seed=block_size,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_write_kv_cache(dtype: torch.dtype) -> None:
+    kernels = _cuda_or_skip()
+    key = torch.randn(9, 8, 128, device="cuda").to(dtype)
+    value = torch.randn(9, 8, 128, device="cuda").to(dtype)
+    slots = torch.tensor([13, -1, 2, 7, -1, 19, 40, 0, 63], device="cuda")
+    got_k = torch.zeros(4, 16, 8, 128, dtype=dtype, device="cuda")
+    got_v = torch.zeros_like(got_k)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    kernels.write_kv_cache(key, value, got_k, got_v, slots)
+    reference.write_kv_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_cuda_runs_on_the_current_stream() -> None:
+    kernels = _cuda_or_skip()
+    gen = torch.Generator().manual_seed(2)
+    tensors = make_batch(gen, [300, 20], [1, 20], 16, 2, 8, 128, torch.half, "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = kernels.paged_attention(*tensors, 0.1)
+    side.synchronize()
+    torch.testing.assert_close(
+        got.float(), reference.paged_attention(*tensors, 0.1).float(), **_tolerance(torch.half)
+    )
