@@ -84,8 +84,9 @@ class Scheduler:
         if n > self.config.max_model_len:
             return f"prompt has {n} tokens, longer than max_model_len {self.config.max_model_len}"
         vocab = self.vocab_size
-        bad = next((t for t in request.all_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        ids = request.all_token_ids
+        if min(ids) < 0 or max(ids) >= vocab:  # C loops; find the culprit only on failure
+            bad = next(t for t in ids if not 0 <= t < vocab)
             return f"token id {bad} is outside the vocabulary [0, {vocab})"
         try:
             request.sampling_params.validate(vocab)
