@@ -420,6 +420,7 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
     steps after the first `profile_after` are cProfiled, the model's calls excluded."""
     import torch
 
+    import kernels.reference as kernels_reference
     import worker.main as worker_main
     import worker.model_runner as mr
     import worker.models.llama as llama
@@ -456,7 +457,9 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
         def no_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             return torch.zeros_like(query)
 
-        llama.paged_attention = no_attention
+        # The model picks its kernels at construction (kernels.select_kernels), which
+        # happens after this: replace the reference the selection hands out.
+        kernels_reference.paged_attention = no_attention
     model_cls = llama.LlamaForCausalLM
     Codec.decode = timed("decode", Codec.decode, opens_step=True)  # type: ignore[method-assign]
     Codec.encode = timed("encode", Codec.encode)  # type: ignore[method-assign]

@@ -150,15 +150,17 @@ class Scheduler:
         cached_counts: list[int] = []
 
         # 1. Running requests: decodes and unfinished prefill chunks.
+        empty = kv.empty_blocks
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
             if num_new > budget:
                 num_new = budget
-            if request.num_computed_tokens + num_new > max_len:
-                num_new = max_len - request.num_computed_tokens
+            if computed + num_new > max_len:
+                num_new = max_len - computed
             if num_new <= 0:
                 i += 1
                 continue
@@ -174,8 +176,9 @@ class Scheduler:
             if new_blocks is None:
                 break
             cached_ids.append(request.request_id)
-            cached_blocks.append(_block_ids(new_blocks))
-            cached_computed.append(request.num_computed_tokens)
+            # The common decode step got no block: skip building an empty id list.
+            cached_blocks.append(None if new_blocks is empty else _block_ids(new_blocks))
+            cached_computed.append(computed)
             cached_resumed.append(False)
             cached_counts.append(num_new)
             budget -= num_new
@@ -287,8 +290,12 @@ class Scheduler:
                 reason = "stop"
             elif params.stop_token_ids and token in params.stop_token_ids:
                 reason = "stop"
-            elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_len:
-                reason = "length"
+            else:
+                num_tokens = len(request.all_token_ids)
+                if num_tokens - request.num_prompt_tokens >= params.max_tokens or (
+                    num_tokens >= max_len
+                ):
+                    reason = "length"
             if reason is not None:
                 self.kv_cache_manager.free(request)
                 self._finish(request, reason)

@@ -179,6 +179,7 @@ class InputBatch:
                 f"num_computed_tokens={len(cached.num_computed_tokens)}, "
                 f"resumed={len(cached.resumed)}"
             )
+        rows: list[int] = []  # batch rows of the running (not resumed) requests
         for req_id, new_ids, num_computed, resumed, skipped in zip(
             cached.req_ids,
             cached.new_block_ids,
@@ -189,12 +190,8 @@ class InputBatch:
             state = self.requests.get(req_id)
             if state is None:
                 raise ValueError(f"cached request {req_id!r} is unknown to the worker")
-            if not 0 <= num_computed <= state.num_tokens:
-                raise ValueError(
-                    f"cached request {req_id!r}: num_computed_tokens={num_computed} outside "
-                    f"[0, {state.num_tokens}]"
-                )
             if resumed:
+                self._check_computed(req_id, num_computed, state.num_tokens)
                 if req_id in self.req_id_to_row:
                     raise ValueError(f"resumed request {req_id!r} is already in the batch")
                 if new_ids is None:
@@ -219,9 +216,30 @@ class InputBatch:
                 for have, count in zip(state.block_ids, skipped):
                     have[:count] = [NULL_BLOCK_ID] * min(count, len(have))
             state.num_computed_tokens = num_computed
-            self.num_computed_tokens[row] = num_computed
+            rows.append(row)
+        if rows:
+            # One vectorised bounds check and write for every running request.
+            row_arr = np.array(rows, dtype=np.int64)
+            computed = np.array(
+                [c for c, r in zip(cached.num_computed_tokens, cached.resumed) if not r],
+                dtype=np.int64,
+            )
+            bad = (computed < 0) | (computed > self.num_tokens[row_arr])
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                rid = [q for q, r in zip(cached.req_ids, cached.resumed) if not r][i]
+                self._check_computed(rid, int(computed[i]), int(self.num_tokens[row_arr[i]]))
+            self.num_computed_tokens[row_arr] = computed
 
         self._condense()
+
+    @staticmethod
+    def _check_computed(req_id: str, num_computed: int, num_tokens: int) -> None:
+        if not 0 <= num_computed <= num_tokens:
+            raise ValueError(
+                f"cached request {req_id!r}: num_computed_tokens={num_computed} outside "
+                f"[0, {num_tokens}]"
+            )
 
     def append_sampled(
         self,
