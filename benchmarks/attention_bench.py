@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import sys
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import cuda_kernels, reference  # noqa: E402
+from kernels.testing import random_paged_batch  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -75,32 +75,19 @@ def paged_batch(
     dtype: torch.dtype,
     pad_rows: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """Shuffled pages on the GPU; block 0 is a NaN null block no request owns."""
-    blocks = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks) + 1
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(blocks):
-        table[b, :n] = perm[start : start + n]
-        start += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
-    value_cache = torch.randn(shape, device=DEVICE, dtype=dtype)
-    key_cache[0] = float("nan")
-    value_cache[0] = float("nan")
-    query = torch.randn(sum(query_lens) + pad_rows, num_q_heads, head_dim, device=DEVICE)
-    qsl = torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    return query.to(dtype), key_cache, value_cache, table.to(DEVICE), qsl, lens
-
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+    """Shuffled pages on the benchmark's device; block 0 is a NaN null block."""
+    return random_paged_batch(
+        gen,
+        seq_lens,
+        query_lens,
+        block_size,
+        num_kv_heads,
+        num_q_heads,
+        head_dim,
+        dtype,
+        DEVICE,
+        pad_rows,
+    )
 
 
 def time_ms(fn: Callable[[], object], min_ms: float = 40.0, max_iters: int = 50) -> float:

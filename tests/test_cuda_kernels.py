@@ -10,7 +10,6 @@ Two runners for the same comparisons:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import torch
 
 from kernels import reference
 from kernels.cuda_kernels import plan_attention, supports
+from kernels.testing import random_paged_batch
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -39,35 +39,7 @@ def _cuda_or_skip():
     return cuda_kernels
 
 
-def make_batch(
-    gen: torch.Generator,
-    seq_lens: list[int],
-    query_lens: list[int],
-    block_size: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    pad_rows: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """Random paged K/V in shuffled blocks; block 0 is the NaN null block."""
-    blocks = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks) + 2
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
-    for b, n in enumerate(blocks):
-        table[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
-    key_cache[0] = float("nan")
-    value_cache[0] = float("nan")
-    query = torch.randn(sum(query_lens) + pad_rows, num_q_heads, head_dim, generator=gen)
-    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    tensors = (query.to(dtype), key_cache, value_cache, table, qsl, lens)
-    return tuple(t.to(device) for t in tensors)
+make_batch = random_paged_batch
 
 
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:
