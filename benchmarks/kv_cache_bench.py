@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,12 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from peer import PEER_PYTHON, PEER_SCRIPTS, run_peer_script  # noqa: E402
+
 from enginecore import KVCacheManager, Request  # noqa: E402
 from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
-PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "peers"))
-PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm" / "bench_kv.py"
-PEER_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
+PEER_SCRIPT = PEER_SCRIPTS / "bench_kv.py"
 OP_KINDS = ("get_computed_blocks", "allocate_slots_prompt", "allocate_slots_decode", "free")
 
 
@@ -301,20 +299,8 @@ def steady_decode_allocations(block_size: int, hash_algo: str, running: int = 25
 
 # -- the peer -----------------------------------------------------------------------
 def run_peer(trace: Path, python: Path, script: Path, repeat: int) -> dict[str, Any] | None:
-    if not (python.exists() and script.exists()):
-        log(f"vLLM peer not found ({python}); run ../shared/peers/vllm/setup.sh to compare")
-        return None
-    log(f"replaying the same trace through vLLM's KVCacheManager ({script.name})")
-    out = subprocess.run(
-        [str(python), str(script), "--trace", str(trace), "--repeat", str(repeat)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        log(f"vLLM peer failed:\n{out.stderr[-2000:]}")
-        return None
-    return json.loads(out.stdout)
+    args = ["--trace", str(trace), "--repeat", str(repeat)]
+    return run_peer_script(python, script, args, "KVCacheManager")
 
 
 # -- main ---------------------------------------------------------------------------

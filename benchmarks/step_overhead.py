@@ -66,6 +66,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from peer import PEER_PYTHON, PEER_SCRIPTS, PEERS_DIR, run_peer_script  # noqa: E402
+
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from launch.builtin_model import write_llama_checkpoint  # noqa: E402
@@ -80,9 +82,7 @@ from protocol.worker import (  # noqa: E402
     WorkerToCore,
 )
 
-PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "peers"))
-PEER_SCRIPT = ROOT.parent / "shared" / "peers" / "vllm" / "bench_sched.py"
-PEER_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
+PEER_SCRIPT = PEER_SCRIPTS / "bench_sched.py"
 DEFAULT_TRACE = PEERS_DIR / "traces" / "kv_trace.jsonl"
 NUM_LAYERS = 1  # 0 is what the issue wants; see the module docstring
 clock = time.perf_counter_ns
@@ -660,13 +660,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
 
 # -- the peer ----------------------------------------------------------------------------
 def run_peer(a: argparse.Namespace) -> dict[str, Any] | None:
-    if not (a.peer_python.exists() and a.peer_script.exists()):
-        log(f"vLLM peer not found ({a.peer_python}); run ../shared/peers/vllm/setup.sh")
-        return None
-    log("running vLLM's Scheduler on the same workload (bench_sched.py --variant decode256)")
-    cmd = [
-        str(a.peer_python),
-        str(a.peer_script),
+    args = [
         "--variant",
         "decode256",
         "--num-running",
@@ -682,11 +676,7 @@ def run_peer(a: argparse.Namespace) -> dict[str, Any] | None:
         "--trace",
         str(a.trace),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        log(f"vLLM peer failed:\n{out.stderr[-2000:]}")
-        return None
-    return json.loads(out.stdout)
+    return run_peer_script(a.peer_python, a.peer_script, args, "Scheduler")
 
 
 # -- main -------------------------------------------------------------------------------

@@ -13,14 +13,27 @@ from typing import Any
 ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
 
 
+def generate_cmd(inp: Path, out: Path, *flags: str, model: Path | str | None = None) -> list[str]:
+    """The `pagedserve generate` command line (the built-in model when model is None)."""
+    cmd = [sys.executable, "-m", "launch.cli", "generate"]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    return [*cmd, "--input", str(inp), "--output", str(out), "--no-progress", *flags]
+
+
 def generate_cli(
     model: Path | str, lines: list[str], tmp: Path, *flags: str
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     """Run generate over raw input lines; (the process, the parsed output lines)."""
     inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
     inp.write_text("".join(line + "\n" for line in lines))
-    cmd = [sys.executable, "-m", "launch.cli", "generate", "--model", str(model)]
-    cmd += ["--input", str(inp), "--output", str(out), "--no-progress", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300, check=False)
+    proc = subprocess.run(
+        generate_cmd(inp, out, *flags, model=model),
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        check=False,
+    )
     results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     return proc, results

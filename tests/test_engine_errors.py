@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import ENV, generate_cli
+from cli_helpers import ENV, generate_cli, generate_cmd
 from hf_checkpoints import VOCAB, save_checkpoint
 
 from launch import LLM, SamplingParams
@@ -132,17 +131,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}) + "\n")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "generate",
-            "--input",
-            str(inp),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-            "--no-progress",
-        ],
+        generate_cmd(inp, tmp_path / "out.jsonl"),
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,

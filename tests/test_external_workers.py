@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import ENV, generate_cli
+from cli_helpers import ENV, generate_cli, generate_cmd
 from hf_checkpoints import save_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
@@ -165,18 +165,7 @@ def test_killing_a_rank_fails_requests_and_stops_the_rest(tmp_path: Path) -> Non
         inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         inp.write_text("".join(x + "\n" for x in lines))
         gen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launch.cli",
-                "generate",
-                "--input",
-                str(inp),
-                "--output",
-                str(out),
-                "--no-progress",
-                *cluster.flags(),
-            ],
+            generate_cmd(inp, out, *cluster.flags()),
             env=ENV,
             stderr=subprocess.PIPE,
             text=True,
