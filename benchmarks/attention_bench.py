@@ -64,32 +64,6 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def paged_batch(
-    gen: torch.Generator,
-    seq_lens: list[int],
-    query_lens: list[int],
-    block_size: int,
-    num_kv_heads: int,
-    num_q_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    pad_rows: int = 0,
-) -> tuple[torch.Tensor, ...]:
-    """Shuffled pages on the benchmark's device; block 0 is a NaN null block."""
-    return random_paged_batch(
-        gen,
-        seq_lens,
-        query_lens,
-        block_size,
-        num_kv_heads,
-        num_q_heads,
-        head_dim,
-        dtype,
-        DEVICE,
-        pad_rows,
-    )
-
-
 def time_ms(fn: Callable[[], object], min_ms: float = 40.0, max_iters: int = 50) -> float:
     """Mean milliseconds per call after a warm-up call (which also compiles)."""
     fn()
@@ -132,7 +106,7 @@ def check_case(
     seed: int = 0,
 ) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
-    query, kc, vc, table, qsl, lens = paged_batch(
+    query, kc, vc, table, qsl, lens = random_paged_batch(
         gen,
         seq_lens,
         query_lens,
@@ -141,6 +115,7 @@ def check_case(
         num_kv_heads * group,
         head_dim,
         dtype,
+        DEVICE,
         pad_rows,
     )
     if window is not None:  # release blocks no window reaches, as the scheduler may
@@ -273,8 +248,8 @@ def copy_bandwidth_gbps() -> float:
 def bench_decode(batch: int, ctx: int, copy_gbps: float, with_reference: bool) -> dict[str, Any]:
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     gen = torch.Generator().manual_seed(batch * 7 + ctx)
-    query, kc, vc, table, qsl, lens = paged_batch(
-        gen, [ctx] * batch, [1] * batch, bs, hkv, hq, d, dtype
+    query, kc, vc, table, qsl, lens = random_paged_batch(
+        gen, [ctx] * batch, [1] * batch, bs, hkv, hq, d, dtype, DEVICE
     )
     scale = d**-0.5
     kv_bytes = 2 * batch * ctx * hkv * d * kc.element_size()
@@ -314,8 +289,8 @@ def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     total = prefix + new
     gen = torch.Generator().manual_seed(total)
-    query, kc, vc, table, qsl, lens = paged_batch(
-        gen, [total] * batch, [new] * batch, bs, hkv, hq, d, dtype
+    query, kc, vc, table, qsl, lens = random_paged_batch(
+        gen, [total] * batch, [new] * batch, bs, hkv, hq, d, dtype, DEVICE
     )
     scale = d**-0.5
     # Visible (query, key) pairs: each query at p sees p + 1 keys.
