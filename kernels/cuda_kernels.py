@@ -13,10 +13,11 @@ module imports on a machine without CUDA. Tensors are passed by device address
 `torch.cuda.current_stream()`; no launch synchronises with the host, so grids are sized
 from tensor shapes and the kernels find their work on the device.
 
-Supported: fp16 and bf16 (fp32 accumulate), head dims 64/128/256 (any multiple of 16 up to
-256 compiles), any block size, GQA with any group size, sliding window, soft cap, caches
-that are strided views (head_dim contiguous, 16-byte aligned rows). `supports()` says
-whether a (dtype, head_dim) has a kernel; callers fall back to kernels.reference otherwise.
+Supported: fp16 and bf16 (fp32 accumulate), the head dims of
+kernels.cuda_sources.ATTENTION_HEAD_DIMS (64/128/256 among them), any block size, GQA with
+any group size, sliding window, soft cap, caches that are strided views (head_dim
+contiguous, 16-byte aligned rows). `supports()` says whether a (dtype, head_dim) has a
+kernel; callers fall back to kernels.reference otherwise.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from kernels.cuda_sources import (
+    ATTENTION_HEAD_DIMS,
     ATTN_BLOCK_M,
     ATTN_THREADS,
     KV_WRITE_UNITS,
@@ -55,7 +57,7 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether paged_attention has a CUDA kernel for this element type and head size."""
-    return dtype in _DTYPE_NAMES and head_dim % 16 == 0 and 16 <= head_dim <= 256
+    return dtype in _DTYPE_NAMES and head_dim in ATTENTION_HEAD_DIMS
 
 
 # -- kernel arguments and backends ------------------------------------------------------
@@ -178,12 +180,22 @@ class CupyBackend:
                 values.append(np.int64(arg.value))
             else:
                 values.append(np.float32(arg.value))
-        handle = torch.cuda.current_stream(device).cuda_stream
+        torch_stream = torch.cuda.current_stream(device)
+        handle = torch_stream.cuda_stream
         stream = self._streams.get(handle)
-        if stream is None:  # ExternalStream(ptr) only wraps torch's stream; torch owns it
-            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle)
+        if stream is None:
+            stream = self._streams[handle] = _wrap_stream(cupy, torch_stream, index)
         with cupy.cuda.Device(index), stream:
             fn(grid, (block, 1, 1), tuple(values), shared_mem=smem)
+
+
+def _wrap_stream(cupy: Any, torch_stream: torch.cuda.Stream, index: int) -> Any:
+    """A CuPy view of torch's stream (torch keeps owning it): the CUDA stream protocol
+    where CuPy has it (14+), else ExternalStream, which 14 deprecates."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, index)
 
 
 def _device_index(device: torch.device) -> int:

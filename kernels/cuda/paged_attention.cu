@@ -7,8 +7,8 @@
 //   Query head h reads kv head h / (Hq / Hkv). Rows past query_start_loc[B] are zeros.
 //
 // One build per (element type, head dim): the launcher compiles this file with
-// -DPS_SCALAR=__half|__nv_bfloat16 and -DPS_HEAD_DIM=64|128|256 (any multiple of 16 up to
-// 256 works). fp32 accumulation throughout; tensor cores through mma.sync m16n8k16.
+// -DPS_SCALAR=__half|__nv_bfloat16 and -DPS_HEAD_DIM=<one of cuda_sources.ATTENTION_HEAD_DIMS>
+// (any multiple of 16 up to 256 works). fp32 accumulation throughout; tensor cores through mma.sync m16n8k16.
 //
 // Work split. A CTA (4 warps) owns one tile of BLOCK_M = 64 "rows", a row being one
 // (query token, query head) pair of one request and one kv head: the heads of a GQA group
