@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA kernels: compile check, GPU tests, correctness sweep, benchmark.
+# GPU check of the CUDA kernels: compile check, GPU tests, the engine end to end in half
+# precision, correctness sweep, benchmark.
 #
 # On a GPU machine, from the repository root:
 #   bash benchmarks/gpu_check.sh [--quick]
@@ -71,12 +72,14 @@ run() {  # run NAME CMD...: log to $RESULTS/NAME.log, remember the exit status
 run nvrtc "$PY" -m kernels.nvrtc_check
 run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
   tests/test_cuda_kernels.py tests/test_reference_kernels.py
+# The whole engine on the GPU in bf16 and fp16 against float32 transformers.
+run e2e "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_half_precision.py
 run check "$PY" benchmarks/attention_bench.py check $QUICK --out "$RESULTS/check.json"
 run bench "$PY" benchmarks/attention_bench.py bench $QUICK --out "$RESULTS/bench.json"
 
 failed=0
 summary="{"
-for name in nvrtc pytest check bench; do
+for name in nvrtc pytest e2e check bench; do
   [[ "${status[$name]}" != 0 ]] && failed=1
   summary+="\"$name\": ${status[$name]}, "
 done

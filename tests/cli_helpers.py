@@ -13,11 +13,19 @@ from typing import Any
 ENV = dict(os.environ, PAGEDSERVE_CHECK_INVARIANTS="1")
 
 
+# The tests compare with float32 oracles computed on the CPU. On a machine with a GPU the
+# engine's default (cuda, bfloat16) would change the arithmetic, so every engine a test
+# starts runs on the CPU unless the test names a device itself (the GPU tests do).
+CPU = "cpu"
+
+
 def generate_cmd(inp: Path, out: Path, *flags: str, model: Path | str | None = None) -> list[str]:
     """The `pagedserve generate` command line (the built-in model when model is None)."""
     cmd = [sys.executable, "-m", "launch.cli", "generate"]
     if model is not None:
         cmd += ["--model", str(model)]
+    if "--device" not in flags:
+        cmd += ["--device", CPU]
     return [*cmd, "--input", str(inp), "--output", str(out), "--no-progress", *flags]
 
 

@@ -56,6 +56,10 @@ CHECKPOINTS = {
     "mistral": lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32, sliding_window=6)
     ),
+    # head_dim 128, the size the CUDA kernels are tuned for, with a GQA group of 2.
+    "llama_d128": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON, num_hidden_layers=2, head_dim=128)
+    ),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
 from enginecore.kv_cache_config import make_kv_cache_config
@@ -28,7 +29,9 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = tmp_path_factory.mktemp("qwen2")
     save_checkpoint("qwen2", path)
     return ModelRunner(
-        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", block_size=4)
+        WorkerConfig(
+            model=str(path), rank=0, world_size=1, core_address="", block_size=4, device=CPU
+        )
     )
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
 from launch import LLM, Prompt, SamplingParams
@@ -26,7 +27,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_stop_token_ids_and_eos_stop_generation(llama_dir: Path, tmp_path: Path) -> None:
-    with LLM(str(llama_dir)) as llm:
+    with LLM(str(llama_dir), device=CPU) as llm:
         (full,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
         stop_at = full.token_ids[3]
         first = full.token_ids.index(stop_at)
@@ -44,7 +45,7 @@ def test_stop_token_ids_and_eos_stop_generation(llama_dir: Path, tmp_path: Path)
     config = json.loads((llama_dir / "config.json").read_text())
     config["eos_token_id"] = stop_at
     (eos_dir / "config.json").write_text(json.dumps(config))
-    with LLM(str(eos_dir)) as llm:
+    with LLM(str(eos_dir), device=CPU) as llm:
         stops = SamplingParams(max_tokens=12, temperature=0)
         (eos_stop,) = llm.generate([PROMPT], stops, use_tqdm=False)
         (ignored,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
@@ -56,7 +57,7 @@ def test_stop_token_ids_and_eos_stop_generation(llama_dir: Path, tmp_path: Path)
 def test_seeded_sampling_ignores_batch_neighbours(llama_dir: Path) -> None:
     seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42)
     other = SamplingParams(max_tokens=10, temperature=1.0)
-    with LLM(str(llama_dir)) as llm:
+    with LLM(str(llama_dir), device=CPU) as llm:
         (alone,) = llm.generate([PROMPT], seeded, use_tqdm=False)
         mixed = llm.generate(
             [
@@ -70,7 +71,7 @@ def test_seeded_sampling_ignores_batch_neighbours(llama_dir: Path) -> None:
 
 
 def test_abort_frees_blocks_and_others_finish(llama_dir: Path) -> None:
-    with EngineProcesses(EngineArgs(model=str(llama_dir))) as engine:
+    with EngineProcesses(EngineArgs(model=str(llama_dir), device=CPU)) as engine:
         long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         engine.add_request("a", PROMPT, long)
         engine.add_request("b", PROMPT[:4], long)
@@ -102,7 +103,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_idle_engine_does_not_spin(llama_dir: Path) -> None:
-    with EngineProcesses(EngineArgs(model=str(llama_dir))) as engine:
+    with EngineProcesses(EngineArgs(model=str(llama_dir), device=CPU)) as engine:
         time.sleep(0.5)
         pids = [p.pid for p in engine.procs.values()]
         before = [_cpu_seconds(p) for p in pids]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import ENV, generate_cli, generate_cmd
+from cli_helpers import CPU, ENV, generate_cli, generate_cmd
 from hf_checkpoints import VOCAB, save_checkpoint
 
 from launch import LLM, SamplingParams
@@ -111,7 +111,7 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
-    llm = LLM(num_gpu_blocks=64)  # the built-in model: 4096 positions, long runs
+    llm = LLM(num_gpu_blocks=64, device=CPU)  # the built-in model: 4096 positions, long runs
     procs = dict(llm.engine.procs)
     worker = procs["worker rank 0"]
     threading.Timer(1.0, lambda: worker.send_signal(signal.SIGKILL)).start()

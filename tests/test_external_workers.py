@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import ENV, generate_cli, generate_cmd
+from cli_helpers import CPU, ENV, generate_cli, generate_cmd
 from hf_checkpoints import save_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
@@ -86,6 +86,8 @@ class Cluster:
             str(self.tp),
             "--dist-init",
             self.dist,
+            "--device",
+            CPU,
             *extra,
         ]
         if model is not None:

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from cli_helpers import CPU
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
 
 from enginecore.kv_cache_block import KVCacheBlock
@@ -51,7 +52,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRunner, torch.
     hf_model = save_checkpoint("qwen2_interleaved", path)
     hf_model.generation_config.eos_token_id = None  # both sides ignore EOS
     runner = ModelRunner(
-        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", block_size=BLOCK_SIZE)
+        WorkerConfig(
+            model=str(path),
+            rank=0,
+            world_size=1,
+            core_address="",
+            block_size=BLOCK_SIZE,
+            device=CPU,
+        )
     )
     return runner, hf_model
 

@@ -152,6 +152,7 @@ def _tp2_rank(rank: int, world_size: int, init_method: str, dirs: dict, out_dir:
         rank=rank,
         world_size=world_size,
         core_address="",
+        device="cpu",
         block_size=BLOCK_SIZE,
         seed=7,
     )
@@ -305,6 +306,8 @@ def test_runner_needs_the_rendezvous_address(
     checkpoints: dict[str, tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(DIST_INIT_ENV, raising=False)
-    config = WorkerConfig(model=checkpoints["qwen2"][0], rank=0, world_size=2, core_address="")
+    config = WorkerConfig(
+        model=checkpoints["qwen2"][0], rank=0, world_size=2, core_address="", device="cpu"
+    )
     with pytest.raises(ValueError, match=DIST_INIT_ENV):
         ModelRunner(config)
