@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Paged-attention CUDA kernels on a GPU: correctness sweep and speed, as JSON.
 
-    python benchmarks/attention_bench.py check [--quick] [--out FILE]
-    python benchmarks/attention_bench.py bench [--quick] [--out FILE]
+    python benchmarks/attention_bench.py check [--quick] [--emulate] [--out FILE]
+    python benchmarks/attention_bench.py bench [--quick] [--emulate] [--out FILE]
 
 check: kernels.cuda_kernels against kernels.reference over a sweep (batch 1-256, contexts
 1 to 32k, mixed prefill/extend/decode, GQA 1/4/8, head dims 64/128/256, window on/off,
@@ -13,6 +13,11 @@ bench: decode (batch 1/16/64/256 x context 1k/4k/16k; 32 query heads, 8 kv heads
 dim 128, bf16, block size 16, pages shuffled): achieved GB/s of K/V read against the
 device's copy bandwidth measured in the same run, against torch SDPA on contiguous K/V
 and against the torch reference gathering pages; prefill and extend TFLOP/s against SDPA.
+`targets` says whether decode at batch >= 16 and context >= 4k reaches 75% of the copy
+bandwidth and is no slower than SDPA.
+
+--emulate runs both on the CPU through kernels.cuda_emulator with small shapes: it proves
+this script's own code paths without a GPU (the tests run it); its numbers mean nothing.
 
 The last line printed is the JSON object (also written to --out).
 """
@@ -26,6 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +41,88 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import cuda_kernels, reference  # noqa: E402
+from kernels import reference  # noqa: E402
 from kernels.testing import random_paged_batch  # noqa: E402
 
-DEVICE = "cuda"
+# The issue's targets for decode at batch >= 16 and context >= 4k.
+TARGET_FRACTION_OF_COPY_BW = 0.75
+TARGET_SPEEDUP_VS_SDPA = 1.0
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Problem sizes of one run: the real ones on a GPU, small ones under the emulator."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    quick_contexts: tuple[int, ...]
+    target_batch: int  # decode rows at least this large and long are held to the targets
+    target_context: int
+    prefill: tuple[tuple[str, int, int, int], ...]  # (case, batch, new tokens, prefix)
+    quick_prefill: int  # how many of `prefill` a --quick run keeps
+    copy_bytes: int
+
+
+GPU_SHAPES = Shapes(
+    32, 8, 128, (1, 16, 64, 256), (1024, 4096, 16384), (1024, 4096), 16, 4096,
+    (("prefill", 1, 4096, 0), ("prefill", 4, 2048, 0), ("extend", 1, 512, 8192),
+     ("prefill", 1, 16384, 0), ("extend", 16, 256, 2048)), 3, 2 << 30,
+)  # fmt: skip
+EMULATED_SHAPES = Shapes(
+    8, 2, 64, (1, 2), (64, 192), (64, 192), 2, 192,
+    (("prefill", 1, 48, 0), ("extend", 1, 16, 80)), 2, 64 << 20,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the kernels under test run."""
+
+    device: str
+    kernels: Any  # a module with paged_attention and write_kv_cache
+    num_sms: int
+    shapes: Shapes
+
+    @property
+    def emulated(self) -> bool:
+        return self.device == "cpu"
+
+    def synchronize(self) -> None:
+        if not self.emulated:
+            torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        if not self.emulated:
+            torch.cuda.empty_cache()
+
+
+def gpu_target() -> Target:
+    from kernels import cuda_kernels
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return Target("cuda", cuda_kernels, sms, GPU_SHAPES)
+
+
+def emulated_target() -> Target:
+    from kernels import cuda_emulator
+
+    return Target("cpu", cuda_emulator, cuda_emulator.EMULATED_SMS, EMULATED_SHAPES)
 
 
 # -- helpers ----------------------------------------------------------------------------
 
 
-def environment() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+def environment(target: Target) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "kernels": "emulated on the CPU" if target.emulated else "CUDA (CuPy)",
+    }
+    if target.emulated:
+        return info
     try:
         import cupy
 
@@ -53,20 +130,25 @@ def environment() -> dict[str, Any]:
         info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
     except Exception as exc:
         info["cupy"] = f"unavailable: {exc}"
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu=props.name,
-            sms=props.multi_processor_count,
-            memory_gib=round(props.total_memory / 2**30, 1),
-            capability=f"{props.major}.{props.minor}",
-        )
+    props = torch.cuda.get_device_properties(0)
+    info.update(
+        gpu=props.name,
+        sms=props.multi_processor_count,
+        memory_gib=round(props.total_memory / 2**30, 1),
+        capability=f"{props.major}.{props.minor}",
+    )
     return info
 
 
-def time_ms(fn: Callable[[], object], min_ms: float = 40.0, max_iters: int = 50) -> float:
+def time_ms(
+    target: Target, fn: Callable[[], object], min_ms: float = 40.0, max_iters: int = 50
+) -> float:
     """Mean milliseconds per call after a warm-up call (which also compiles)."""
     fn()
+    if target.emulated:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -91,6 +173,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def check_case(
+    target: Target,
     name: str,
     seq_lens: list[int],
     query_lens: list[int],
@@ -115,14 +198,16 @@ def check_case(
         num_kv_heads * group,
         head_dim,
         dtype,
-        DEVICE,
+        target.device,
         pad_rows,
     )
     if window is not None:  # release blocks no window reaches, as the scheduler may
         for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
             table[b, : max(0, s - n - window + 1) // block_size] = 0
     scale = head_dim**-0.5
-    plan = cuda_kernels.plan_attention(
+    from kernels.cuda_kernels import plan_attention
+
+    plan = plan_attention(
         query.shape[0],
         len(seq_lens),
         query.shape[1],
@@ -130,7 +215,7 @@ def check_case(
         head_dim,
         table.shape[1] * block_size,
         window,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        target.num_sms,
     )
     result: dict[str, Any] = {
         "name": name,
@@ -146,9 +231,11 @@ def check_case(
         "splits": plan.num_splits,
     }
     try:
-        got = cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
+        got = target.kernels.paged_attention(
+            query, kc, vc, table, qsl, lens, scale, window, soft_cap
+        )
         want = reference.paged_attention(query, kc, vc, table, qsl, lens, scale, window, soft_cap)
-        torch.cuda.synchronize()
+        target.synchronize()
         err = (got.float() - want.float()).abs()
         tol = _tolerance(dtype) * (1 + want.float().abs())
         pad_ok = pad_rows == 0 or bool(torch.all(got[-pad_rows:] == 0))
@@ -163,33 +250,42 @@ def check_case(
     return result
 
 
-def check_write(dtype: torch.dtype, block_size: int) -> dict[str, Any]:
-    key = torch.randn(300, 8, 128, device=DEVICE).to(dtype)
-    value = torch.randn(300, 8, 128, device=DEVICE).to(dtype)
-    slots = torch.randperm(64 * block_size, device=DEVICE)[:300]
+def check_write(target: Target, dtype: torch.dtype, block_size: int) -> dict[str, Any]:
+    device = target.device
+    key = torch.randn(300, 8, 128, device=device).to(dtype)
+    value = torch.randn(300, 8, 128, device=device).to(dtype)
+    slots = torch.randperm(64 * block_size, device=device)[:300]
     slots[::7] = -1
-    got_k = torch.zeros(64, block_size, 8, 128, dtype=dtype, device=DEVICE)
+    got_k = torch.zeros(64, block_size, 8, 128, dtype=dtype, device=device)
     got_v = torch.zeros_like(got_k)
     want_k, want_v = got_k.clone(), got_v.clone()
-    cuda_kernels.write_kv_cache(key, value, got_k, got_v, slots)
+    target.kernels.write_kv_cache(key, value, got_k, got_v, slots)
     reference.write_kv_cache(key, value, want_k, want_v, slots)
     ok = torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     return {"name": "write_kv_cache", "dtype": str(dtype), "block_size": block_size, "ok": ok}
 
 
-def sweep(quick: bool) -> list[dict[str, Any]]:
+def sweep(target: Target, quick: bool) -> list[dict[str, Any]]:
     rng = random.Random(0)
     cases: list[dict[str, Any]] = []
     for dtype in (torch.float16, torch.bfloat16):
         for block_size in (16, 32):
-            cases.append(check_write(dtype, block_size))
+            cases.append(check_write(target, dtype, block_size))
     seed = 0
 
     def add(name: str, seq_lens: list[int], query_lens: list[int], **kw: Any) -> None:
         nonlocal seed
         seed += 1
-        cases.append(check_case(name, seq_lens, query_lens, seed=seed, **kw))
-        torch.cuda.empty_cache()
+        cases.append(check_case(target, name, seq_lens, query_lens, seed=seed, **kw))
+        target.empty_cache()
+
+    if target.emulated:
+        # A few small cases through every path: decode, split-K, mixed, window, soft cap.
+        add("decode b2", [700, 33], [1, 1], num_kv_heads=2)
+        add("mixed w40", [90, 20, 130], [1, 20, 30], num_kv_heads=2, group=1, window=40)
+        add("soft cap fp16", [50, 9], [1, 9], num_kv_heads=1, soft_cap=30.0, dtype=torch.half)
+        add("bs32 pad", [70, 40], [5, 1], num_kv_heads=1, block_size=32, pad_rows=3)
+        return cases
 
     # Decode: batch 1..256, contexts 1..32k.
     for batch, max_ctx in ((1, 1), (1, 32768), (4, 32768), (16, 8192), (64, 4096), (256, 2048)):
@@ -237,23 +333,28 @@ def sweep(quick: bool) -> list[dict[str, Any]]:
 # -- bench ------------------------------------------------------------------------------
 
 
-def copy_bandwidth_gbps() -> float:
+def copy_bandwidth_gbps(target: Target) -> float:
     """Device-to-device copy, bytes read plus written per second."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device=DEVICE)
+    n = target.shapes.copy_bytes
+    x = torch.empty(n, dtype=torch.uint8, device=target.device)
     y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), min_ms=100)
-    return 2 * (2 << 30) / (ms * 1e-3) / 1e9
+    ms = time_ms(target, lambda: y.copy_(x), min_ms=100)
+    return 2 * n / (ms * 1e-3) / 1e9
 
 
-def bench_decode(batch: int, ctx: int, copy_gbps: float, with_reference: bool) -> dict[str, Any]:
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+def bench_decode(
+    target: Target, batch: int, ctx: int, copy_gbps: float, with_reference: bool
+) -> dict[str, Any]:
+    sh, device, bs, dtype = target.shapes, target.device, 16, torch.bfloat16
+    hq, hkv, d = sh.q_heads, sh.kv_heads, sh.head_dim
     gen = torch.Generator().manual_seed(batch * 7 + ctx)
     query, kc, vc, table, qsl, lens = random_paged_batch(
-        gen, [ctx] * batch, [1] * batch, bs, hkv, hq, d, dtype, DEVICE
+        gen, [ctx] * batch, [1] * batch, bs, hkv, hq, d, dtype, device
     )
     scale = d**-0.5
+    attention = target.kernels.paged_attention
     kv_bytes = 2 * batch * ctx * hkv * d * kc.element_size()
-    ms = time_ms(lambda: cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale))
+    ms = time_ms(target, lambda: attention(query, kc, vc, table, qsl, lens, scale))
     row: dict[str, Any] = {
         "batch": batch,
         "context": ctx,
@@ -263,19 +364,20 @@ def bench_decode(batch: int, ctx: int, copy_gbps: float, with_reference: bool) -
     }
     row["fraction_of_copy_bw"] = round(row["kernel_gbps"] / copy_gbps, 3)
     # torch SDPA on contiguous K/V (what paging costs against an unpaged layout)
-    k = torch.randn(batch, hkv, ctx, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, hkv, ctx, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
     q = query.view(batch, hq, 1, d)
     try:
-        sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        sdpa_ms = time_ms(target, lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         row["sdpa_ms"] = round(sdpa_ms, 4)
         row["speedup_vs_sdpa"] = round(sdpa_ms / ms, 3)
     except Exception as exc:
         row["sdpa_error"] = f"{type(exc).__name__}: {exc}"
     k = v = None  # free the contiguous copy before the reference gathers pages
-    torch.cuda.empty_cache()
+    target.empty_cache()
     if with_reference:
         ref_ms = time_ms(
+            target,
             lambda: reference.paged_attention(query, kc, vc, table, qsl, lens, scale),
             min_ms=1,
             max_iters=3,
@@ -285,18 +387,20 @@ def bench_decode(batch: int, ctx: int, copy_gbps: float, with_reference: bool) -
     return row
 
 
-def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any]:
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+def bench_prefill(target: Target, name: str, batch: int, new: int, prefix: int) -> dict[str, Any]:
+    sh, device, bs, dtype = target.shapes, target.device, 16, torch.bfloat16
+    hq, hkv, d = sh.q_heads, sh.kv_heads, sh.head_dim
     total = prefix + new
     gen = torch.Generator().manual_seed(total)
     query, kc, vc, table, qsl, lens = random_paged_batch(
-        gen, [total] * batch, [new] * batch, bs, hkv, hq, d, dtype, DEVICE
+        gen, [total] * batch, [new] * batch, bs, hkv, hq, d, dtype, device
     )
     scale = d**-0.5
+    attention = target.kernels.paged_attention
     # Visible (query, key) pairs: each query at p sees p + 1 keys.
     pairs = batch * sum(prefix + i + 1 for i in range(new))
     flops = 4 * pairs * hq * d
-    ms = time_ms(lambda: cuda_kernels.paged_attention(query, kc, vc, table, qsl, lens, scale))
+    ms = time_ms(target, lambda: attention(query, kc, vc, table, qsl, lens, scale))
     row: dict[str, Any] = {
         "case": name,
         "batch": batch,
@@ -306,7 +410,7 @@ def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any
         "kernel_tflops": round(flops / (ms * 1e-3) / 1e12, 2),
     }
     q = query.view(batch, new, hq, d).transpose(1, 2)
-    k = torch.randn(batch, hkv, total, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, hkv, total, d, device=device, dtype=dtype)
     v = torch.randn_like(k)
     try:
         if prefix == 0:
@@ -316,7 +420,7 @@ def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any
 
             mask = causal_lower_right(new, total)
             sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
-        sdpa_ms = time_ms(sdpa)
+        sdpa_ms = time_ms(target, sdpa)
         row["sdpa_ms"] = round(sdpa_ms, 4)
         row["sdpa_tflops"] = round(flops / (sdpa_ms * 1e-3) / 1e12, 2)
         row["speedup_vs_sdpa"] = round(sdpa_ms / ms, 3)
@@ -325,50 +429,87 @@ def bench_prefill(name: str, batch: int, new: int, prefix: int) -> dict[str, Any
     return row
 
 
-def bench(quick: bool) -> dict[str, Any]:
-    copy_gbps = copy_bandwidth_gbps()
-    torch.cuda.empty_cache()
-    batches = (1, 16, 64, 256)
-    contexts = (1024, 4096) if quick else (1024, 4096, 16384)
+def targets(shapes: Shapes, decode: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's decode targets over the rows they apply to (None: nothing measured)."""
+    rows = [
+        r
+        for r in decode
+        if r["batch"] >= shapes.target_batch and r["context"] >= shapes.target_context
+    ]
+    bandwidth = [r["fraction_of_copy_bw"] for r in rows]
+    speedups = [r.get("speedup_vs_sdpa") for r in rows]
+    return {
+        "applies_to": f"decode, batch >= {shapes.target_batch}, context >= {shapes.target_context}",
+        "cases": len(rows),
+        "min_fraction_of_copy_bw": min(bandwidth) if bandwidth else None,
+        "fraction_of_copy_bw_met": (
+            all(b >= TARGET_FRACTION_OF_COPY_BW for b in bandwidth) if rows else None
+        ),
+        "min_speedup_vs_sdpa": min(s for s in speedups if s is not None) if rows else None,
+        # A row whose SDPA failed cannot show the kernel is no slower: not met.
+        "no_slower_than_sdpa_met": (
+            all(s is not None and s >= TARGET_SPEEDUP_VS_SDPA for s in speedups) if rows else None
+        ),
+    }
+
+
+def bench(target: Target, quick: bool) -> dict[str, Any]:
+    sh = target.shapes
+    copy_gbps = copy_bandwidth_gbps(target)
+    target.empty_cache()
+    contexts = sh.quick_contexts if quick else sh.contexts
     decode = []
-    for batch in batches:
+    for batch in sh.batches:
         for ctx in contexts:
-            decode.append(bench_decode(batch, ctx, copy_gbps, with_reference=batch * ctx <= 2**20))
-            torch.cuda.empty_cache()
-            print(json.dumps(decode[-1]), file=sys.stderr, flush=True)
-    prefill_cases = [("prefill", 1, 4096, 0), ("prefill", 4, 2048, 0), ("extend", 1, 512, 8192)]
-    if not quick:
-        prefill_cases += [("prefill", 1, 16384, 0), ("extend", 16, 256, 2048)]
+            row = bench_decode(target, batch, ctx, copy_gbps, with_reference=batch * ctx <= 2**20)
+            decode.append(row)
+            target.empty_cache()
+            print(json.dumps(row), file=sys.stderr, flush=True)
     prefill = []
-    for case in prefill_cases:
-        prefill.append(bench_prefill(*case))
-        torch.cuda.empty_cache()
+    for case in sh.prefill[: sh.quick_prefill] if quick else sh.prefill:
+        prefill.append(bench_prefill(target, *case))
+        target.empty_cache()
         print(json.dumps(prefill[-1]), file=sys.stderr, flush=True)
-    return {"copy_bandwidth_gbps_read_plus_write": round(copy_gbps, 1), "decode": decode,
-            "prefill": prefill}  # fmt: skip
+    return {
+        "copy_bandwidth_gbps_read_plus_write": round(copy_gbps, 1),
+        "shapes": {"q_heads": sh.q_heads, "kv_heads": sh.kv_heads, "head_dim": sh.head_dim,
+                   "dtype": "bfloat16", "block_size": 16},
+        "decode": decode,
+        "prefill": prefill,
+        "targets": targets(sh, decode),
+    }  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["check", "bench"])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument(
+        "--emulate",
+        action="store_true",
+        help="run on the CPU through the kernel emulator, small shapes (checks this script)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print(json.dumps({"error": "no CUDA GPU"}))
+    if args.emulate:
+        target = emulated_target()
+    elif torch.cuda.is_available():
+        target = gpu_target()
+    else:
+        print(json.dumps({"error": "no CUDA GPU (use --emulate to run on the CPU emulator)"}))
         return 2
     start = time.perf_counter()
-    report: dict[str, Any] = {"mode": args.mode, "environment": environment()}
+    report: dict[str, Any] = {"mode": args.mode, "environment": environment(target)}
     status = 0
     if args.mode == "check":
-        cases = sweep(args.quick)
+        cases = sweep(target, args.quick)
         failed = [c for c in cases if not c["ok"]]
         report.update(cases=cases, passed=len(cases) - len(failed), failed=len(failed))
         for c in failed:
             print(f"FAILED {json.dumps(c)}", file=sys.stderr)
         status = 1 if failed else 0
     else:
-        report.update(bench(args.quick))
+        report.update(bench(target, args.quick))
     report["seconds"] = round(time.perf_counter() - start, 1)
     text = json.dumps(report)
     if args.out:

@@ -4,13 +4,15 @@
 #
 # On a GPU machine, from the repository root:
 #   bash benchmarks/gpu_check.sh [--quick]
-# Results (JSON and logs) go to $OUT if set (the device tool's output folder), else to
-# results/gpu_check/. The last line printed is a JSON summary; exit status 1 if anything
-# failed.
+# Without a GPU, --emulate runs the same steps with the kernels on the CPU emulator and small
+# shapes (the GPU-only tests skip): it checks this script, not the GPU (the tests run it).
+# Results (JSON and logs, 8 files) go to $OUT if set (the device tool's output folder),
+# else to results/gpu_check/. The last line printed is a JSON summary; exit status 1 if
+# anything failed.
 #
 # The GPU machine may have no network. The kernels need torch and CuPy (cupy-cuda12x or
 # cupy-cuda13x); the compile check needs cuda-bindings + nvidia-cuda-nvrtc +
-# nvidia-cuda-runtime; the rest of pagedserve (not this script) needs pyzmq and msgspec.
+# nvidia-cuda-runtime; the end-to-end step starts the engine, which needs pyzmq and msgspec.
 # Whatever is missing there can travel as wheels in .whl/ (ignored by git). Fetch them
 # beforehand on a machine with PyPI access:
 #   bash benchmarks/gpu_check.sh --fetch-wheels [PY_VERSION=3.12] [extra packages...]
@@ -32,8 +34,13 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     --implementation cp "${platforms[@]}" -d .whl pyzmq msgspec "$@"
 fi
 
-QUICK=""
-[[ "${1:-}" == "--quick" ]] && QUICK="--quick"
+BENCH_FLAGS=()
+for arg in "$@"; do
+  case "$arg" in
+    --quick | --emulate) BENCH_FLAGS+=("$arg") ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--quick] [--emulate] | --fetch-wheels" >&2; exit 2 ;;
+  esac
+done
 RESULTS="${OUT:-results/gpu_check}"
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
@@ -45,7 +52,8 @@ if ! "$PY" -c "import cupy, zmq, msgspec" 2>/dev/null && compgen -G ".whl/*.whl"
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-"$PY" - <<'EOF' | tee "$RESULTS/environment.txt"
+# (At most 8 files come back from the device tool's $OUT: this script writes 8.)
+"$PY" - <<'EOF'
 import importlib
 for name in ("torch", "cupy", "cuda.bindings", "zmq", "msgspec", "pytest"):
     try:
@@ -74,15 +82,26 @@ run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
   tests/test_cuda_kernels.py tests/test_reference_kernels.py
 # The whole engine on the GPU in bf16 and fp16 against float32 transformers.
 run e2e "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_half_precision.py
-run check "$PY" benchmarks/attention_bench.py check $QUICK --out "$RESULTS/check.json"
-run bench "$PY" benchmarks/attention_bench.py bench $QUICK --out "$RESULTS/bench.json"
+run check "$PY" benchmarks/attention_bench.py check "${BENCH_FLAGS[@]}" --out "$RESULTS/check.json"
+run bench "$PY" benchmarks/attention_bench.py bench "${BENCH_FLAGS[@]}" --out "$RESULTS/bench.json"
 
+# Exit statuses, and the decode targets as the benchmark judged them.
+"$PY" - "$RESULTS" "${status[nvrtc]}" "${status[pytest]}" "${status[e2e]}" "${status[check]}" \
+  "${status[bench]}" <<'EOF' | tee "$RESULTS/summary.json"
+import json, sys
+from pathlib import Path
+results = Path(sys.argv[1])
+steps = dict(zip(("nvrtc", "pytest", "e2e", "check", "bench"), map(int, sys.argv[2:])))
+summary = {**steps, "failed": int(any(steps.values()))}
+bench = results / "bench.json"
+if bench.exists():
+    report = json.loads(bench.read_text())
+    summary["environment"] = report.get("environment")
+    summary["targets"] = report.get("targets")
+print(json.dumps(summary))
+EOF
 failed=0
-summary="{"
 for name in nvrtc pytest e2e check bench; do
   [[ "${status[$name]}" != 0 ]] && failed=1
-  summary+="\"$name\": ${status[$name]}, "
 done
-summary+="\"failed\": $failed}"
-echo "$summary" | tee "$RESULTS/summary.json"
 exit $failed
