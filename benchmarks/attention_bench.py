@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Paged-attention CUDA kernels on a GPU: correctness sweep and speed, as JSON.
 
-    python benchmarks/attention_bench.py check [--quick] [--emulate] [--out FILE]
+    python benchmarks/attention_bench.py check [--quick | --small] [--emulate] [--out FILE]
     python benchmarks/attention_bench.py bench [--quick] [--emulate] [--out FILE]
 
 check: kernels.cuda_kernels against kernels.reference over a sweep (batch 1-256, contexts
@@ -265,7 +265,7 @@ def check_write(target: Target, dtype: torch.dtype, block_size: int) -> dict[str
     return {"name": "write_kv_cache", "dtype": str(dtype), "block_size": block_size, "ok": ok}
 
 
-def sweep(target: Target, quick: bool) -> list[dict[str, Any]]:
+def sweep(target: Target, quick: bool, small: bool = False) -> list[dict[str, Any]]:
     rng = random.Random(0)
     cases: list[dict[str, Any]] = []
     for dtype in (torch.float16, torch.bfloat16):
@@ -279,7 +279,7 @@ def sweep(target: Target, quick: bool) -> list[dict[str, Any]]:
         cases.append(check_case(target, name, seq_lens, query_lens, seed=seed, **kw))
         target.empty_cache()
 
-    if target.emulated:
+    if target.emulated or small:
         # A few small cases through every path: decode, split-K, mixed, window, soft cap.
         add("decode b2", [700, 33], [1, 1], num_kv_heads=2)
         add("mixed w40", [90, 20, 130], [1, 20, 30], num_kv_heads=2, group=1, window=40)
@@ -489,6 +489,11 @@ def main() -> int:
         action="store_true",
         help="run on the CPU through the kernel emulator, small shapes (checks this script)",
     )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="check: only the few small cases (for compute-sanitizer, where each launch is slow)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     if args.emulate:
@@ -502,7 +507,7 @@ def main() -> int:
     report: dict[str, Any] = {"mode": args.mode, "environment": environment(target)}
     status = 0
     if args.mode == "check":
-        cases = sweep(target, args.quick)
+        cases = sweep(target, args.quick, args.small)
         failed = [c for c in cases if not c["ok"]]
         report.update(cases=cases, passed=len(cases) - len(failed), failed=len(failed))
         for c in failed:

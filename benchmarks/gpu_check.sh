@@ -43,6 +43,7 @@ for arg in "$@"; do
 done
 RESULTS="${OUT:-results/gpu_check}"
 mkdir -p "$RESULTS"
+rm -f "$RESULTS"/*.log "$RESULTS"/*.json  # logs are appended to
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 
@@ -52,7 +53,6 @@ if ! "$PY" -c "import cupy, zmq, msgspec" 2>/dev/null && compgen -G ".whl/*.whl"
     --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-# (At most 8 files come back from the device tool's $OUT: this script writes 8.)
 "$PY" - <<'EOF'
 import importlib
 for name in ("torch", "cupy", "cuda.bindings", "zmq", "msgspec", "pytest"):
@@ -66,13 +66,16 @@ print("cuda available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
 
+# Each step logs to $RESULTS/<step>.log, except the end-to-end tests, which append to
+# pytest.log (the device tool brings back 8 files at most; this script writes 8).
 declare -A status
-run() {  # run NAME CMD...: log to $RESULTS/NAME.log, remember the exit status
+declare -A log_as=([e2e]=pytest)
+run() {  # run NAME CMD...: log the output, remember the exit status
   local name="$1"
   shift
   echo "=== $name: $*"
   local start=$SECONDS
-  "$@" 2>&1 | tee "$RESULTS/$name.log"
+  "$@" 2>&1 | tee -a "$RESULTS/${log_as[$name]:-$name}.log"
   status[$name]=${PIPESTATUS[0]}
   echo "=== $name: exit ${status[$name]} in $((SECONDS - start))s"
 }
@@ -85,14 +88,33 @@ run e2e "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/test_half_precision
 run check "$PY" benchmarks/attention_bench.py check "${BENCH_FLAGS[@]}" --out "$RESULTS/check.json"
 run bench "$PY" benchmarks/attention_bench.py bench "${BENCH_FLAGS[@]}" --out "$RESULTS/bench.json"
 
+# Out-of-bounds and misaligned device accesses on the small cases, in what time is left of
+# the device tool's 10-minute command limit. Without the caching allocator every tensor is
+# its own allocation, so a read past a tensor's end is caught, not hidden in a pool.
+BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+left=$((BUDGET_S - SECONDS))
+if [[ " ${BENCH_FLAGS[*]} " == *" --emulate "* ]] || ! command -v compute-sanitizer >/dev/null; then
+  echo "=== memcheck: skipped (no compute-sanitizer, or emulated)"
+  status[memcheck]=skipped
+elif ((left < 60)); then
+  echo "=== memcheck: skipped (${left}s left of ${BUDGET_S}s)"
+  status[memcheck]=skipped
+else
+  run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$((left - 15))" compute-sanitizer \
+    --tool memcheck --error-exitcode 3 "$PY" benchmarks/attention_bench.py check --small
+  [[ "${status[memcheck]}" == 124 ]] && status[memcheck]=timed-out
+fi
+
 # Exit statuses, and the decode targets as the benchmark judged them.
 "$PY" - "$RESULTS" "${status[nvrtc]}" "${status[pytest]}" "${status[e2e]}" "${status[check]}" \
-  "${status[bench]}" <<'EOF' | tee "$RESULTS/summary.json"
+  "${status[bench]}" "${status[memcheck]}" <<'EOF' | tee "$RESULTS/summary.json"
 import json, sys
 from pathlib import Path
 results = Path(sys.argv[1])
-steps = dict(zip(("nvrtc", "pytest", "e2e", "check", "bench"), map(int, sys.argv[2:])))
-summary = {**steps, "failed": int(any(steps.values()))}
+names = ("nvrtc", "pytest", "e2e", "check", "bench", "memcheck")
+steps = {n: int(v) if v.isdigit() else v for n, v in zip(names, sys.argv[2:])}
+failed = any(isinstance(v, int) and v != 0 for v in steps.values())
+summary = {**steps, "failed": int(failed)}
 bench = results / "bench.json"
 if bench.exists():
     report = json.loads(bench.read_text())
@@ -101,7 +123,7 @@ if bench.exists():
 print(json.dumps(summary))
 EOF
 failed=0
-for name in nvrtc pytest e2e check bench; do
-  [[ "${status[$name]}" != 0 ]] && failed=1
+for name in nvrtc pytest e2e check bench memcheck; do
+  [[ "${status[$name]}" =~ ^[0-9]+$ && "${status[$name]}" != 0 ]] && failed=1
 done
 exit $failed
