@@ -42,8 +42,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kernels import reference  # noqa: E402
+from kernels.cuda_kernels import paged_attention_with, plan_for  # noqa: E402
 from kernels.testing import random_paged_batch  # noqa: E402
 
+# Split counts every decode row is also timed with (each split at least 256 keys).
+SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
 # The targets for decode at batch >= 16 and context >= 4k.
 TARGET_FRACTION_OF_COPY_BW = 0.75
 TARGET_SPEEDUP_VS_SDPA = 1.0
@@ -83,7 +86,7 @@ class Target:
 
     device: str
     kernels: Any  # a module with paged_attention and write_kv_cache
-    num_sms: int
+    backend: Any  # its launch backend (kernels.cuda_kernels.Backend)
     shapes: Shapes
 
     @property
@@ -102,14 +105,13 @@ class Target:
 def gpu_target() -> Target:
     from kernels import cuda_kernels
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return Target("cuda", cuda_kernels, sms, GPU_SHAPES)
+    return Target("cuda", cuda_kernels, cuda_kernels.cuda_backend(), GPU_SHAPES)
 
 
 def emulated_target() -> Target:
     from kernels import cuda_emulator
 
-    return Target("cpu", cuda_emulator, cuda_emulator.EMULATED_SMS, EMULATED_SHAPES)
+    return Target("cpu", cuda_emulator, cuda_emulator.backend(), EMULATED_SHAPES)
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -205,18 +207,6 @@ def check_case(
         for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
             table[b, : max(0, s - n - window + 1) // block_size] = 0
     scale = head_dim**-0.5
-    from kernels.cuda_kernels import plan_attention
-
-    plan = plan_attention(
-        query.shape[0],
-        len(seq_lens),
-        query.shape[1],
-        num_kv_heads,
-        head_dim,
-        table.shape[1] * block_size,
-        window,
-        target.num_sms,
-    )
     result: dict[str, Any] = {
         "name": name,
         "batch": len(seq_lens),
@@ -228,9 +218,9 @@ def check_case(
         "dtype": str(dtype).removeprefix("torch."),
         "window": window,
         "soft_cap": soft_cap,
-        "splits": plan.num_splits,
     }
     try:
+        result["splits"] = plan_for(target.backend, query, kc, table, lens, window).num_splits
         got = target.kernels.paged_attention(
             query, kc, vc, table, qsl, lens, scale, window, soft_cap
         )
@@ -361,8 +351,22 @@ def bench_decode(
         "kv_gb": round(kv_bytes / 1e9, 3),
         "kernel_ms": round(ms, 4),
         "kernel_gbps": round(kv_bytes / (ms * 1e-3) / 1e9, 1),
+        "splits": plan_for(target.backend, query, kc, table, lens).num_splits,
     }
     row["fraction_of_copy_bw"] = round(row["kernel_gbps"] / copy_gbps, 3)
+    # The same launch with other split counts: is the planner's choice the fast one?
+    sweep_ms = {}
+    for splits in SPLIT_SWEEP:
+        if splits > 1 and splits * 256 > ctx:
+            break
+
+        def forced(splits: int = splits) -> object:
+            return paged_attention_with(
+                target.backend, query, kc, vc, table, qsl, lens, scale, num_splits=splits
+            )
+
+        sweep_ms[str(splits)] = round(time_ms(target, forced, min_ms=10), 4)
+    row["ms_by_splits"] = sweep_ms
     # torch SDPA on contiguous K/V (what paging costs against an unpaged layout)
     k = torch.randn(batch, hkv, ctx, d, device=device, dtype=dtype)
     v = torch.randn_like(k)

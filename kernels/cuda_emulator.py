@@ -27,7 +27,11 @@ import torch
 from kernels.cuda_kernels import Arg, paged_attention_with, write_kv_cache_with
 from kernels.cuda_sources import CUDA_DIR, KernelBuild
 
-EMULATED_SMS = 8  # small, so that tests reach the split-K path with little work
+# A small device, so that tests reach the split-K path with little work: 8 SMs that each
+# hold 2 attention CTAs, as an H100's shared memory allows for head_dim 128.
+EMULATED_SMS = 8
+EMULATED_CTAS_PER_SM = 2
+EMULATED_RESIDENT_CTAS = EMULATED_SMS * EMULATED_CTAS_PER_SM
 
 
 def compiler() -> str | None:
@@ -35,12 +39,13 @@ def compiler() -> str | None:
 
 
 class EmulatorBackend:
-    def __init__(self, num_sms: int = EMULATED_SMS) -> None:
+    def __init__(self) -> None:
         self._libs: dict[KernelBuild, ctypes.CDLL] = {}
-        self._num_sms = num_sms
 
-    def num_sms(self, device: torch.device) -> int:
-        return self._num_sms
+    def resident_ctas(
+        self, build: KernelBuild, kernel: str, block: int, smem: int, device: torch.device
+    ) -> int:
+        return EMULATED_RESIDENT_CTAS
 
     def _library(self, build: KernelBuild) -> ctypes.CDLL:
         lib = self._libs.get(build)

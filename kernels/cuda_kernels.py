@@ -45,10 +45,12 @@ from kernels.cuda_sources import (
 
 LOG2E = 1.4426950408889634
 KV_WRITE_THREADS = 128
-# Split a tile's keys (flash-decoding) only while the grid has fewer CTAs than this many
-# per SM, and never into pieces shorter than MIN_KEYS_PER_SPLIT keys.
-TARGET_CTAS_PER_SM = 4
+# Split a tile's keys (flash-decoding) only while the grid fills less than this share of
+# one wave of resident CTAs, and never into pieces shorter than MIN_KEYS_PER_SPLIT keys.
+SPLIT_BELOW_WAVE_SHARE = 0.8
 MIN_KEYS_PER_SPLIT = 256
+# Among split counts, the fewest whose wave efficiency is within this share of the best.
+SPLIT_EFFICIENCY_SHARE = 0.85
 # Upper bound on the fp32 scratch of split partial outputs.
 MAX_SPLIT_SCRATCH_BYTES = 512 << 20
 
@@ -101,7 +103,11 @@ class Backend(Protocol):
         device: torch.device,
     ) -> None: ...
 
-    def num_sms(self, device: torch.device) -> int: ...
+    def resident_ctas(
+        self, build: KernelBuild, kernel: str, block: int, smem: int, device: torch.device
+    ) -> int:
+        """How many CTAs of this kernel the whole device runs at once (one wave)."""
+        ...
 
 
 class CupyBackend:
@@ -110,14 +116,26 @@ class CupyBackend:
     def __init__(self) -> None:
         self._modules: dict[tuple[KernelBuild, int], Any] = {}
         self._functions: dict[tuple[KernelBuild, int, str], Any] = {}
-        self._sms: dict[int, int] = {}
+        self._resident: dict[tuple[KernelBuild, int, str, int, int], int] = {}
         self._streams: dict[int, Any] = {}
 
-    def num_sms(self, device: torch.device) -> int:
+    def resident_ctas(
+        self, build: KernelBuild, kernel: str, block: int, smem: int, device: torch.device
+    ) -> int:
         index = _device_index(device)
-        if index not in self._sms:
-            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._sms[index]
+        key = (build, index, kernel, block, smem)
+        resident = self._resident.get(key)
+        if resident is None:
+            import cupy
+
+            fn = self._function(build, kernel, index, smem)
+            with cupy.cuda.Device(index):
+                per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    fn.kernel.ptr, block, smem
+                )
+            sms = torch.cuda.get_device_properties(index).multi_processor_count
+            resident = self._resident[key] = max(1, per_sm) * sms
+        return resident
 
     def _function(self, build: KernelBuild, kernel: str, index: int, smem: int) -> Any:
         key = (build, index, kernel)
@@ -205,7 +223,7 @@ def _device_index(device: torch.device) -> int:
 _CUPY_BACKEND: CupyBackend | None = None
 
 
-def _cuda_backend() -> CupyBackend:
+def cuda_backend() -> CupyBackend:
     global _CUPY_BACKEND
     if _CUPY_BACKEND is None:
         _CUPY_BACKEND = CupyBackend()
@@ -304,7 +322,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding."""
-    write_kv_cache_with(_cuda_backend(), key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache_with(cuda_backend(), key, value, key_cache, value_cache, slot_mapping)
 
 
 # -- paged attention --------------------------------------------------------------------
@@ -321,6 +339,27 @@ class AttentionPlan:
     num_splits: int
 
 
+def choose_splits(ctas: int, resident_ctas: int, max_splits: int) -> int:
+    """How many pieces to split each tile's keys into, for a grid of `ctas` CTAs on a
+    device that runs `resident_ctas` at once.
+
+    A grid that fills most of a wave stays whole. Otherwise more splits fill more of the
+    device, but each adds a partial output to reduce, and a last wave that is only partly
+    full leaves SMs idle while it runs: take the fewest splits whose wave efficiency
+    (CTAs / (waves rounded up * resident)) is close to the best one on offer."""
+    if max_splits <= 1 or ctas >= SPLIT_BELOW_WAVE_SHARE * resident_ctas:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = ctas * splits / resident_ctas
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(
+        s for s in range(1, max_splits + 1) if efficiency(s) >= SPLIT_EFFICIENCY_SHARE * best
+    )
+
+
 def plan_attention(
     num_tokens: int,
     num_reqs: int,
@@ -329,11 +368,14 @@ def plan_attention(
     head_dim: int,
     max_context: int,
     sliding_window: int | None,
-    num_sms: int,
+    resident_ctas: int,
+    num_splits: int | None = None,
 ) -> AttentionPlan:
     """Grid and split count from shapes alone (no device values, so no synchronisation).
 
-    max_context bounds every request's length (block table width * block size).
+    max_context bounds every request's length (block table width * block size);
+    resident_ctas is how many attention CTAs the device runs at once; num_splits, when
+    given, overrides the choice (benchmarks compare split counts with it).
     """
     group = num_q_heads // num_kv_heads
     heads_per_cta = min(group, ATTN_BLOCK_M)
@@ -343,16 +385,47 @@ def plan_attention(
     tiles = max(1, min(num_tokens, (num_tokens + num_reqs * (tpt - 1)) // tpt))
     ctas = tiles * num_kv_heads * head_chunks
     span = max_context if sliding_window is None else min(max_context, sliding_window + tpt - 1)
-    splits = 1
-    target = TARGET_CTAS_PER_SM * num_sms
-    if ctas < target:
-        splits = min(
-            math.ceil(target / ctas), math.ceil(span / MIN_KEYS_PER_SPLIT), REDUCE_MAX_SPLITS
-        )
-        per_split_bytes = num_tokens * num_q_heads * (head_dim + 1) * 4
-        splits = max(1, min(splits, MAX_SPLIT_SCRATCH_BYTES // max(1, per_split_bytes)))
+    per_split_bytes = num_tokens * num_q_heads * (head_dim + 1) * 4
+    max_splits = min(
+        math.ceil(span / MIN_KEYS_PER_SPLIT),
+        REDUCE_MAX_SPLITS,
+        MAX_SPLIT_SCRATCH_BYTES // max(1, per_split_bytes),
+    )
+    if num_splits is None:
+        splits = choose_splits(ctas, resident_ctas, max_splits)
+    elif 1 <= num_splits <= REDUCE_MAX_SPLITS:
+        splits = num_splits
+    else:
+        raise ValueError(f"num_splits must be in [1, {REDUCE_MAX_SPLITS}], got {num_splits}")
     grid = (tiles, num_kv_heads * head_chunks, splits)
     return AttentionPlan(heads_per_cta, head_chunks, tpt, grid, splits)
+
+
+def plan_for(
+    backend: Backend,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> AttentionPlan:
+    """The plan paged_attention_with launches for these arguments."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    build = attention_build(_DTYPE_NAMES[query.dtype], head_dim)
+    smem = attention_smem_bytes(head_dim)
+    return plan_attention(
+        num_tokens,
+        seq_lens.shape[0],
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_table.shape[1] * block_size,
+        sliding_window,
+        backend.resident_ctas(build, "paged_attention", ATTN_THREADS, smem, query.device),
+        num_splits,
+    )
 
 
 def _aligned_rows(t: torch.Tensor, dims: int) -> bool:
@@ -376,6 +449,8 @@ def paged_attention_with(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -422,16 +497,9 @@ def paged_attention_with(
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
 
-    plan = plan_attention(
-        num_tokens,
-        num_reqs,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        block_table.shape[1] * block_size,
-        sliding_window,
-        backend.num_sms(query.device),
-    )
+    build = attention_build(_DTYPE_NAMES[query.dtype], head_dim)
+    smem = attention_smem_bytes(head_dim)
+    plan = plan_for(backend, query, key_cache, block_table, seq_lens, sliding_window, num_splits)
     part_o: torch.Tensor | None = None
     part_lse: torch.Tensor | None = None
     if plan.num_splits > 1:
@@ -439,7 +507,6 @@ def paged_attention_with(
         part_o = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
         part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
 
-    build = attention_build(_DTYPE_NAMES[query.dtype], head_dim)
     cap_scale = 0.0 if soft_cap is None else scale / soft_cap
     cap_log2 = 0.0 if soft_cap is None else soft_cap * LOG2E
     args = [
@@ -476,7 +543,7 @@ def paged_attention_with(
         "paged_attention",
         plan.grid,
         ATTN_THREADS,
-        attention_smem_bytes(head_dim),
+        smem,
         args,
         query.device,
     )
@@ -516,7 +583,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over paged K/V; see kernels.reference.paged_attention."""
     return paged_attention_with(
-        _cuda_backend(),
+        cuda_backend(),
         query,
         key_cache,
         value_cache,

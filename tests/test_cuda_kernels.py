@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.cuda_kernels import plan_attention, supports
+from kernels.cuda_kernels import choose_splits, plan_attention, supports
 from kernels.testing import random_paged_batch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -99,22 +99,50 @@ DECODE_LONG = ([700, 310, 65], [1, 1, 1])  # long enough to split on 8 emulated 
 # -- plan (pure Python) -----------------------------------------------------------------
 
 
+H100_RESIDENT = 132 * 2  # head_dim 128: two CTAs' shared memory fit one SM
+
+
 def test_plan_splits_small_batches_and_not_large_ones() -> None:
-    one = plan_attention(1, 1, 32, 8, 128, 32768, None, num_sms=132)
+    one = plan_attention(1, 1, 32, 8, 128, 32768, None, H100_RESIDENT)
     assert one.num_splits > 8 and one.grid == (1, 8, one.num_splits)
-    big = plan_attention(256, 256, 32, 8, 128, 32768, None, num_sms=132)
+    big = plan_attention(256, 256, 32, 8, 128, 32768, None, H100_RESIDENT)
     assert big.num_splits == 1 and big.grid == (256, 8, 1)
-    short = plan_attention(1, 1, 32, 8, 128, 200, None, num_sms=132)
+    short = plan_attention(1, 1, 32, 8, 128, 200, None, H100_RESIDENT)
     assert short.num_splits == 1  # 200 keys are not worth splitting
-    window = plan_attention(1, 1, 32, 8, 128, 32768, 512, num_sms=132)
+    window = plan_attention(1, 1, 32, 8, 128, 32768, 512, H100_RESIDENT)
     assert window.num_splits <= math.ceil((512 + window.tokens_per_tile) / 256)
+    forced = plan_attention(256, 256, 32, 8, 128, 32768, None, H100_RESIDENT, num_splits=3)
+    assert forced.num_splits == 3 and forced.grid[2] == 3
+    with pytest.raises(ValueError, match="num_splits"):
+        plan_attention(1, 1, 32, 8, 128, 4096, None, H100_RESIDENT, num_splits=0)
+
+
+def test_split_choice_fills_whole_waves() -> None:
+    # 16 decodes x 8 kv heads = 128 CTAs on 264 slots: 2 splits make one nearly full wave;
+    # 5 (four CTAs per SM, as if shared memory allowed it) would leave a last wave 42% full.
+    assert choose_splits(128, H100_RESIDENT, 16) == 2
+    # One long decode (8 CTAs): enough splits to cover most of a wave.
+    assert 8 * choose_splits(8, H100_RESIDENT, 64) >= 0.85 * H100_RESIDENT
+    # A grid that already fills most of a wave stays whole; so does a short context.
+    assert choose_splits(230, H100_RESIDENT, 16) == 1
+    assert choose_splits(8, H100_RESIDENT, 1) == 1
+
+    # In a model where a step lasts (waves, rounded up) x (work per CTA = 1 / splits), the
+    # choice is never more than 1/0.85 of the best split count's time.
+    def step_time(ctas: int, splits: int) -> float:
+        return math.ceil(ctas * splits / H100_RESIDENT) / splits
+
+    for ctas in range(1, 212):  # below 80% of a wave
+        splits = choose_splits(ctas, H100_RESIDENT, 32)
+        best = min(step_time(ctas, s) for s in range(1, 33))
+        assert 1 <= splits <= 32 and step_time(ctas, splits) <= best / 0.85 + 1e-9
 
 
 def test_plan_packs_gqa_groups_into_tiles() -> None:
-    plan = plan_attention(100, 1, 28, 4, 128, 4096, None, num_sms=132)  # group of 7
+    plan = plan_attention(100, 1, 28, 4, 128, 4096, None, H100_RESIDENT)  # group of 7
     assert plan.heads_per_cta == 7 and plan.tokens_per_tile == 9 and plan.head_chunks == 1
     assert plan.grid[0] == math.ceil(100 / 9)
-    wide = plan_attention(10, 2, 96, 1, 64, 4096, None, num_sms=132)  # group of 96
+    wide = plan_attention(10, 2, 96, 1, 64, 4096, None, H100_RESIDENT)  # group of 96
     assert wide.heads_per_cta == 64 and wide.head_chunks == 2 and wide.tokens_per_tile == 1
 
 
@@ -158,7 +186,7 @@ def test_emulated_attention_soft_cap_and_padding_rows(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("pad_rows", [0, 2])
 def test_emulated_split_k_decode(window: int | None, pad_rows: int) -> None:
     emu = _emulator_or_skip()
-    plan = plan_attention(3 + pad_rows, 3, 8, 2, 64, 45 * 16, window, emu.EMULATED_SMS)
+    plan = plan_attention(3 + pad_rows, 3, 8, 2, 64, 45 * 16, window, emu.EMULATED_RESIDENT_CTAS)
     assert plan.num_splits > 1  # the case this test is for
     _compare_attention(
         emu.paged_attention,
@@ -184,7 +212,7 @@ def test_emulated_split_where_a_row_sees_no_key() -> None:
     # 2 tokens x 8 heads = 16 rows (key mode); 769 keys in splits of 256: the last split
     # holds only the newest key, which the first token may not see.
     emu = _emulator_or_skip()
-    plan = plan_attention(2, 1, 8, 1, 64, 50 * 16, None, emu.EMULATED_SMS)
+    plan = plan_attention(2, 1, 8, 1, 64, 50 * 16, None, emu.EMULATED_RESIDENT_CTAS)
     assert plan.num_splits == 4
     _compare_attention(
         emu.paged_attention, "cpu", [769], [2], num_kv_heads=1, group=8, seed=4

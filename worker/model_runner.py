@@ -174,10 +174,13 @@ class ModelRunner:
         device = self.device
         tables = batch.block_table.commit(batch.num_reqs)
         rows = torch.from_numpy(inputs.block_table_rows.astype(np.int64)).to(device)
+        # Only the columns this step reaches: the CUDA planner sizes its key splits by the
+        # table's width, and the gather copies less.
+        widths = [-(-inputs.max_seq_len // t.block_size) for t in batch.block_table.tables]
         attn = AttentionMetadata(
             query_start_loc=torch.from_numpy(inputs.query_start_loc).to(device),
             seq_lens=torch.from_numpy(inputs.seq_lens).to(device),
-            block_tables=[t.index_select(0, rows) for t in tables],
+            block_tables=[t[:, :w].index_select(0, rows) for t, w in zip(tables, widths)],
             slot_mappings=[torch.from_numpy(s).to(device) for s in inputs.slot_mappings],
         )
         req_ids = inputs.sampling_req_ids
