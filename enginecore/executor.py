@@ -8,6 +8,7 @@ same encoded bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import zmq
@@ -29,6 +30,14 @@ from protocol.worker import (
     WorkerReady,
     WorkerToCore,
 )
+
+log = logging.getLogger("pagedserve.core")
+
+# The most blocks the engine sizes itself to without --num-gpu-blocks. Real models on
+# today's GPUs stay far below (an 8B Llama on 141 GB: ~60k blocks of 16); a toy model on a
+# big GPU would otherwise ask the core for tens of millions of block objects (seconds of
+# start-up and gigabytes of host memory) that no workload fills.
+MAX_AUTO_NUM_BLOCKS = 1 << 20
 
 
 class WorkerDied(RuntimeError):
@@ -124,16 +133,7 @@ class Executor:
                 )
             except ValueError as e:
                 raise WorkerDied(f"worker rank {hello.rank}: {e}") from None
-        config = unify_kv_cache_configs(configs)
-        if num_gpu_blocks is not None:
-            if num_gpu_blocks < 2:
-                raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
-            config = KVCacheConfig(
-                num_blocks=num_gpu_blocks,
-                kv_cache_groups=config.kv_cache_groups,
-                kv_cache_tensors=[],  # workers size their buffers from num_blocks
-            )
-        return config
+        return size_kv_cache(unify_kv_cache_configs(configs), num_gpu_blocks)
 
     def configure(self, message: WorkerConfigure) -> None:
         self.broadcast(self.to_worker.encode(message))
@@ -224,3 +224,28 @@ class Executor:
         lead = "then " if parts else ""
         parts += [f"worker rank {f.rank} {lead}failed: {f.error}" for f in failures]
         return "; ".join(parts) or "a worker disconnected"
+
+
+def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheConfig:
+    """The workers' common config with the block count the engine will use: the user's
+    --num-gpu-blocks, else what memory allows up to MAX_AUTO_NUM_BLOCKS."""
+    if num_gpu_blocks is not None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
+        return _with_num_blocks(config, num_gpu_blocks)
+    if config.num_blocks > MAX_AUTO_NUM_BLOCKS:
+        log.warning(
+            "KV cache capped at %d blocks (the workers' memory allows %d); "
+            "--num-gpu-blocks sets it",
+            MAX_AUTO_NUM_BLOCKS,
+            config.num_blocks,
+        )
+        return _with_num_blocks(config, MAX_AUTO_NUM_BLOCKS)
+    return config
+
+
+def _with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
+    # Workers size their buffers from num_blocks and the groups' specs.
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_groups=config.kv_cache_groups, kv_cache_tensors=[]
+    )

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kv-cache-memory",
         type=_positive("--kv-cache-memory"),
-        help="bytes of KV cache per worker on CPU",
+        help="bytes of KV cache per worker (default: 256 MiB on CPU; on a GPU 90%% of its "
+        "memory less the weights and a reserve for each step)",
     )
     g.add_argument(
         "--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"), default=8192

@@ -33,7 +33,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     dtype: str = "auto"
     device: str = "auto"
-    kv_cache_memory: int | None = None  # bytes on CPU; None: a default
+    kv_cache_memory: int | None = None  # bytes; None: a default (CPU) or what the GPU has
     seed: int = 0
     dist_init: str | None = None  # torch.distributed init method when world_size > 1
     parent_pid: int | None = None

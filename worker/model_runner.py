@@ -30,6 +30,13 @@ log = logging.getLogger("pagedserve.worker")
 
 # CPU workers get an explicit KV budget (there is no device memory to profile).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
+# On a GPU the engine holds at most this share of the device (weights, activations, KV),
+# and keeps this much of it free over the weights for what each step allocates
+# (activations, logits, the attention's split scratch): at least the fixed amount, more on
+# large devices.
+GPU_MEMORY_UTILIZATION = 0.9
+GPU_STEP_RESERVE_BYTES = 2 << 30
+GPU_STEP_RESERVE_SHARE = 0.05
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -119,10 +126,26 @@ class ModelRunner:
         return self.model.kv_cache_specs(self.config.block_size, kv_dtype)
 
     def available_kv_memory(self) -> int:
+        """Bytes this worker can give its KV cache: --kv-cache-memory when set; on a GPU,
+        what the utilization cap leaves over the memory in use now (the model's weights,
+        the CUDA context, other processes) and the per-step reserve."""
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
         if self.device.type == "cpu":
-            return self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            return DEFAULT_CPU_KV_CACHE_MEMORY
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(min(free, total * 0.9))
+        in_use = total - free
+        reserve = max(GPU_STEP_RESERVE_BYTES, int(GPU_STEP_RESERVE_SHARE * total))
+        budget = int(GPU_MEMORY_UTILIZATION * total) - in_use - reserve
+        if budget <= 0:
+            gib = 1 << 30
+            raise ValueError(
+                f"no GPU memory left for a KV cache on {self.device}: {in_use / gib:.1f} GiB "
+                f"of {total / gib:.1f} GiB in use after loading the model, "
+                f"{GPU_MEMORY_UTILIZATION:.0%} usable, {reserve / gib:.1f} GiB kept for each "
+                "step's activations; use a larger --tensor-parallel-size or a smaller model"
+            )
+        return budget
 
     def initialize(self, msg: WorkerConfigure) -> None:
         """Allocate exactly the core's KV cache config and the persistent batch."""
