@@ -9,8 +9,13 @@ from typing import Any
 
 import torch
 
-# "reference" forces the torch path on a GPU too (debugging, or bisecting a kernel).
+# auto: the CUDA kernels on a GPU where they support the dtype and head size, else the
+# torch reference. reference: the torch path on a GPU too (debugging, bisecting a kernel).
+# cuda: the CUDA kernels or an error. emulated: the CUDA sources run on the CPU through
+# kernels.cuda_emulator (very slow; lets the CPU tests drive the CUDA kernels through the
+# whole engine).
 KERNELS_ENV = "PAGEDSERVE_ATTENTION"
+CHOICES = ("auto", "reference", "cuda", "emulated")
 
 
 @dataclass(frozen=True)
@@ -26,8 +31,21 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> A
     from kernels import reference
 
     choice = os.environ.get(KERNELS_ENV, "auto")
-    if choice not in ("auto", "reference", "cuda"):
-        raise ValueError(f"{KERNELS_ENV} must be auto, reference or cuda, not {choice!r}")
+    if choice not in CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "emulated":
+        from kernels import cuda_emulator, cuda_kernels
+
+        if device.type != "cpu" or not cuda_kernels.supports(dtype, head_dim):
+            raise ValueError(
+                f"{KERNELS_ENV}=emulated runs the CUDA kernels on the CPU for float16/bfloat16 "
+                f"and their head sizes; the worker has {dtype} with head_dim {head_dim} on {device}"
+            )
+        return AttentionKernels(
+            "CUDA sources on the CPU emulator",
+            cuda_emulator.write_kv_cache,
+            cuda_emulator.paged_attention,
+        )
     if device.type == "cuda" and choice != "reference":
         from kernels import cuda_kernels
 

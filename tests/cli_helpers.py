@@ -30,17 +30,18 @@ def generate_cmd(inp: Path, out: Path, *flags: str, model: Path | str | None = N
 
 
 def generate_cli(
-    model: Path | str, lines: list[str], tmp: Path, *flags: str
+    model: Path | str, lines: list[str], tmp: Path, *flags: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    """Run generate over raw input lines; (the process, the parsed output lines)."""
+    """Run generate over raw input lines; (the process, the parsed output lines). env adds
+    variables to the tests' environment."""
     inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
     inp.write_text("".join(line + "\n" for line in lines))
     proc = subprocess.run(
         generate_cmd(inp, out, *flags, model=model),
         capture_output=True,
         text=True,
-        env=ENV,
-        timeout=300,
+        env={**ENV, **(env or {})},
+        timeout=600,
         check=False,
     )
     results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []

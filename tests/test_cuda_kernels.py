@@ -154,6 +154,25 @@ def test_supports() -> None:
     assert not supports(torch.bfloat16, 112) and not supports(torch.half, 512)
 
 
+def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import KERNELS_ENV, select_kernels
+
+    cpu = torch.device("cpu")
+    assert select_kernels(cpu, torch.bfloat16, 128).name == "torch reference"
+    monkeypatch.setenv(KERNELS_ENV, "emulated")
+    assert select_kernels(cpu, torch.bfloat16, 128).name == "CUDA sources on the CPU emulator"
+    with pytest.raises(ValueError, match="float16/bfloat16 and their head sizes"):
+        select_kernels(cpu, torch.float32, 128)
+    with pytest.raises(ValueError, match="float16/bfloat16 and their head sizes"):
+        select_kernels(cpu, torch.bfloat16, 72)
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_kernels(cpu, torch.bfloat16, 128)
+    monkeypatch.setenv(KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="must be one of auto, reference, cuda, emulated"):
+        select_kernels(cpu, torch.bfloat16, 128)
+
+
 # -- emulated on the CPU ----------------------------------------------------------------
 
 

@@ -4,7 +4,9 @@ against transformers in float32 on the same checkpoint.
 On a GPU this is where the CUDA kernels meet the whole engine: paged KV written by
 kv_cache_write, mixed prefill/extend/decode batches through paged_attention, block tables
 committed from the worker's mirrors. On the CPU the same runs go through the torch
-reference kernels in half precision, which keeps the check itself honest on every CI run.
+reference kernels in half precision, and through the CUDA sources themselves on the CPU
+emulator (PAGEDSERVE_ATTENTION=emulated): every CI run drives our CUDA kernels with the
+worker's real tensors, strides and block tables, and keeps the check itself honest.
 
 Why not token equality with float32 greedy: half precision rounds every logit, so where
 two tokens nearly tie the run may take the other one, and from there both continuations
@@ -35,17 +37,28 @@ NEAR_TIE = {"bfloat16": 0.012, "float16": 0.005}
 # the window bug: 92.6-98.0%).
 MIN_EXACT = 0.95
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="no CUDA GPU present: the CUDA kernels need one"
-        ),
-    ),
-]
+# How each run executes attention: (--device, PAGEDSERVE_ATTENTION, the kernels the worker
+# must log).
+RUNS = {
+    "cpu-reference": ("cpu", "auto", "torch reference"),
+    "cpu-emulated-cuda": ("cpu", "emulated", "CUDA sources on the CPU emulator"),
+    "cuda": ("cuda", "auto", "cuda (CuPy RawKernel)"),
+}
+NO_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU present: the CUDA kernels need one"
+)
 # head dims 16 (with a hybrid sliding/full layout), 32 (sliding window) and 128.
 CHECKPOINTS = ["llama", "mistral", "qwen2_interleaved", "llama_d128"]
+# The emulator runs every GPU thread as a fiber: two checkpoints cover hybrid groups with a
+# window (head_dim 16) and the kernels' main size (128).
+EMULATED = ["qwen2_interleaved", "llama_d128"]
+CASES = [
+    pytest.param(ckpt, run, dtype, marks=[NO_GPU] if run == "cuda" else [])
+    for ckpt in CHECKPOINTS
+    for run in RUNS
+    for dtype in ("bfloat16", "float16")
+    if run != "cpu-emulated-cuda" or (ckpt in EMULATED and dtype == "bfloat16")
+]
 
 
 def make_prompts(seed: int = 11) -> list[list[int]]:
@@ -74,13 +87,12 @@ def teacher_forced_gaps(
     return (logits.max(dim=1).values - chosen).tolist()
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS, indirect=True)
+@pytest.mark.parametrize(("checkpoint", "run", "dtype"), CASES, indirect=["checkpoint"])
 def test_half_precision_greedy_follows_float32_transformers(
-    checkpoint, device: str, dtype: str, tmp_path: Path
+    checkpoint, run: str, dtype: str, tmp_path: Path
 ) -> None:
     path, hf_model = checkpoint
+    device, attention, want_kernels = RUNS[run]
     prompts = make_prompts()
     lines = [
         json.dumps(
@@ -99,9 +111,9 @@ def test_half_precision_greedy_follows_float32_transformers(
         "--max-num-batched-tokens",
         "24",
     )
-    proc, results = generate_cli(path, lines, tmp_path, *flags)
+    env = {"PAGEDSERVE_ATTENTION": attention}
+    proc, results = generate_cli(path, lines, tmp_path, *flags, env=env)
     assert proc.returncode == 0, proc.stderr
-    want_kernels = "cuda (CuPy RawKernel)" if device == "cuda" else "torch reference"
     assert f"in torch.{dtype}; attention kernels: {want_kernels}" in proc.stderr, proc.stderr
     assert sum(r["num_cached_tokens"] for r in results) > 0  # extends after cached prefixes ran
 
