@@ -529,6 +529,7 @@ def paged_attention_with(
         _i32(num_q_heads),
         _i32(num_kv_heads),
         _i32(block_size),
+        _i32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
         _f32(scale * LOG2E),
         _f32(cap_scale),
         _f32(cap_log2),

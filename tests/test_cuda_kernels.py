@@ -238,6 +238,16 @@ def test_emulated_split_where_a_row_sees_no_key() -> None:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("block_size", [1, 12, 24])
+def test_emulated_attention_block_sizes_that_are_not_powers_of_two(block_size: int) -> None:
+    # The kernel shifts for power-of-two block sizes and divides for the others.
+    emu = _emulator_or_skip()
+    _compare_attention(
+        emu.paged_attention, "cpu", *DECODE_LONG, block_size=block_size, seed=block_size
+    )
+    _compare_attention(emu.paged_attention, "cpu", *MIXED, block_size=block_size, window=5)
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 128, 256])
 def test_emulated_attention_head_dims(head_dim: int) -> None:
     emu = _emulator_or_skip()

@@ -74,6 +74,7 @@ struct AttnParams {
   float* part_o;  // [splits, T, Hq, D] when num_splits > 1
   float* part_lse;  // [splits, T, Hq]
   int num_reqs, num_tokens, num_q_heads, num_kv_heads, block_size;
+  int block_shift;   // log2(block_size) when it is a power of two, else -1
   float scale_log2;  // scale * log2(e)
   float cap_scale;   // scale / soft_cap, or 0 without a cap
   float cap_log2;    // soft_cap * log2(e)
@@ -343,7 +344,8 @@ PS_DEVICE void attention_tile(const AttnParams& p) {
       const scalar_t* k_src = p.k_cache;
       const scalar_t* v_src = p.v_cache;
       if (ok) {
-        const int page = key / p.block_size;
+        // A power-of-two block size (the usual case) spares an integer division per chunk.
+        const int page = p.block_shift >= 0 ? key >> p.block_shift : key / p.block_size;
         const long long blk = bt[page];
         const long long off = key - page * p.block_size;
         k_src = p.k_cache + blk * p.k_block + off * p.k_tok + k_off_head + c * 8;
@@ -518,7 +520,7 @@ paged_attention(const ps::scalar_t* q, long long q_tok, long long q_head,
                 long long v_head, const int* block_table, long long bt_row,
                 const int* query_start_loc, const int* seq_lens, ps::scalar_t* out,
                 float* part_o, float* part_lse, int num_reqs, int num_tokens, int num_q_heads,
-                int num_kv_heads, int block_size, float scale_log2, float cap_scale,
+                int num_kv_heads, int block_size, int block_shift, float scale_log2, float cap_scale,
                 float cap_log2, int window, int num_splits, int tokens_per_tile,
                 int heads_per_cta, int head_chunks) {
   ps::AttnParams p;
@@ -545,6 +547,7 @@ paged_attention(const ps::scalar_t* q, long long q_tok, long long q_head,
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
   p.block_size = block_size;
+  p.block_shift = block_shift;
   p.scale_log2 = scale_log2;
   p.cap_scale = cap_scale;
   p.cap_log2 = cap_log2;
