@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the CUDA kernels: compile check, GPU tests, the engine end to end in half
-# precision, correctness sweep, benchmark.
+# precision, correctness sweep, benchmark, compute-sanitizer (memcheck, racecheck).
 #
 # On a GPU machine, from the repository root:
 #   bash benchmarks/gpu_check.sh [--quick]
@@ -66,10 +66,11 @@ print("cuda available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
 
-# Each step logs to $RESULTS/<step>.log, except the end-to-end tests, which append to
-# pytest.log (the device tool brings back 8 files at most; this script writes 8).
+# Each step logs to $RESULTS/<step>.log, except that the end-to-end tests append to
+# pytest.log and both sanitizer tools to sanitizer.log (the device tool brings back 8 files
+# at most; this script writes 8).
 declare -A status
-declare -A log_as=([e2e]=pytest)
+declare -A log_as=([e2e]=pytest [memcheck]=sanitizer [racecheck]=sanitizer)
 run() {  # run NAME CMD...: log the output, remember the exit status
   local name="$1"
   shift
@@ -89,30 +90,35 @@ run e2e "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not emulated" \
 run check "$PY" benchmarks/attention_bench.py check "${BENCH_FLAGS[@]}" --out "$RESULTS/check.json"
 run bench "$PY" benchmarks/attention_bench.py bench "${BENCH_FLAGS[@]}" --out "$RESULTS/bench.json"
 
-# Out-of-bounds and misaligned device accesses on the small cases, in what time is left of
-# the device tool's 10-minute command limit. Without the caching allocator every tensor is
-# its own allocation, so a read past a tensor's end is caught, not hidden in a pool.
+# compute-sanitizer on the small cases, in what time is left of the device tool's 10-minute
+# command limit: memcheck (out-of-bounds and misaligned device accesses; without the
+# caching allocator every tensor is its own allocation, so a read past a tensor's end is
+# caught, not hidden in a pool), then racecheck (shared-memory hazards between threads).
 BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
-left=$((BUDGET_S - SECONDS))
-if [[ " ${BENCH_FLAGS[*]} " == *" --emulate "* ]] || ! command -v compute-sanitizer >/dev/null; then
-  echo "=== memcheck: skipped (no compute-sanitizer, or emulated)"
-  status[memcheck]=skipped
-elif ((left < 60)); then
-  echo "=== memcheck: skipped (${left}s left of ${BUDGET_S}s)"
-  status[memcheck]=skipped
-else
-  run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$((left - 15))" compute-sanitizer \
-    --tool memcheck --error-exitcode 3 "$PY" benchmarks/attention_bench.py check --small
-  [[ "${status[memcheck]}" == 124 ]] && status[memcheck]=timed-out
-fi
+sanitize() {  # sanitize TOOL: run it on the small cases if there is time and a sanitizer
+  local tool="$1" left=$((BUDGET_S - SECONDS))
+  if [[ " ${BENCH_FLAGS[*]} " == *" --emulate "* ]] || ! command -v compute-sanitizer >/dev/null; then
+    echo "=== $tool: skipped (no compute-sanitizer, or emulated)"
+    status[$tool]=skipped
+  elif ((left < 60)); then
+    echo "=== $tool: skipped (${left}s left of ${BUDGET_S}s)"
+    status[$tool]=skipped
+  else
+    run "$tool" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$((left - 15))" compute-sanitizer \
+      --tool "$tool" --error-exitcode 3 "$PY" benchmarks/attention_bench.py check --small
+    [[ "${status[$tool]}" == 124 ]] && status[$tool]=timed-out
+  fi
+}
+sanitize memcheck
+sanitize racecheck
 
 # Exit statuses, and the decode targets as the benchmark judged them.
 "$PY" - "$RESULTS" "${status[nvrtc]}" "${status[pytest]}" "${status[e2e]}" "${status[check]}" \
-  "${status[bench]}" "${status[memcheck]}" <<'EOF' | tee "$RESULTS/summary.json"
+  "${status[bench]}" "${status[memcheck]}" "${status[racecheck]}" <<'EOF' | tee "$RESULTS/summary.json"
 import json, sys
 from pathlib import Path
 results = Path(sys.argv[1])
-names = ("nvrtc", "pytest", "e2e", "check", "bench", "memcheck")
+names = ("nvrtc", "pytest", "e2e", "check", "bench", "memcheck", "racecheck")
 steps = {n: int(v) if v.isdigit() else v for n, v in zip(names, sys.argv[2:])}
 failed = any(isinstance(v, int) and v != 0 for v in steps.values())
 summary = {**steps, "failed": int(failed)}
@@ -124,7 +130,7 @@ if bench.exists():
 print(json.dumps(summary))
 EOF
 failed=0
-for name in nvrtc pytest e2e check bench memcheck; do
+for name in nvrtc pytest e2e check bench memcheck racecheck; do
   [[ "${status[$name]}" =~ ^[0-9]+$ && "${status[$name]}" != 0 ]] && failed=1
 done
 exit $failed
