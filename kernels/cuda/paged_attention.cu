@@ -120,7 +120,6 @@ PS_DEVICE void tile_step(const TileCtx& c, RowState& st, const scalar_t* q_rows,
                          const scalar_t* ks, const scalar_t* vs, int key0) {
   static_assert(NT % 2 == 0, "P V steps take 16 keys");
   const int lane = threadIdx.x & 31;
-  const int gid = lane >> 2;
   const int tig = lane & 3;
   float s[NT][4];
   for (int j = 0; j < NT; ++j) {
