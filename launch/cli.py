@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory",
         type=_positive("--kv-cache-memory"),
         help="bytes of KV cache per worker (default: 256 MiB on CPU; on a GPU 90%% of its "
-        "memory less the weights and a reserve for each step)",
+        "memory less the weights and a profiled step's peak)",
     )
     g.add_argument(
         "--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"), default=8192
@@ -125,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     w.add_argument("--device", default="auto")
     w.add_argument("--kv-cache-memory", type=_positive("--kv-cache-memory"))
+    w.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive("--max-num-batched-tokens"),
+        default=8192,
+        help="the core's step budget, profiled on a GPU to size the KV cache",
+    )
+    w.add_argument(
+        "--max-num-seqs",
+        type=_positive("--max-num-seqs"),
+        default=256,
+        help="the core's batch size limit (sampler rows in that profile)",
+    )
     w.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -287,6 +299,8 @@ def worker(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             kv_cache_memory=args.kv_cache_memory,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             dist_init=args.dist_init,
         )

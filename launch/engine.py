@@ -142,6 +142,8 @@ class EngineProcesses:
                 dtype=args.dtype,
                 device=args.device,
                 kv_cache_memory=args.kv_cache_memory,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
                 seed=args.seed,
                 parent_pid=os.getpid(),
             )

@@ -34,6 +34,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None  # bytes; None: a default (CPU) or what the GPU has
+    # The largest step the core schedules: a GPU worker profiles one to keep its
+    # activations out of the KV budget (the defaults match EngineArgs').
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
     seed: int = 0
     dist_init: str | None = None  # torch.distributed init method when world_size > 1
     parent_pid: int | None = None

@@ -30,13 +30,12 @@ log = logging.getLogger("pagedserve.worker")
 
 # CPU workers get an explicit KV budget (there is no device memory to profile).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
-# On a GPU the engine holds at most this share of the device (weights, activations, KV),
-# and keeps this much of it free over the weights for what each step allocates
-# (activations, logits, the attention's split scratch): at least the fixed amount, more on
-# large devices.
+# On a GPU the engine holds at most this share of the device: weights, what a step
+# allocates (measured by profile_step), and the KV cache, which gets the rest.
 GPU_MEMORY_UTILIZATION = 0.9
-GPU_STEP_RESERVE_BYTES = 2 << 30
-GPU_STEP_RESERVE_SHARE = 0.05
+# Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
+# allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
+GPU_STEP_MARGIN_BYTES = 768 << 20
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -127,25 +126,97 @@ class ModelRunner:
 
     def available_kv_memory(self) -> int:
         """Bytes this worker can give its KV cache: --kv-cache-memory when set; on a GPU,
-        what the utilization cap leaves over the memory in use now (the model's weights,
-        the CUDA context, other processes) and the per-step reserve."""
+        what GPU_MEMORY_UTILIZATION of the device leaves after the memory in use now (the
+        weights, the CUDA context, other processes) and the peak of the largest step."""
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory
         if self.device.type == "cpu":
             return DEFAULT_CPU_KV_CACHE_MEMORY
+        step_peak = self.profile_step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free
-        reserve = max(GPU_STEP_RESERVE_BYTES, int(GPU_STEP_RESERVE_SHARE * total))
-        budget = int(GPU_MEMORY_UTILIZATION * total) - in_use - reserve
+        budget = int(GPU_MEMORY_UTILIZATION * total) - in_use - step_peak - GPU_STEP_MARGIN_BYTES
+        gib = 1 << 30
+        summary = (
+            f"{total / gib:.1f} GiB on {self.device}, {GPU_MEMORY_UTILIZATION:.0%} usable: "
+            f"{in_use / gib:.2f} GiB in use after loading the model, a step of "
+            f"{self.config.max_num_batched_tokens} tokens peaks at {step_peak / gib:.2f} GiB, "
+            f"{GPU_STEP_MARGIN_BYTES / gib:.2f} GiB margin"
+        )
         if budget <= 0:
-            gib = 1 << 30
             raise ValueError(
-                f"no GPU memory left for a KV cache on {self.device}: {in_use / gib:.1f} GiB "
-                f"of {total / gib:.1f} GiB in use after loading the model, "
-                f"{GPU_MEMORY_UTILIZATION:.0%} usable, {reserve / gib:.1f} GiB kept for each "
-                "step's activations; use a larger --tensor-parallel-size or a smaller model"
+                f"no GPU memory left for a KV cache ({summary}); lower "
+                "--max-num-batched-tokens, raise --tensor-parallel-size or use a smaller model"
             )
+        log.info("rank %d: KV cache budget %.2f GiB (%s)", self.config.rank, budget / gib, summary)
         return budget
+
+    @torch.inference_mode()
+    def profile_step(self, num_tokens: int, num_seqs: int) -> int:
+        """Run the largest step the core may schedule and return its peak allocation on a
+        GPU (0 on the CPU, where the run only proves the path): num_tokens tokens of
+        prefill (requests no longer than the model's context) into a scratch KV cache,
+        then top-k/top-p sampling of num_seqs rows. All ranks run it together (TP
+        layers all-reduce)."""
+        max_len = self.model_config.max_position_embeddings
+        lens = np.full(num_tokens // max_len, max_len, dtype=np.int64)
+        if num_tokens % max_len:
+            lens = np.append(lens, num_tokens % max_len)
+        bs = self.config.block_size
+        blocks = -(-lens // bs)
+        first_block = 1 + np.concatenate(([0], np.cumsum(blocks)[:-1]))  # 0: the null block
+        table = np.zeros((len(lens), int(blocks.max())), dtype=np.int32)
+        for i, (start, n) in enumerate(zip(first_block, blocks)):
+            table[i, :n] = np.arange(start, start + n)
+        req = np.repeat(np.arange(len(lens)), lens)
+        pos = np.arange(num_tokens) - np.repeat(np.cumsum(lens) - lens, lens)
+        slots = first_block[req] * bs + pos
+        layers = self.model.attention_layers().values()
+        num_blocks = int(first_block[-1] + blocks[-1])
+        scratch = [
+            tuple(
+                torch.zeros(
+                    (num_blocks, bs, layer.num_kv_heads, layer.head_dim),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                for _ in range(2)
+            )
+            for layer in layers
+        ]
+        device = self.device
+        groups = 1 + max(layer.kv_group for layer in layers)
+        attn = AttentionMetadata(
+            query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(lens)))).to(
+                device, torch.int32
+            ),
+            seq_lens=torch.from_numpy(lens).to(device, torch.int32),
+            block_tables=[torch.from_numpy(table).to(device)] * groups,
+            slot_mappings=[torch.from_numpy(slots).to(device)] * groups,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.from_numpy(pos).to(device)
+        rows = torch.arange(num_seqs, device=device) % num_tokens
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        hidden = self.model(input_ids, positions, attn, scratch)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        sampling = SamplingTensors.from_arrays(
+            np.ones(num_seqs, dtype=np.float32),
+            np.full(num_seqs, 50, dtype=np.int64),
+            np.full(num_seqs, 0.9, dtype=np.float32),
+            device,
+        )
+        generator = torch.Generator(device=device).manual_seed(0)  # leaves the seeds alone
+        sample(logits, sampling, [None] * num_seqs, generator)
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
 
     def initialize(self, msg: WorkerConfigure) -> None:
         """Allocate exactly the core's KV cache config and the persistent batch."""

@@ -1,0 +1,63 @@
+"""How a worker sizes its KV cache: an explicit budget, or on a GPU what is left after the
+largest step the core may schedule (ModelRunner.profile_step).
+
+The profile's forward is the real model on scratch KV caches; on the CPU it returns no
+peak (there is no device memory to read) but runs the same code a GPU worker runs, so a
+broken profile fails here rather than at a GPU worker's start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import CPU
+from hf_checkpoints import save_checkpoint
+
+from protocol.config import WorkerConfig
+from worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner
+
+
+def runner(path: Path, **kw) -> ModelRunner:
+    return ModelRunner(
+        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", device=CPU, **kw)
+    )
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_interleaved", "mistral"])
+def test_profile_step_runs_the_largest_step(name: str, tmp_path: Path) -> None:
+    save_checkpoint(name, tmp_path)
+    r = runner(tmp_path, block_size=16)
+    assert r.model_config.max_position_embeddings == 256
+    # 600 tokens: more than one request's context (256), so three prefills of 256/256/88;
+    # 40 sampler rows over them.
+    assert r.profile_step(600, 40) == 0
+    assert r.profile_step(7, 3) == 0
+
+
+def test_explicit_and_default_budgets(tmp_path: Path) -> None:
+    save_checkpoint("llama", tmp_path)
+    assert runner(tmp_path).available_kv_memory() == DEFAULT_CPU_KV_CACHE_MEMORY
+    assert runner(tmp_path, kv_cache_memory=12345).available_kv_memory() == 12345
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU present")
+def test_gpu_budget_leaves_the_profiled_step_free(tmp_path: Path) -> None:
+    save_checkpoint("llama_d128", tmp_path)
+    r = ModelRunner(
+        WorkerConfig(
+            model=str(tmp_path),
+            rank=0,
+            world_size=1,
+            core_address="",
+            device="cuda",
+            max_num_batched_tokens=4096,
+            max_num_seqs=64,
+        )
+    )
+    step_peak = r.profile_step(4096, 64)
+    assert step_peak > 0  # at least the logits and the activations of 4096 tokens
+    budget = r.available_kv_memory()
+    _, total = torch.cuda.mem_get_info()
+    assert 0 < budget <= 0.9 * total - step_peak
