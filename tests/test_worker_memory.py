@@ -19,9 +19,9 @@ from protocol.config import WorkerConfig
 from worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner
 
 
-def runner(path: Path, **kw) -> ModelRunner:
+def runner(path: Path, device: str = CPU, **kw) -> ModelRunner:
     return ModelRunner(
-        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", device=CPU, **kw)
+        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", device=device, **kw)
     )
 
 
@@ -45,17 +45,7 @@ def test_explicit_and_default_budgets(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU present")
 def test_gpu_budget_leaves_the_profiled_step_free(tmp_path: Path) -> None:
     save_checkpoint("llama_d128", tmp_path)
-    r = ModelRunner(
-        WorkerConfig(
-            model=str(tmp_path),
-            rank=0,
-            world_size=1,
-            core_address="",
-            device="cuda",
-            max_num_batched_tokens=4096,
-            max_num_seqs=64,
-        )
-    )
+    r = runner(tmp_path, "cuda", max_num_batched_tokens=4096, max_num_seqs=64)
     step_peak = r.profile_step(4096, 64)
     assert step_peak > 0  # at least the logits and the activations of 4096 tokens
     budget = r.available_kv_memory()
