@@ -19,12 +19,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from kernels.cuda_kernels import Arg, paged_attention_with, write_kv_cache_with
+from kernels.cuda_kernels import paged_attention_with, write_kv_cache_with
 from kernels.cuda_sources import CUDA_DIR, KernelBuild
 
 # A small device, so that tests reach the split-K path with little work: 8 SMs that each
@@ -100,28 +100,32 @@ class EmulatorBackend:
         grid: tuple[int, int, int],
         block: int,
         smem: int,
-        args: Sequence[Arg],
+        signature: str,
+        values: tuple[Any, ...],
         device: torch.device,
     ) -> None:
+        if len(values) != len(signature):
+            raise ValueError(f"{kernel}: {len(values)} arguments for signature {signature}")
         lib = self._library(build)
         lib.emu_clear_ranges()
-        values: list[ctypes._SimpleCData] = []
-        for arg in args:
-            if arg.kind == "ptr":
-                t = arg.value
-                if t is not None:
-                    if t.device.type != "cpu":
+        c_values: list[ctypes._SimpleCData] = []
+        for kind, value in zip(signature, values):
+            if kind == "p":
+                if value is not None:
+                    if value.device.type != "cpu":
                         raise ValueError("the emulator runs on CPU tensors")
-                    storage = t.untyped_storage()
+                    storage = value.untyped_storage()
                     lib.emu_add_range(storage.data_ptr(), storage.nbytes())
-                values.append(ctypes.c_void_p(0 if t is None else t.data_ptr()))
-            elif arg.kind == "i32":
-                values.append(ctypes.c_int32(arg.value))
-            elif arg.kind == "i64":
-                values.append(ctypes.c_int64(arg.value))
+                c_values.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
+            elif kind == "i":
+                if not -(2**31) <= value < 2**31:  # ctypes would wrap it silently
+                    raise OverflowError(f"{value} does not fit a 32-bit kernel argument")
+                c_values.append(ctypes.c_int32(value))
+            elif kind == "l":
+                c_values.append(ctypes.c_int64(value))
             else:
-                values.append(ctypes.c_float(arg.value))
-        argv = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+                c_values.append(ctypes.c_float(value))
+        argv = (ctypes.c_void_p * len(c_values))(*(ctypes.addressof(v) for v in c_values))
         fn = getattr(lib, f"emu_{kernel}")
         fn.argtypes = [
             ctypes.c_uint,

@@ -22,8 +22,8 @@ kernel; callers fall back to kernels.reference otherwise.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,30 +65,13 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 # -- kernel arguments and backends ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Arg:
-    """One kernel argument: kind is 'ptr' (value: a tensor or None), 'i32', 'i64' or 'f32'."""
-
-    kind: str
-    value: Any
-
-
-def _ptr(t: torch.Tensor | None) -> Arg:
-    return Arg("ptr", t)
-
-
-def _i32(x: int) -> Arg:
-    if not -(2**31) <= x < 2**31:
-        raise OverflowError(f"{x} does not fit a 32-bit kernel argument")
-    return Arg("i32", int(x))
-
-
-def _i64(x: int) -> Arg:
-    return Arg("i64", int(x))
-
-
-def _f32(x: float) -> Arg:
-    return Arg("f32", float(x))
+# Kernel arguments go to a backend as a flat tuple of values and a signature string, one
+# character per argument: p (a tensor's device address, or None for NULL), i (int32),
+# l (int64), f (float32). A launch then builds no object per argument: it is prepared
+# once per layer per step on the host.
+ATTENTION_SIGNATURE = "pllpp" + "lll" + "lll" + "pl" + "ppppp" + "iiiiii" + "fff" + "iiiii"
+REDUCE_SIGNATURE = "pppp" + "iiii"
+KV_WRITE_SIGNATURE = "ppppp" + "ii" + "l" * 10 + "i"
 
 
 class Backend(Protocol):
@@ -99,7 +82,8 @@ class Backend(Protocol):
         grid: tuple[int, int, int],
         block: int,
         smem: int,
-        args: Sequence[Arg],
+        signature: str,
+        values: tuple[Any, ...],
         device: torch.device,
     ) -> None: ...
 
@@ -118,6 +102,7 @@ class CupyBackend:
         self._functions: dict[tuple[KernelBuild, int, str], Any] = {}
         self._resident: dict[tuple[KernelBuild, int, str, int, int], int] = {}
         self._streams: dict[int, Any] = {}
+        self._converters: dict[str, tuple[Any, ...]] = {}
 
     def resident_ctas(
         self, build: KernelBuild, kernel: str, block: int, smem: int, device: torch.device
@@ -180,31 +165,38 @@ class CupyBackend:
         grid: tuple[int, int, int],
         block: int,
         smem: int,
-        args: Sequence[Arg],
+        signature: str,
+        values: tuple[Any, ...],
         device: torch.device,
     ) -> None:
         import cupy
-        import numpy as np
 
         index = _device_index(device)
         fn = self._function(build, kernel, index, smem)
-        values: list[Any] = []
-        for arg in args:
-            if arg.kind == "ptr":
-                values.append(np.uint64(0 if arg.value is None else arg.value.data_ptr()))
-            elif arg.kind == "i32":
-                values.append(np.int32(arg.value))
-            elif arg.kind == "i64":
-                values.append(np.int64(arg.value))
-            else:
-                values.append(np.float32(arg.value))
+        converters = self._converters.get(signature)
+        if converters is None:
+            converters = self._converters[signature] = _numpy_converters(signature)
+        if len(values) != len(converters):
+            raise ValueError(f"{kernel}: {len(values)} arguments for signature {signature}")
+        # numpy scalars carry the exact C types (NumPy 2 refuses an int32 out of range).
+        args = tuple(convert(v) for convert, v in zip(converters, values))
         torch_stream = torch.cuda.current_stream(device)
         handle = torch_stream.cuda_stream
         stream = self._streams.get(handle)
         if stream is None:
             stream = self._streams[handle] = _wrap_stream(cupy, torch_stream, index)
         with cupy.cuda.Device(index), stream:
-            fn(grid, (block, 1, 1), tuple(values), shared_mem=smem)
+            fn(grid, (block, 1, 1), args, shared_mem=smem)
+
+
+def _numpy_converters(signature: str) -> tuple[Any, ...]:
+    import numpy as np
+
+    def address(t: torch.Tensor | None) -> Any:
+        return np.uint64(0 if t is None else t.data_ptr())
+
+    kinds = {"p": address, "i": np.int32, "l": np.int64, "f": np.float32}
+    return tuple(kinds[c] for c in signature)
 
 
 def _wrap_stream(cupy: Any, torch_stream: torch.cuda.Stream, index: int) -> Any:
@@ -238,12 +230,10 @@ def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous along head_dim, got strides {t.stride()}")
 
 
-def _kv_write_unit(row_bytes: int, byte_strides: Sequence[int], addresses: Sequence[int]) -> int:
-    for unit in KV_WRITE_UNITS:
-        sizes = [row_bytes, *byte_strides, *addresses]
-        if all(x % unit == 0 for x in sizes):
-            return unit
-    return 1
+def _kv_write_unit(*sizes: int) -> int:
+    """The widest access (16 bytes down to 1) that divides every size and address."""
+    g = math.gcd(*sizes)
+    return KV_WRITE_UNITS[0] if g == 0 else min(KV_WRITE_UNITS[0], g & -g)
 
 
 def write_kv_cache_with(
@@ -281,37 +271,35 @@ def write_kv_cache_with(
     slots = slot_mapping[:num_tokens].to(torch.int64).contiguous()
 
     elem = key_cache.element_size()
-    strides = [
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
-    ]
-    byte_strides = [s * elem for s in strides]
-    addresses = [t.data_ptr() for t in (key, value, key_cache, value_cache)]
-    unit = _kv_write_unit(head_dim * elem, byte_strides, addresses)
-    args = [
-        _ptr(key),
-        _ptr(value),
-        _ptr(key_cache),
-        _ptr(value_cache),
-        _ptr(slots),
-        _i32(num_heads),
-        _i32(head_dim * elem // unit),
-        *(_i64(s) for s in byte_strides),
-        _i32(block_size),
-    ]
+    k0, k1 = key.stride(0) * elem, key.stride(1) * elem
+    v0, v1 = value.stride(0) * elem, value.stride(1) * elem
+    kc0, kc1, kc2, _ = key_cache.stride()
+    vc0, vc1, vc2, _ = value_cache.stride()
+    kc0, kc1, kc2 = kc0 * elem, kc1 * elem, kc2 * elem
+    vc0, vc1, vc2 = vc0 * elem, vc1 * elem, vc2 * elem
+    unit = _kv_write_unit(
+        head_dim * elem, k0, k1, v0, v1, kc0, kc1, kc2, vc0, vc1, vc2,
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+    )  # fmt: skip
+    values = (
+        key, value, key_cache, value_cache, slots,
+        num_heads, head_dim * elem // unit,
+        k0, k1, v0, v1, kc0, kc1, kc2, vc0, vc1, vc2,
+        block_size,
+    )  # fmt: skip
     backend.launch(
         kv_write_build(),
-        f"kv_cache_write_u{8 * unit}",
+        _KV_WRITE_KERNELS[unit],
         (num_tokens, 1, 1),
         KV_WRITE_THREADS,
         0,
-        args,
+        KV_WRITE_SIGNATURE,
+        values,
         key.device,
     )
+
+
+_KV_WRITE_KERNELS = {unit: f"kv_cache_write_u{8 * unit}" for unit in KV_WRITE_UNITS}
 
 
 def write_kv_cache(
@@ -360,6 +348,7 @@ def choose_splits(ctas: int, resident_ctas: int, max_splits: int) -> int:
     )
 
 
+@functools.lru_cache(maxsize=256)  # every layer of a step asks the same question
 def plan_attention(
     num_tokens: int,
     num_reqs: int,
@@ -428,14 +417,10 @@ def plan_for(
     )
 
 
-def _aligned_rows(t: torch.Tensor, dims: int) -> bool:
+def _aligned_rows(t: torch.Tensor) -> bool:
     """Last dim contiguous; every row of head_dim starts on a 16-byte boundary."""
-    elem = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all((t.stride(i) * elem) % 16 == 0 for i in range(dims - 1))
-    )
+    *outer, last = t.stride()
+    return last == 1 and math.gcd(t.data_ptr(), t.element_size() * math.gcd(*outer)) % 16 == 0
 
 
 def paged_attention_with(
@@ -484,10 +469,10 @@ def paged_attention_with(
     if block_table.shape[0] < num_reqs or query_start_loc.shape[0] < num_reqs + 1:
         raise ValueError("block_table / query_start_loc have fewer rows than seq_lens")
 
-    if not _aligned_rows(query, 3):
+    if not _aligned_rows(query):
         query = query.contiguous()
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not _aligned_rows(cache, 4):
+        if not _aligned_rows(cache):
             raise ValueError(
                 f"{name} rows must be contiguous and 16-byte aligned, strides {cache.stride()}"
             )
@@ -509,63 +494,42 @@ def paged_attention_with(
 
     cap_scale = 0.0 if soft_cap is None else scale / soft_cap
     cap_log2 = 0.0 if soft_cap is None else soft_cap * LOG2E
-    args = [
-        _ptr(query),
-        _i64(query.stride(0)),
-        _i64(query.stride(1)),
-        _ptr(key_cache),
-        _ptr(value_cache),
-        *(_i64(s) for s in key_cache.stride()[:3]),
-        *(_i64(s) for s in value_cache.stride()[:3]),
-        _ptr(block_table),
-        _i64(block_table.stride(0)),
-        _ptr(query_start_loc),
-        _ptr(seq_lens),
-        _ptr(out),
-        _ptr(part_o),
-        _ptr(part_lse),
-        _i32(num_reqs),
-        _i32(num_tokens),
-        _i32(num_q_heads),
-        _i32(num_kv_heads),
-        _i32(block_size),
-        _i32(block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1),
-        _f32(scale * LOG2E),
-        _f32(cap_scale),
-        _f32(cap_log2),
-        _i32(sliding_window or 0),
-        _i32(plan.num_splits),
-        _i32(plan.tokens_per_tile),
-        _i32(plan.heads_per_cta),
-        _i32(plan.head_chunks),
-    ]
+    kc0, kc1, kc2, _ = key_cache.stride()
+    vc0, vc1, vc2, _ = value_cache.stride()
+    values = (
+        query, query.stride(0), query.stride(1), key_cache, value_cache,
+        kc0, kc1, kc2, vc0, vc1, vc2,
+        block_table, block_table.stride(0),
+        query_start_loc, seq_lens, out, part_o, part_lse,
+        num_reqs, num_tokens, num_q_heads, num_kv_heads, block_size,
+        block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1,
+        scale * LOG2E, cap_scale, cap_log2,
+        sliding_window or 0, plan.num_splits, plan.tokens_per_tile, plan.heads_per_cta,
+        plan.head_chunks,
+    )  # fmt: skip
     backend.launch(
         build,
         "paged_attention",
         plan.grid,
         ATTN_THREADS,
         smem,
-        args,
+        ATTENTION_SIGNATURE,
+        values,
         query.device,
     )
     if plan.num_splits > 1:
-        reduce_args = [
-            _ptr(part_o),
-            _ptr(part_lse),
-            _ptr(out),
-            _ptr(query_start_loc),
-            _i32(num_reqs),
-            _i32(num_tokens),
-            _i32(num_q_heads),
-            _i32(plan.num_splits),
-        ]
+        reduce_values = (
+            part_o, part_lse, out, query_start_loc,
+            num_reqs, num_tokens, num_q_heads, plan.num_splits,
+        )  # fmt: skip
         backend.launch(
             build,
             "paged_attention_reduce",
             (num_tokens * num_q_heads, 1, 1),
             head_dim,
             0,
-            reduce_args,
+            REDUCE_SIGNATURE,
+            reduce_values,
             query.device,
         )
     return out

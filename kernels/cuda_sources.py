@@ -7,6 +7,7 @@ tests use (kernels.cuda_emulator). Nothing here imports CuPy or needs a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -94,11 +95,13 @@ def expand_source(path: Path, _seen: set[Path] | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+@functools.cache
 def kv_write_build() -> KernelBuild:
     names = tuple(f"kv_cache_write_u{8 * n}" for n in KV_WRITE_UNITS)
     return KernelBuild("kv_cache_write.cu", (), names)
 
 
+@functools.cache
 def attention_build(dtype_name: str, head_dim: int) -> KernelBuild:
     if dtype_name not in SCALAR_TYPES:
         raise ValueError(f"paged_attention has no CUDA build for {dtype_name}")

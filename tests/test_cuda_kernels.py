@@ -154,6 +154,24 @@ def test_supports() -> None:
     assert not supports(torch.bfloat16, 112) and not supports(torch.half, 512)
 
 
+def test_cupy_argument_conversion() -> None:
+    # What CupyBackend hands CuPy: numpy scalars of the kernel's C types. (The signatures
+    # themselves are checked by the emulated tests: the emulator reads each argument at
+    # the C type the kernel declares.)
+    import numpy as np
+
+    from kernels.cuda_kernels import _numpy_converters
+
+    t = torch.zeros(4)
+    converters = _numpy_converters("pilf")
+    values = [convert(v) for convert, v in zip(converters, (t, -3, 2**40, 0.25))]
+    assert [type(v) for v in values] == [np.uint64, np.int32, np.int64, np.float32]
+    assert values[0] == t.data_ptr() and values[1:] == [-3, 2**40, 0.25]
+    assert converters[0](None) == 0
+    with pytest.raises(OverflowError):
+        converters[1](2**31)
+
+
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import KERNELS_ENV, select_kernels
 
