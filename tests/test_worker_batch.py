@@ -653,7 +653,10 @@ def test_step_is_vectorised() -> None:
     assert decode_lines(128, 1) < decode
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU present: pinned memory and device copies need one",
+)
 def test_cuda_commit_is_async_but_consistent() -> None:
     t = BlockTable(16, 8, 4, device="cuda")
     t.add_row([1, 2, 3], 0)
