@@ -50,6 +50,33 @@ def _positive(name: str):
     return parse
 
 
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The flags both commands pass to their workers (named as WORKER_SETTINGS reads them)."""
+    p.add_argument("--model", help="local Hugging Face model directory (default: built-in)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
+    p.add_argument("--block-size", type=_positive("--block-size"), default=16)
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=_positive("--kv-cache-memory"),
+        help="bytes of KV cache per worker (default: 256 MiB on CPU; on a GPU 90%% of its "
+        "memory less the weights and a profiled step's peak)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive("--max-num-batched-tokens"),
+        default=8192,
+        help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=_positive("--max-num-seqs"),
+        default=256,
+        help="requests per step",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -58,35 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser("generate", help="offline generation over a JSON-lines file")
-    g.add_argument("--model", help="local Hugging Face model directory (default: built-in)")
+    _add_worker_flags(g)
     g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
     g.add_argument("--output", required=True, type=Path, help="JSON lines, in input order")
     g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
-    g.add_argument("--block-size", type=_positive("--block-size"), default=16)
     g.add_argument(
         "--num-gpu-blocks",
         type=_positive("--num-gpu-blocks"),
         help="override the KV cache size in blocks (counts the null block)",
     )
-    g.add_argument(
-        "--kv-cache-memory",
-        type=_positive("--kv-cache-memory"),
-        help="bytes of KV cache per worker (default: 256 MiB on CPU; on a GPU 90%% of its "
-        "memory less the weights and a profiled step's peak)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens", type=_positive("--max-num-batched-tokens"), default=8192
-    )
-    g.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=256)
     g.add_argument("--max-model-len", type=_positive("--max-model-len"))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
-    g.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument(
         "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
     )
@@ -120,24 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, required=True)
     w.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive("--tp"), default=1)
     w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
-    w.add_argument("--model", help="local Hugging Face model directory (default: built-in)")
-    w.add_argument("--block-size", type=_positive("--block-size"), default=16)
-    w.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
-    w.add_argument("--device", default="auto")
-    w.add_argument("--kv-cache-memory", type=_positive("--kv-cache-memory"))
-    w.add_argument(
-        "--max-num-batched-tokens",
-        type=_positive("--max-num-batched-tokens"),
-        default=8192,
-        help="the core's step budget, profiled on a GPU to size the KV cache",
-    )
-    w.add_argument(
-        "--max-num-seqs",
-        type=_positive("--max-num-seqs"),
-        default=256,
-        help="the core's batch size limit (sampler rows in that profile)",
-    )
-    w.add_argument("--seed", type=int, default=0)
+    _add_worker_flags(w)
     return parser
 
 
@@ -275,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from protocol.config import WorkerConfig
+    from launch.engine import worker_config
     from worker.main import run
 
     if not 0 <= args.rank < args.tp:
@@ -290,18 +286,12 @@ def worker(args: argparse.Namespace) -> int:
 
         model = str(builtin_model_dir())
     return run(
-        WorkerConfig(
+        worker_config(
+            args,
             model=model,
             rank=args.rank,
             world_size=args.tp,
             core_address=args.core,
-            block_size=args.block_size,
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            seed=args.seed,
             dist_init=args.dist_init,
         )
     )

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -40,6 +41,24 @@ from protocol.engine import (
 )
 
 DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
+
+
+# Worker settings that EngineArgs and `pagedserve worker`'s flags both carry, by name.
+WORKER_SETTINGS = (
+    "block_size",
+    "dtype",
+    "device",
+    "kv_cache_memory",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "seed",
+)
+
+
+def worker_config(settings: object, **fields: Any) -> WorkerConfig:
+    """A worker's config: WORKER_SETTINGS read from settings (EngineArgs or parsed flags),
+    plus the fields that differ per rank or launch."""
+    return WorkerConfig(**{name: getattr(settings, name) for name in WORKER_SETTINGS}, **fields)
 
 
 class EngineDeadError(RuntimeError):
@@ -132,22 +151,16 @@ class EngineProcesses:
         if dist_init is None and n > 1:
             dist_init = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(0 if args.external_workers else n):
-            worker_config = WorkerConfig(
+            config = worker_config(
+                args,
                 model=args.model,
                 rank=rank,
                 world_size=n,
                 core_address=worker_address,
                 dist_init=dist_init,
-                block_size=args.block_size,
-                dtype=args.dtype,
-                device=args.device,
-                kv_cache_memory=args.kv_cache_memory,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                seed=args.seed,
                 parent_pid=os.getpid(),
             )
-            self.procs[f"worker rank {rank}"] = self._spawn("worker.main", worker_config, env)
+            self.procs[f"worker rank {rank}"] = self._spawn("worker.main", config, env)
         self.ready: EngineReady = self._wait_ready()
 
     def _spawn(self, module: str, config: msgspec.Struct, env: dict) -> subprocess.Popen:
