@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels.cuda_kernels import paged_attention_with, write_kv_cache_with
+from kernels.cuda_kernels import BoundKernels
 from kernels.cuda_sources import CUDA_DIR, KernelBuild
 
 # A small device, so that tests reach the split-K path with little work: 8 SMs that each
@@ -150,36 +150,6 @@ def backend() -> EmulatorBackend:
     return _BACKEND
 
 
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    write_kv_cache_with(backend(), key, value, key_cache, value_cache, slot_mapping)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    return paged_attention_with(
-        backend(),
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        scale,
-        sliding_window,
-        soft_cap,
-    )
+_EMULATED = BoundKernels(backend)
+write_kv_cache = _EMULATED.write_kv_cache
+paged_attention = _EMULATED.paged_attention

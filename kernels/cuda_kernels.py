@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -302,17 +303,6 @@ def write_kv_cache_with(
 _KV_WRITE_KERNELS = {unit: f"kv_cache_write_u{8 * unit}" for unit in KV_WRITE_UNITS}
 
 
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding."""
-    write_kv_cache_with(cuda_backend(), key, value, key_cache, value_cache, slot_mapping)
-
-
 # -- paged attention --------------------------------------------------------------------
 
 
@@ -535,27 +525,52 @@ def paged_attention_with(
     return out
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """Causal attention of a mixed batch over paged K/V; see kernels.reference.paged_attention."""
-    return paged_attention_with(
-        cuda_backend(),
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        scale,
-        sliding_window,
-        soft_cap,
-    )
+@dataclass(frozen=True)
+class BoundKernels:
+    """The kernels with kernels.reference's signatures, launched through one backend
+    (looked up at each call, so it is made at first use)."""
+
+    backend: Callable[[], Backend]
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding."""
+        write_kv_cache_with(self.backend(), key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of a mixed batch over paged K/V; see
+        kernels.reference.paged_attention."""
+        return paged_attention_with(
+            self.backend(),
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            soft_cap,
+        )
+
+
+_CUDA = BoundKernels(cuda_backend)
+write_kv_cache = _CUDA.write_kv_cache
+paged_attention = _CUDA.paged_attention
