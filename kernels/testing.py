@@ -20,12 +20,15 @@ def random_paged_batch(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     pad_rows: int = 0,
+    released_window: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(query, key_cache, value_cache, block_table, query_start_loc, seq_lens) on device.
 
     Each request's pages are shuffled block ids; block 0 is a NaN null block no request
     owns and one more block is never referenced, so a kernel that reads outside its pages
-    shows up as NaN. Large caches are drawn on the device itself, seeded from gen."""
+    shows up as NaN. With released_window W, blocks that no query's window of W keys
+    reaches point at the null block, as the scheduler may leave them. Large caches are
+    drawn on the device itself, seeded from gen."""
     device = torch.device(device)
     blocks = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 2
@@ -33,6 +36,9 @@ def random_paged_batch(
     table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
     for b, n in enumerate(blocks):
         table[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+        if released_window is not None:
+            first_key = max(0, seq_lens[b] - query_lens[b] - released_window + 1)
+            table[b, : first_key // block_size] = 0
     dev_gen = gen
     if device.type != "cpu":
         seed = int(torch.randint(2**62, (1,), generator=gen))
