@@ -7,9 +7,7 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 from cli_helpers import CPU
-from hf_checkpoints import save_checkpoint
 
 from launch import LLM, Prompt, SamplingParams
 from launch.engine import EngineArgs, EngineProcesses
@@ -17,13 +15,6 @@ from launch.engine import EngineArgs, EngineProcesses
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"  # the core checks KV invariants every step
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT = [11, 12, 13, 14, 15, 16]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    save_checkpoint("llama", path)
-    return path
 
 
 def test_stop_token_ids_and_eos_stop_generation(llama_dir: Path, tmp_path: Path) -> None:

@@ -12,16 +12,9 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import CPU, ENV, generate_cli, generate_cmd
-from hf_checkpoints import VOCAB, save_checkpoint
+from hf_checkpoints import VOCAB
 
 from launch import LLM, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    save_checkpoint("llama", path)
-    return path
 
 
 def test_bad_requests_fail_alone(llama_dir: Path, tmp_path: Path) -> None:

@@ -11,19 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from cli_helpers import CPU, ENV, generate_cli, generate_cmd
-from hf_checkpoints import save_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
 LINES = [json.dumps({"prompt_token_ids": p, "temperature": 0, "max_tokens": 8}) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    save_checkpoint("llama", path)
-    return path
 
 
 def free_ports(n: int) -> int:
