@@ -16,7 +16,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.kv_cache_config import make_kv_cache_config, unify_kv_cache_configs
 from protocol.codec import Codec, ProtocolError
-from protocol.config import EngineCoreConfig, parent_alive, worker_sockets
+from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
 from protocol.worker import (
     PROTOCOL_VERSION,
@@ -38,6 +38,8 @@ log = logging.getLogger("pagedserve.core")
 # big GPU would otherwise ask the core for tens of millions of block objects (seconds of
 # start-up and gigabytes of host memory) that no workload fills.
 MAX_AUTO_NUM_BLOCKS = 1 << 20
+# tcp://HOST:0: how many random base ports to try for a free run of world_size + 1.
+MAX_BIND_TRIES = 100
 
 
 class WorkerDied(RuntimeError):
@@ -48,20 +50,14 @@ class Executor:
     def __init__(self, ctx: zmq.Context, config: EngineCoreConfig) -> None:
         self.config = config
         self.world_size = config.world_size
-        result_address, step_addresses = worker_sockets(config.worker_address, config.world_size)
         self.to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
         self.to_worker: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
-        self.push: list[zmq.Socket] = []
-        self.monitors: list[zmq.Socket] = []
-        for address in step_addresses:
-            sock = ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(address)
-            self.push.append(sock)
-            self.monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        self.push = [ctx.socket(zmq.PUSH) for _ in range(config.world_size)]
         self.results = ctx.socket(zmq.PULL)
-        self.results.setsockopt(zmq.LINGER, 0)
-        self.results.bind(result_address)
+        for sock in (*self.push, self.results):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.address = self._bind(config.worker_address)
+        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in self.push]
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:
@@ -69,6 +65,37 @@ class Executor:
         self.hellos: list[WorkerHello] = []
 
     # -- start-up ---------------------------------------------------------------------
+    def _bind(self, address: str) -> str:
+        """Bind the results and step sockets at address; return the address workers
+        must be given. For tcp://HOST:0 the core takes a free run of ports itself and
+        logs it, so nobody picks a port that is taken before it is bound."""
+        host = any_port(address)
+        if host is None:
+            result_address, step_addresses = worker_sockets(address, self.world_size)
+            self.results.bind(result_address)
+            for sock, step_address in zip(self.push, step_addresses):
+                sock.bind(step_address)
+            return address
+        for _ in range(MAX_BIND_TRIES):
+            base = self.results.bind_to_random_port(f"tcp://{host}", max_port=65535 - 64)
+            resolved = f"tcp://{host}:{base}"
+            bound = []
+            step_addresses = worker_sockets(resolved, self.world_size)[1]
+            try:
+                for sock, step_address in zip(self.push, step_addresses):
+                    sock.bind(step_address)
+                    bound.append((sock, step_address))
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE:
+                    raise
+                for sock, step_address in bound:
+                    sock.unbind(step_address)
+                self.results.unbind(self.results.last_endpoint.decode())
+                continue
+            log.warning("engine core: workers connect to --core %s", resolved)
+            return resolved
+        raise RuntimeError(f"no run of {self.world_size + 1} free ports found on {host}")
+
     def handshake(self) -> list[WorkerHello]:
         """Wait for every rank's hello within the timeout; check protocol and ranks."""
         deadline = time.monotonic() + self.config.handshake_timeout_s

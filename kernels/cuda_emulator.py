@@ -34,6 +34,12 @@ EMULATED_CTAS_PER_SM = 2
 EMULATED_RESIDENT_CTAS = EMULATED_SMS * EMULATED_CTAS_PER_SM
 
 
+MISSING_COMPILER = (
+    "the CPU emulator of the CUDA kernels needs a C++17 compiler and found none: install "
+    "g++ (Debian/Ubuntu: apt-get install g++) or point CXX at one"
+)
+
+
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
@@ -53,7 +59,7 @@ class EmulatorBackend:
             return lib
         cxx = compiler()
         if cxx is None:
-            raise RuntimeError("the CUDA emulator needs a C++17 compiler (g++)")
+            raise RuntimeError(MISSING_COMPILER)
         unit = f'#include "{build.source}"\n' + "".join(
             f"PS_EMU_EXPORT({k})\n" for k in build.kernels
         )

@@ -111,13 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--worker-address",
         help="where the core listens for workers "
-        "(tcp://HOST:PORT; default: private ipc, or tcp://127.0.0.1:29550 "
-        "with --external-workers)",
+        "(tcp://HOST:PORT or ipc://PATH; port 0: the core picks free ports and logs "
+        "the address; default: private ipc, or tcp://127.0.0.1:29550 with --external-workers)",
     )
     g.add_argument(
         "--dist-init",
         help="torch.distributed rendezvous for TP workers "
-        "(tcp://HOST:PORT; default: a free loopback port)",
+        "(tcp://HOST:PORT, or file://PATH on one machine; default: a file in the "
+        "engine's private directory)",
     )
     g.add_argument(
         "--worker-timeout",
@@ -199,6 +200,9 @@ def generate(args: argparse.Namespace) -> int:
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("pagedserve generate: interrupted", file=sys.stderr)
+        return 130
     try:
         good = [(i, it) for i, it in enumerate(items) if not isinstance(it, str)]
         outs = llm.generate([it for _, it in good], use_tqdm=not args.no_progress)

@@ -23,7 +23,6 @@ from protocol.codec import Codec
 from protocol.config import (
     EngineCoreConfig,
     WorkerConfig,
-    free_port,
     ipc_address,
     ipc_dir,
     worker_sockets,
@@ -41,6 +40,9 @@ from protocol.engine import (
 )
 
 DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
+# How long a client waits for the core to report a worker's death before giving up on it
+# (the core reports within its own poll interval; this only bounds a wedged core).
+CORE_REPORT_TIMEOUT_S = 60.0
 
 
 # Worker settings that EngineArgs and `pagedserve worker`'s flags both carry, by name.
@@ -149,7 +151,9 @@ class EngineProcesses:
         self.procs["engine core"] = self._spawn("enginecore.core", core_config, env)
         dist_init = args.dist_init
         if dist_init is None and n > 1:
-            dist_init = f"tcp://127.0.0.1:{free_port()}"
+            # Local ranks meet through a file in the engine's private directory: no port
+            # to pick, so none that another process can take first.
+            dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
         for rank in range(0 if args.external_workers else n):
             config = worker_config(
                 args,
@@ -161,7 +165,12 @@ class EngineProcesses:
                 parent_pid=os.getpid(),
             )
             self.procs[f"worker rank {rank}"] = self._spawn("worker.main", config, env)
-        self.ready: EngineReady = self._wait_ready()
+        try:
+            self.ready: EngineReady = self._wait_ready()
+        except BaseException:
+            # Ctrl-C or a failure while starting: nothing we spawned outlives us.
+            self.shutdown()
+            raise
 
     def _spawn(self, module: str, config: msgspec.Struct, env: dict) -> subprocess.Popen:
         return subprocess.Popen(
@@ -219,8 +228,15 @@ class EngineProcesses:
             return msg
         dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
         if dead:
-            # Give the core a moment to report what it saw (outputs failed with reasons).
-            if "engine core" not in dead and self.from_core.poll(3000):
+            # A worker is gone but the core lives: it notices too and fails the open
+            # requests with the reason before it stops. Wait for that (or for the core
+            # to exit), however slow a loaded machine makes it.
+            core = self.procs["engine core"]
+            deadline = time.monotonic() + CORE_REPORT_TIMEOUT_S
+            while core.poll() is None and time.monotonic() < deadline:
+                if self.from_core.poll(100):
+                    return self._recv(0)
+            if self.from_core.poll(0):
                 return self._recv(0)
             self.shutdown()
             raise EngineDeadError(f"engine stopped:{self._exit_codes()}")

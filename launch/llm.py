@@ -130,11 +130,17 @@ class LLM:
         except KeyboardInterrupt:
             self.engine.abort(list(pending))
             raise
+        except EngineDeadError as e:
+            # The core fails the requests it knows of before it stops; any it never read
+            # fail here with the same reason, so every input still gets its answer.
+            self.dead_reason = str(e)
+            for index in pending.values():
+                results[index].finish_reason, results[index].error = "error", str(e)
         finally:
             bar.close()
         summary.seconds = time.perf_counter() - start
         summary.failed = sum(1 for r in results if r.finish_reason == "error")
-        if summary.failed:
+        if summary.failed and self.dead_reason is None:
             # Failures may be the engine going down: say so rather than look healthy.
             self.dead_reason = self.engine.dead_reason()
         if self.tokenizer is not None:

@@ -4,7 +4,6 @@ their command line), and the socket address helpers they share."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import msgspec
@@ -57,7 +56,8 @@ def worker_sockets(address: str, world_size: int) -> tuple[str, list[str]]:
 
     tcp://HOST:PORT: results on PORT, rank r's steps on PORT + 1 + r. ipc://PATH:
     PATH.results and PATH.rank<r>. One address is all a worker needs to be told, and
-    one socket per rank lets the core name the rank that disconnects."""
+    one socket per rank lets the core name the rank that disconnects. Port 0 asks the
+    core to pick free ports itself (see any_port); workers need the real one."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if address.startswith("tcp://"):
@@ -65,7 +65,7 @@ def worker_sockets(address: str, world_size: int) -> tuple[str, list[str]]:
         if not sep or not port.isdigit() or not host:
             raise ValueError(f"worker address {address!r} is not tcp://HOST:PORT")
         base = int(port)
-        if not 0 < base <= 65535 - world_size - 1:
+        if not 0 <= base <= 65535 - world_size - 1:
             raise ValueError(f"worker address {address!r}: port out of range")
         return address, [f"tcp://{host}:{base + 1 + r}" for r in range(world_size)]
     if address.startswith("ipc://"):
@@ -73,11 +73,15 @@ def worker_sockets(address: str, world_size: int) -> tuple[str, list[str]]:
     raise ValueError(f"worker address {address!r} must start with tcp:// or ipc://")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on host (for a loopback rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def any_port(address: str) -> str | None:
+    """The host of a tcp://HOST:0 address (the core binds free ports and reports them),
+    else None. Binding is the only race-free way to find a free port: a port picked
+    free and bound later may be taken in between."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        if port == "0":
+            return host
+    return None
 
 
 def parent_alive(parent_pid: int | None) -> bool:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +49,51 @@ def generate_cli(
     )
     results = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     return proc, results
+
+
+class StderrWatch:
+    """Reads a process's stderr line by line on a thread, so a test can wait for a line
+    (an event the process reports) instead of sleeping, and still get all of it later."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._done = False
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._done = True
+            self._new.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 300) -> re.Match[str]:
+        """The first match of pattern in a line; fails if the stream ends without one.
+        The timeout only keeps a broken run from hanging the suite."""
+        regex = re.compile(pattern)
+        seen = 0
+        deadline = time.monotonic() + timeout
+        with self._new:
+            while True:
+                for line in self.lines[seen:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if self._done or left <= 0:
+                    raise AssertionError(f"no line matching {pattern!r}:\n{self.text()}")
+                self._new.wait(left)
+
+    def text(self) -> str:
+        """Everything read so far (all of it once the process has exited and join() ran)."""
+        return "".join(self.lines)
+
+    def join(self) -> str:
+        self._thread.join()
+        return self.text()

@@ -14,7 +14,7 @@ VOCAB = 160
 # barely moves the logits: zeroing o_proj changed 1 greedy token in 180 for Llama. At 0.2
 # the largest weight averages ~0.6: peaked, yet not one-hot (a scale or window bug still
 # moves weight between keys), and the greedy paths' top-2 logit margins stay far above
-# float noise (checked by check_greedy_margins).
+# float noise (hf_greedy checks them).
 INIT_STD = 0.2
 
 COMMON = dict(
@@ -89,8 +89,15 @@ def save_checkpoint(name: str, path: Path) -> torch.nn.Module:
     return hf_model
 
 
+# Greedy continuations used as oracles must not hinge on float noise: at every step the
+# chosen token leads the runner-up by at least twice the logit tolerance of the logit tests
+# (1e-4), so an engine whose logits pass those cannot pick another token.
+MIN_GREEDY_MARGIN = 2e-4
+
+
 def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation of prompt: exactly n tokens, EOS ignored."""
+    """transformers' own greedy continuation of prompt: exactly n tokens, EOS ignored.
+    Fails if any step's top-2 logit margin is below MIN_GREEDY_MARGIN."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model.generate(
@@ -101,5 +108,14 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> list[int]
             min_new_tokens=n,
             eos_token_id=None,
             pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, len(prompt) :].tolist()
+    top2 = torch.cat(out.logits).float().topk(2, dim=-1).values
+    margins = top2[:, 0] - top2[:, 1]
+    step = int(margins.argmin())
+    assert margins[step] >= MIN_GREEDY_MARGIN, (
+        f"oracle too close to call: step {step} of prompt {prompt} has a top-2 logit margin "
+        f"of {float(margins[step]):.2e}; change the prompt or the checkpoint seed"
+    )
+    return out.sequences[0, len(prompt) :].tolist()

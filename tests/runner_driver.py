@@ -132,9 +132,7 @@ def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecor
                 scheduler.update_from_output(so, out)
     finally:
         hook.remove()
-    record.generated = {
-        rid: r.all_token_ids[r.num_prompt_tokens :] for rid, r in requests.items()
-    }
+    record.generated = {rid: r.all_token_ids[r.num_prompt_tokens :] for rid, r in requests.items()}
     record.logits = {rid: dict(p) for rid, p in record.logits.items()}
     record.num_preemptions = scheduler.num_preemptions
     return record

@@ -23,11 +23,13 @@ from kernels.testing import random_paged_batch
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _emulator_or_skip():
+def _emulator():
+    """The emulator; a machine without a C++ compiler is broken, as one without NVRTC is:
+    the tests fail there, saying what to install, instead of skipping."""
     from kernels import cuda_emulator
 
     if cuda_emulator.compiler() is None:
-        pytest.skip("the CPU emulator of the CUDA kernels needs a C++ compiler (g++)")
+        pytest.fail(cuda_emulator.MISSING_COMPILER)
     return cuda_emulator
 
 
@@ -194,7 +196,7 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("window", [None, 5])
 def test_emulated_attention_mixed_batch(block_size: int, group: int, window: int | None) -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     _compare_attention(
         emu.paged_attention,
         "cpu",
@@ -209,7 +211,7 @@ def test_emulated_attention_mixed_batch(block_size: int, group: int, window: int
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_emulated_attention_soft_cap_and_padding_rows(dtype: torch.dtype) -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     _compare_attention(
         emu.paged_attention, "cpu", *MIXED, dtype=dtype, soft_cap=2.0, pad_rows=3, seed=5
     )
@@ -218,7 +220,7 @@ def test_emulated_attention_soft_cap_and_padding_rows(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("pad_rows", [0, 2])
 def test_emulated_split_k_decode(window: int | None, pad_rows: int) -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     plan = plan_attention(3 + pad_rows, 3, 8, 2, 64, 45 * 16, window, emu.EMULATED_RESIDENT_CTAS)
     assert plan.num_splits > 1  # the case this test is for
     _compare_attention(
@@ -234,7 +236,7 @@ def test_emulated_split_k_decode(window: int | None, pad_rows: int) -> None:
 
 def test_emulated_split_k_extend_with_bf16() -> None:
     # Chunks where some rows of a tile see no key at all (causal), merged by the reduction.
-    emu = _emulator_or_skip()
+    emu = _emulator()
     _compare_attention(
         emu.paged_attention, "cpu", [600, 40], [150, 1], group=8, num_kv_heads=1,
         dtype=torch.bfloat16, seed=3,
@@ -244,7 +246,7 @@ def test_emulated_split_k_extend_with_bf16() -> None:
 def test_emulated_split_where_a_row_sees_no_key() -> None:
     # 2 tokens x 8 heads = 16 rows (key mode); 769 keys in splits of 256: the last split
     # holds only the newest key, which the first token may not see.
-    emu = _emulator_or_skip()
+    emu = _emulator()
     plan = plan_attention(2, 1, 8, 1, 64, 50 * 16, None, emu.EMULATED_RESIDENT_CTAS)
     assert plan.num_splits == 4
     _compare_attention(
@@ -255,7 +257,7 @@ def test_emulated_split_where_a_row_sees_no_key() -> None:
 @pytest.mark.parametrize("block_size", [1, 12, 24])
 def test_emulated_attention_block_sizes_that_are_not_powers_of_two(block_size: int) -> None:
     # The kernel shifts for power-of-two block sizes and divides for the others.
-    emu = _emulator_or_skip()
+    emu = _emulator()
     _compare_attention(
         emu.paged_attention, "cpu", *DECODE_LONG, block_size=block_size, seed=block_size
     )
@@ -264,7 +266,7 @@ def test_emulated_attention_block_sizes_that_are_not_powers_of_two(block_size: i
 
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 128, 256])
 def test_emulated_attention_head_dims(head_dim: int) -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     _compare_attention(
         emu.paged_attention, "cpu", [40, 5, 90], [3, 5, 1], head_dim=head_dim, seed=head_dim
     )
@@ -272,7 +274,7 @@ def test_emulated_attention_head_dims(head_dim: int) -> None:
 
 def test_emulated_attention_on_strided_cache_views() -> None:
     # K and V of a layer interleaved per block in one buffer: non-contiguous cache views.
-    emu = _emulator_or_skip()
+    emu = _emulator()
     gen = torch.Generator().manual_seed(9)
     query, kc, vc, table, qsl, lens = make_batch(gen, [30, 17], [4, 17], 16, 2, 4, 64, torch.half)
     buffer = torch.stack([kc, vc], dim=1)  # [NB, 2, BS, H, D]
@@ -285,7 +287,7 @@ def test_emulated_attention_on_strided_cache_views() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_emulated_write_kv_cache(dtype: torch.dtype) -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     gen = torch.Generator().manual_seed(1)
     key = torch.randn(7, 2, 64, generator=gen).to(dtype)
     value = torch.randn(7, 2, 64, generator=gen).to(dtype)
@@ -298,7 +300,7 @@ def test_emulated_write_kv_cache(dtype: torch.dtype) -> None:
 
 
 def test_emulated_write_kv_cache_into_interleaved_views_and_int32_slots() -> None:
-    emu = _emulator_or_skip()
+    emu = _emulator()
     buffer = torch.zeros(3, 2, 4, 1, 8, dtype=torch.half)  # head_dim 8: 16-byte rows
     key = torch.randn(2, 1, 8).half()
     emu.write_kv_cache(key, -key, buffer[:, 0], buffer[:, 1], torch.tensor([5, 11]).int())

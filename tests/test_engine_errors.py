@@ -6,15 +6,15 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import CPU, ENV, generate_cli, generate_cmd
+from cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
 from hf_checkpoints import VOCAB
 
 from launch import LLM, SamplingParams
+from launch.engine import EngineDeadError
 
 
 def test_bad_requests_fail_alone(llama_dir: Path, tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+def _gone(pids: list[int], timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [
@@ -106,38 +106,56 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
     llm = LLM(num_gpu_blocks=64, device=CPU)  # the built-in model: 4096 positions, long runs
     procs = dict(llm.engine.procs)
-    worker = procs["worker rank 0"]
-    threading.Timer(1.0, lambda: worker.send_signal(signal.SIGKILL)).start()
     params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-    outs = llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
-    for out in outs:
-        assert out.finish_reason == "error"
-        assert "worker rank 0 disconnected" in (out.error or "")
-        assert 0 < len(out.token_ids) < 3000  # what was streamed before the loss is kept
-    assert llm.dead_reason is not None
-    assert "worker rank 0" in llm.dead_reason and "killed by signal 9" in llm.dead_reason
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    for rid in tokens:
+        llm.engine.add_request(rid, [5, 6, 7], params)
+    errors: dict[str, str | None] = {}
+    killed = False
+    with pytest.raises(EngineDeadError) as dead:
+        while True:  # until the engine reports its death, after failing every request
+            batch = llm.engine.get_outputs()
+            for o in batch.outputs if batch is not None else ():
+                tokens[o.request_id].extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    assert o.finish_reason == "error", o
+                    errors[o.request_id] = o.error
+            if not killed and all(tokens.values()):
+                # Every request has streamed tokens: the kill lands mid-run.
+                procs["worker rank 0"].send_signal(signal.SIGKILL)
+                killed = True
+    assert killed
+    assert set(errors) == set(tokens)
+    for rid, error in errors.items():
+        assert "worker rank 0 disconnected" in (error or ""), error
+        assert 0 < len(tokens[rid]) < 3000  # what was streamed before the loss is kept
+    assert "worker rank 0" in str(dead.value) and "killed by signal 9" in str(dead.value)
     llm.close()
     assert _gone([p.pid for p in procs.values()])
 
 
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+# When Ctrl-C comes: while the worker loads (its first log line: the core and the worker
+# both run, the engine is not ready), or once the core has sized the KV cache (generation
+# starts right after). Either way: exit status 130, a one-line message, no orphans.
+CTRL_C_MOMENTS = {"starting": r"attention kernels:", "generating": r"KV cache: \d+ blocks"}
+
+
+@pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
+def test_ctrl_c_stops_everything(moment: str, tmp_path: Path) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}) + "\n")
     proc = subprocess.Popen(
-        generate_cmd(inp, tmp_path / "out.jsonl"),
+        generate_cmd(inp, tmp_path / "out.jsonl", "--log-level", "INFO"),
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
     )
-    deadline = time.monotonic() + 120
-    children: list[int] = []
-    while time.monotonic() < deadline and len(children) < 2:
-        time.sleep(0.2)
-        children = _children(proc.pid)
+    watch = StderrWatch(proc)
+    watch.wait_for(CTRL_C_MOMENTS[moment])
+    children = _children(proc.pid)
     assert len(children) == 2, "core and worker did not start"
-    time.sleep(3)  # let it get going
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr
+    assert proc.wait(timeout=60) == 130, watch.join()
+    stderr = watch.join()
+    assert "interrupted" in stderr and "Traceback" not in stderr, stderr
     assert _gone(children), "orphan processes after Ctrl-C"

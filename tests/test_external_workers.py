@@ -1,53 +1,33 @@
 """Workers started on their own (`pagedserve worker`), as on other machines: separate
-process trees that find the core over TCP on loopback."""
+process trees that find the core over TCP on loopback (or an ipc path).
+
+No test picks a free port: the core binds port 0 itself and logs the address it got,
+which the test reads before starting workers; ranks meet through a rendezvous file."""
 
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from cli_helpers import CPU, ENV, generate_cli, generate_cmd
+from cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
 LINES = [json.dumps({"prompt_token_ids": p, "temperature": 0, "max_tokens": 8}) for p in PROMPTS]
 
 
-def free_ports(n: int) -> int:
-    """A base port with base .. base + n - 1 all free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 class Cluster:
-    """A core address, a rendezvous address, and worker process trees of their own."""
+    """A core address, a rendezvous file, and worker process trees of their own.
 
-    def __init__(self, tp: int) -> None:
-        base = free_ports(tp + 3)
+    tcp=True: the core binds free ports (tcp://127.0.0.1:0) and workers start once it
+    logged them. tcp=False: an ipc path, so workers may start before the core."""
+
+    def __init__(self, tp: int, tmp: Path, tcp: bool = False) -> None:
         self.tp = tp
-        self.core = f"tcp://127.0.0.1:{base}"
-        self.dist = f"tcp://127.0.0.1:{base + tp + 2}"
+        self.core = "tcp://127.0.0.1:0" if tcp else f"ipc://{tmp / 'core'}"
+        self.dist = f"file://{tmp / 'dist-store'}"
         self.workers: dict[int, subprocess.Popen] = {}
 
     def flags(self, timeout: float = 120) -> tuple[str, ...]:
@@ -62,6 +42,20 @@ class Cluster:
             "--worker-timeout",
             str(timeout),
         )
+
+    def start_core(self, inp: Path, out: Path, *flags: str) -> tuple[subprocess.Popen, StderrWatch]:
+        """`pagedserve generate` waiting for external workers; with tcp, learns the port."""
+        gen = subprocess.Popen(
+            generate_cmd(inp, out, *self.flags(), *flags),
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        watch = StderrWatch(gen)
+        if self.core.endswith(":0"):
+            self.core = watch.wait_for(r"workers connect to --core (tcp://\S+)").group(1)
+        return gen, watch
 
     def start(self, rank: int, model: Path | None, *extra: str) -> subprocess.Popen:
         cmd = [
@@ -101,35 +95,44 @@ class Cluster:
             proc.wait()
 
 
+def _write_lines(tmp: Path, lines: list[str]) -> tuple[Path, Path]:
+    inp, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    inp.write_text("".join(x + "\n" for x in lines))
+    return inp, out
+
+
 def test_external_workers_give_the_spawned_outputs(llama_dir: Path, tmp_path: Path) -> None:
     spawned_dir, external_dir = tmp_path / "spawned", tmp_path / "external"
     spawned_dir.mkdir()
     external_dir.mkdir()
     proc, spawned = generate_cli(llama_dir, LINES, spawned_dir, "--tp", "2", "--block-size", "4")
     assert proc.returncode == 0, proc.stderr
-    cluster = Cluster(tp=2)
+    cluster = Cluster(2, tmp_path, tcp=True)
     try:
+        inp, out = _write_lines(external_dir, LINES)
+        gen, watch = cluster.start_core(inp, out, "--model", str(llama_dir), "--block-size", "4")
         for rank in (1, 0):  # any order: the core waits for both
             cluster.start(rank, llama_dir, "--block-size", "4")
-        proc, external = generate_cli(llama_dir, LINES, external_dir, *cluster.flags())
-        assert proc.returncode == 0, proc.stderr
+        assert gen.wait(timeout=600) == 0, watch.join()
+        external = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(external) == len(spawned) == len(LINES)
         assert [r["token_ids"] for r in external] == [r["token_ids"] for r in spawned]
         assert all(len(r["token_ids"]) == 8 for r in external)
         # The core's shutdown reaches the external workers: they exit by themselves.
         for worker in cluster.workers.values():
-            assert worker.wait(timeout=30) == 0
+            assert worker.wait(timeout=60) == 0
     finally:
         cluster.stop()
 
 
 def test_a_worker_that_never_arrives_is_named(llama_dir: Path, tmp_path: Path) -> None:
-    cluster = Cluster(tp=2)
+    cluster = Cluster(2, tmp_path)
     try:
+        # Started first, over ipc: its hello waits for the core, so it is surely counted
+        # as connected when the short start-up timeout below runs out.
         cluster.start(1, llama_dir)  # rank 0 never comes
-        start = time.monotonic()
         proc, _ = generate_cli(llama_dir, LINES, tmp_path, *cluster.flags(timeout=6))
         assert proc.returncode == 1
-        assert time.monotonic() - start < 60
         assert "worker rank(s) [0] never connected" in proc.stderr, proc.stderr
         assert "rank 1 (pid" in proc.stderr
     finally:
@@ -137,7 +140,7 @@ def test_a_worker_that_never_arrives_is_named(llama_dir: Path, tmp_path: Path) -
 
 
 def test_mismatched_kv_specs_stop_start_up(llama_dir: Path, tmp_path: Path) -> None:
-    cluster = Cluster(tp=2)
+    cluster = Cluster(2, tmp_path)
     try:
         cluster.start(0, llama_dir, "--block-size", "4")
         cluster.start(1, llama_dir, "--block-size", "8")
@@ -150,28 +153,26 @@ def test_mismatched_kv_specs_stop_start_up(llama_dir: Path, tmp_path: Path) -> N
 
 
 def test_killing_a_rank_fails_requests_and_stops_the_rest(tmp_path: Path) -> None:
-    cluster = Cluster(tp=2)
+    cluster = Cluster(2, tmp_path, tcp=True)
     try:
+        lines = [json.dumps({"prompt": "abc", "max_tokens": 3000, "ignore_eos": True})] * 3
+        inp, out = _write_lines(tmp_path, lines)
+        gen, watch = cluster.start_core(inp, out, "--log-level", "INFO")
         for rank in (0, 1):
             cluster.start(rank, None)  # the built-in model: long generations fit
-        lines = [json.dumps({"prompt": "abc", "max_tokens": 3000, "ignore_eos": True})] * 3
-        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        inp.write_text("".join(x + "\n" for x in lines))
-        gen = subprocess.Popen(
-            generate_cmd(inp, out, *cluster.flags()),
-            env=ENV,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        time.sleep(8)  # start-up, then some steps
+        # Logged once every rank has its KV cache, just before the requests go in: from
+        # here on the run needs both ranks for minutes of steps.
+        watch.wait_for(r"KV cache: \d+ blocks")
         assert gen.poll() is None, "generation ended before the kill"
         cluster.workers[1].send_signal(signal.SIGKILL)
-        _, stderr = gen.communicate(timeout=120)
-        assert gen.returncode == 1
+        assert gen.wait(timeout=300) == 1
+        stderr = watch.join()
         assert "worker rank 1" in stderr, stderr
         results = [json.loads(x) for x in out.read_text().splitlines()]
-        assert all(r["finish_reason"] == "error" and "worker rank 1" in r["error"] for r in results)
+        assert len(results) == len(lines)
+        for r in results:
+            assert r["finish_reason"] == "error" and "worker rank 1" in r["error"], r
         # Rank 0 loses its peer mid-collective or hears the core go: it exits, not hangs.
-        cluster.workers[0].wait(timeout=60)
+        cluster.workers[0].wait(timeout=120)
     finally:
         cluster.stop()

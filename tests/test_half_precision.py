@@ -12,9 +12,9 @@ Why not token equality with float32 greedy: half precision rounds every logit, s
 two tokens nearly tie the run may take the other one, and from there both continuations
 differ for good. Each emitted token is therefore checked under teacher forcing instead:
 transformers re-scores prompt + our tokens in float32 in one forward, and at every position
-our token must be the float32 argmax or within NEAR_TIE of the top logit (a near tie that
-rounding may flip). Wrong attention (a missed key, a wrong block, a broken window) moves
-logits on their own scale (std ~0.17 here, 14x NEAR_TIE) and fails the bounds below.
+our token must be the float32 argmax or within NEAR_TIE logit standard deviations of the
+top logit (a near tie that rounding may flip). Wrong attention (a missed key, a wrong block,
+a broken window) moves logits on their own scale and fails the bounds below.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from cli_helpers import generate_cli
 from hf_checkpoints import VOCAB, save_checkpoint
 
 NEW_TOKENS = 16
-# Largest float32 logit gap a token we emit may have to the best token, per dtype. Correct
-# runs on the CPU stay under 0.0035 (bf16) and 0 (fp16); a window one key too wide reached
-# 0.022-0.049. The GPU rounds attention probabilities to the dtype too, hence the margin.
-NEAR_TIE = {"bfloat16": 0.012, "float16": 0.005}
-# Share of our tokens that must be the float32 argmax exactly (correct CPU runs: >= 98.4%;
-# the window bug: 92.6-98.0%).
-MIN_EXACT = 0.95
+# Largest float32 logit gap a token we emit may have to the best token, per dtype, in units
+# of that position's logit standard deviation (the checkpoints' peaked attention amplifies
+# rounding, so an absolute bound would be a guess). Correct runs on the CPU stay under 0.20
+# (bf16) and 0.012 (fp16); a window one key too wide reaches 4.5-5.6. The GPU rounds
+# attention probabilities to the dtype too, hence the margin.
+NEAR_TIE = {"bfloat16": 0.5, "float16": 0.1}
+# Share of our tokens that must be the float32 argmax exactly (correct CPU runs: >= 94.5%;
+# the window bug: 12-27%).
+MIN_EXACT = 0.9
 
 # How each run executes attention: (--device, PAGEDSERVE_ATTENTION, the kernels the worker
 # must log).
@@ -79,12 +81,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def teacher_forced_gaps(
     hf_model: torch.nn.Module, prompt: list[int], tokens: list[int]
 ) -> list[float]:
-    """Per emitted token: float32 top logit minus the logit of the token we emitted."""
+    """Per emitted token: float32 top logit minus the logit of the token we emitted, in
+    units of the standard deviation of that position's float32 logits."""
     ids = torch.tensor([prompt + tokens[:-1]])
     with torch.no_grad():
         logits = hf_model(ids).logits[0, len(prompt) - 1 :].float()
     chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
-    return (logits.max(dim=1).values - chosen).tolist()
+    return ((logits.max(dim=1).values - chosen) / logits.std(dim=1)).tolist()
 
 
 @pytest.mark.parametrize(("checkpoint", "run", "dtype"), CASES, indirect=["checkpoint"])
@@ -123,5 +126,5 @@ def test_half_precision_greedy_follows_float32_transformers(
         gaps += teacher_forced_gaps(hf_model, prompt, r["token_ids"])
     worst = max(gaps)
     exact = sum(g == 0.0 for g in gaps) / len(gaps)
-    assert worst <= NEAR_TIE[dtype], f"a token {worst:.4f} below the float32 best ({dtype})"
+    assert worst <= NEAR_TIE[dtype], f"a token {worst:.3f} std below the float32 best ({dtype})"
     assert exact >= MIN_EXACT, f"only {exact:.0%} of tokens are the float32 argmax ({dtype})"

@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 from hf_checkpoints import CHECKPOINTS, hf_greedy, save_checkpoint
 from runner_driver import GEN_TOKENS, check_against_hf, check_coverage, drive, make_runner
 
-from protocol.config import free_port
 from worker.parallel import DIST_INIT_ENV, destroy_distributed
 
 FAMILIES = list(CHECKPOINTS)
@@ -47,43 +46,35 @@ def test_runner_logits_equal_transformers(name: str, checkpoints: dict) -> None:
     _check(drive(make_runner(path)), hf_model)
 
 
-def _tp2_rank(rank: int, init_method: str, dirs: dict[str, str], out_dir: str) -> None:
+def _tp2_rank(rank: int, init_method: str, path: str, out_dir: str) -> None:
     # Two ranks share two cores: one thread each, or OpenMP spinning dominates.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ[DIST_INIT_ENV] = init_method  # the runner joins as a worker would
-    results = {}
     try:
-        for i, (name, path) in enumerate(dirs.items()):
-            runner = make_runner(path, rank, 2)
-            if i == 0:
-                results["kv_heads"] = {s.num_kv_heads for s in runner.kv_cache_specs().values()}
-            record = drive(runner)
-            results[name] = {
-                "generated": record.generated,
-                "logits": {r: dict(p) for r, p in record.logits.items()},
-                "record": record if rank == 0 else None,
-            }
-            destroy_distributed()
+        runner = make_runner(path, rank, 2)
+        kv_heads = {s.num_kv_heads for s in runner.kv_cache_specs().values()}
+        record = drive(runner)
     finally:
         destroy_distributed()
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    torch.save({"kv_heads": kv_heads, "record": record}, Path(out_dir) / f"rank{rank}.pt")
 
 
+@pytest.mark.parametrize("name", FAMILIES)
 def test_runner_logits_tp2_equal_transformers_and_ranks_agree(
-    checkpoints: dict, tmp_path: Path
+    name: str, checkpoints: dict, tmp_path: Path
 ) -> None:
-    dirs = {name: path for name, (path, _) in checkpoints.items()}
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(_tp2_rank, args=(init_method, dirs, str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    assert ranks[0]["kv_heads"] == ranks[1]["kv_heads"] == {1}
-    for name, (_, hf_model) in checkpoints.items():
-        first, second = ranks[0][name], ranks[1][name]
-        # Bit-identical logits on both ranks: the premise of rank-local sampling.
-        assert first["generated"] == second["generated"], name
-        for rid, positions in first["logits"].items():
-            for pos, values in positions.items():
-                for a, b in zip(values, second["logits"][rid][pos]):
-                    assert torch.equal(a, b), (name, rid, pos)
-        _check(first["record"], hf_model)
+    path, hf_model = checkpoints[name]
+    init_method = f"file://{tmp_path / 'dist-store'}"  # no port to race for
+    mp.spawn(_tp2_rank, args=(init_method, path, str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    # 2 KV heads over 2 ranks: one each.
+    assert first["kv_heads"] == second["kv_heads"] == {1}
+    a, b = first["record"], second["record"]
+    # Bit-identical logits on both ranks: the premise of rank-local sampling.
+    assert a.generated == b.generated
+    for rid, positions in a.logits.items():
+        for pos, values in positions.items():
+            for x, y in zip(values, b.logits[rid][pos], strict=True):
+                assert torch.equal(x, y), (rid, pos)
+    _check(a, hf_model)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -184,14 +183,9 @@ def _tp_rank(rank: int, world_size: int, init_method: str, dirs: dict, out_dir: 
 # ---- the parent -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn: Callable[..., None], world_size: int, dirs: dict, out_dir: Path) -> list[dict]:
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    # A rendezvous file, not a port: nothing else on the machine can take it first.
+    init_method = f"file://{out_dir / 'dist-store'}"
     mp.spawn(fn, args=(world_size, init_method, dirs, str(out_dir)), nprocs=world_size)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from protocol.codec import Codec
-from protocol.config import WorkerConfig, parent_alive, worker_sockets
+from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
@@ -111,6 +111,11 @@ def run(config: WorkerConfig) -> int:
     if config.parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     try:
+        if any_port(config.core_address) is not None:
+            raise ValueError(
+                f"core address {config.core_address!r} has port 0: give the port the core "
+                "logged ('workers connect to --core ...')"
+            )
         result_address, step_addresses = worker_sockets(config.core_address, config.world_size)
         if not 0 <= config.rank < config.world_size:
             raise ValueError(f"rank {config.rank} is outside a group of {config.world_size}")

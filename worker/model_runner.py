@@ -18,7 +18,7 @@ from protocol.config import WorkerConfig
 from protocol.kv_cache import KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
-from worker.input_batch import InputBatch
+from worker.input_batch import NULL_BLOCK_ID, InputBatch
 from worker.model_config import load_model_config
 from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
@@ -240,6 +240,12 @@ class ModelRunner:
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
+        # The null block stands in for positions a sliding window has left; no kernel may
+        # read it. NaN there turns a kernel that does (even under a mask: 0 * NaN is NaN)
+        # into garbage tokens that every equality test sees, instead of a silent read.
+        for cache in caches.values():
+            for tensor in cache:
+                tensor[NULL_BLOCK_ID].fill_(float("nan"))
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
 
