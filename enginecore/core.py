@@ -19,7 +19,6 @@ import zmq
 
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
-from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, parent_alive
@@ -117,15 +116,12 @@ class EngineCore:
         assert scheduler is not None
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
-        for monitor in self.executor.monitors:
-            poller.register(monitor, zmq.POLLIN)
+        self.executor.watch(poller)
         while not self._stop:
             busy = scheduler.has_unfinished_requests()
             # Idle: block (waking twice a second to notice a vanished parent).
             events = dict(poller.poll(0 if busy else 500))
-            for rank, monitor in enumerate(self.executor.monitors):
-                if monitor in events:
-                    raise WorkerDied(self.executor.describe_loss(rank, "next step"))
+            self.executor.check_workers(events)
             if self.inp in events:
                 self._drain_input()
             if not busy and not events and not parent_alive(self.config.parent_pid):
@@ -152,7 +148,7 @@ class EngineCore:
             elif isinstance(msg, AbortRequests):
                 errors.extend(scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, ResetPrefixCache):
-                ok = scheduler.kv_cache_manager.reset_prefix_cache()
+                ok = scheduler.reset_prefix_cache()
                 log.info("reset prefix cache: %s", "done" if ok else "refused, blocks in use")
             elif isinstance(msg, ShutdownCore):
                 self._stop = True
@@ -163,12 +159,8 @@ class EngineCore:
         scheduler = self.scheduler
         assert scheduler is not None
         try:
-            request = Request(
-                msg.request_id,
-                msg.prompt_token_ids,
-                scheduler.kv_cache_manager.block_hasher,
-                cache_salt=msg.cache_salt,
-                sampling_params=msg.sampling_params,
+            request = scheduler.new_request(
+                msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.cache_salt
             )
         except ValueError as e:
             return [RequestOutput(msg.request_id, [], "error", 0, str(e))]
@@ -180,47 +172,17 @@ class EngineCore:
         assert scheduler is not None
         so = scheduler.schedule()
         if so.total_num_scheduled_tokens == 0:
-            outputs = self._unschedulable()
+            outputs = scheduler.fail_unschedulable()
             if so.finished_req_ids or so.preempted_req_ids:
-                self.executor.broadcast(self.executor.to_worker.encode(so))
+                self.executor.send(so)
             if outputs:
                 self._send(EngineOutputs(outputs, scheduler.stats()))
             return
-        self.executor.broadcast(self.executor.to_worker.encode(so))
-        result = self.executor.wait_output()
+        result = self.executor.execute(so)
         outputs = scheduler.update_from_output(so, result)
         if self._check:
-            self._check_invariants()
+            scheduler.check_invariants()
         self._send(EngineOutputs(outputs, scheduler.stats()))
-
-    def _check_invariants(self) -> None:
-        scheduler = self.scheduler
-        assert scheduler is not None
-        kv = scheduler.kv_cache_manager
-        kv.check_invariants()
-        pool = kv.block_pool
-        if not scheduler.has_unfinished_requests():
-            free = pool.get_num_free_blocks()
-            if free != pool.num_usable_blocks:
-                raise AssertionError(
-                    f"no request is open but only {free} of {pool.num_usable_blocks} "
-                    f"blocks are free"
-                )
-
-    def _unschedulable(self) -> list[RequestOutput]:
-        """Nothing could run: the head waiting request can never fit; fail it alone."""
-        scheduler = self.scheduler
-        assert scheduler is not None
-        if scheduler.running or not scheduler.waiting:
-            return []
-        head = scheduler.waiting[0]
-        pool = scheduler.kv_cache_manager.block_pool
-        reason = (
-            f"request {head.request_id} needs more KV cache than exists: {head.num_tokens} "
-            f"tokens do not fit in {pool.num_usable_blocks} blocks"
-        )
-        out = scheduler.abort_requests([head.request_id])
-        return [RequestOutput(o.request_id, [], "error", 0, reason) for o in out]
 
     def _send(self, msg: object) -> None:
         self.out.send(self.to_client.encode(msg), copy=False)

@@ -22,6 +22,7 @@ from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
     ModelRunnerOutput,
+    SchedulerOutput,
     ShutdownWorker,
     WorkerConfigure,
     WorkerConnected,
@@ -176,9 +177,29 @@ class Executor:
             ready.add(msg.rank)
 
     # -- steps ------------------------------------------------------------------------
+    def send(self, so: SchedulerOutput) -> None:
+        """A step that no rank answers (it schedules no tokens, only finishes/preempts)."""
+        self.broadcast(self.to_worker.encode(so))
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step on every rank; rank 0's answer."""
+        self.broadcast(self.to_worker.encode(so))
+        return self.wait_output()
+
     def broadcast(self, frame: bytes) -> None:
         for sock in self.push:
             sock.send(frame, copy=False)
+
+    def watch(self, poller: zmq.Poller) -> None:
+        """Register the ranks' disconnect monitors, for check_workers."""
+        for monitor in self.monitors:
+            poller.register(monitor, zmq.POLLIN)
+
+    def check_workers(self, events: dict) -> None:
+        """WorkerDied naming the rank if poller events show one disconnected."""
+        for rank, monitor in enumerate(self.monitors):
+            if monitor in events:
+                raise WorkerDied(self.describe_loss(rank, "next step"))
 
     def wait_output(self) -> ModelRunnerOutput:
         while True:

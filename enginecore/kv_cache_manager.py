@@ -289,6 +289,15 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (all but the null block)."""
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""
         return self.block_pool.get_usage()

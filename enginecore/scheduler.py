@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enginecore.block_hash import HashAlgo
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
-from protocol.engine import RequestOutput, SchedulerStats
+from protocol.engine import RequestOutput, SamplingParams, SchedulerStats
 from protocol.kv_cache import KVCacheConfig
 from protocol.worker import (
     CachedRequestData,
@@ -79,6 +79,23 @@ class Scheduler:
         self.waiting.append(request)
         return None
 
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """A Request hashed the way this scheduler's cache keys blocks (ValueError for a
+        malformed one); add it with add_request."""
+        return Request(
+            request_id,
+            prompt_token_ids,
+            self.kv_cache_manager.block_hasher,
+            cache_salt=cache_salt,
+            sampling_params=sampling_params,
+        )
+
     def _validate(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
         if n > self.config.max_model_len:
@@ -129,6 +146,36 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def fail_unschedulable(self) -> list[RequestOutput]:
+        """After a step that scheduled nothing: the head waiting request can never fit
+        (nothing runs, yet it got no blocks); fail it alone."""
+        if self.running or not self.waiting:
+            return []
+        head = self.waiting[0]
+        usable = self.kv_cache_manager.num_usable_blocks
+        reason = (
+            f"request {head.request_id} needs more KV cache than exists: {head.num_tokens} "
+            f"tokens do not fit in {usable} blocks"
+        )
+        out = self.abort_requests([head.request_id])
+        return [RequestOutput(o.request_id, [], "error", 0, reason) for o in out]
+
+    def reset_prefix_cache(self) -> bool:
+        """False (nothing changed) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Debugging and tests: every KV invariant, and with no request open, every
+        block back in the pool."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        if not self.has_unfinished_requests():
+            free, usable = kv.num_free_blocks, kv.num_usable_blocks
+            if free != usable:
+                raise AssertionError(
+                    f"no request is open but only {free} of {usable} blocks are free"
+                )
 
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED

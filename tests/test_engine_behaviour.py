@@ -103,3 +103,16 @@ def test_idle_engine_does_not_spin(llama_dir: Path) -> None:
         time.sleep(3)
         used = [_cpu_seconds(p) - b for p, b in zip(pids, before)]
         assert all(u < 0.3 for u in used), used
+
+
+def test_a_request_larger_than_the_cache_fails_alone(llama_dir: Path) -> None:
+    # 8 blocks of 4 tokens, 7 usable: 28 tokens; a 40-token prompt can never fit.
+    with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4) as llm:
+        outs = llm.generate([PROMPT, list(range(3, 43)), PROMPT[:3]], GREEDY, use_tqdm=False)
+        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+        assert "needs more KV cache than exists: 40 tokens do not fit in 7 blocks" in (
+            outs[1].error or ""
+        )
+        assert len(outs[0].token_ids) == len(outs[2].token_ids) == 12
+        assert llm.last_summary.stats is not None
+        assert llm.last_summary.stats.kv_cache_usage == 0.0
