@@ -142,6 +142,7 @@ class EngineCore:
                 msg = self.from_client.decode(frame.buffer)
             except ProtocolError as e:
                 log.error("%s", e)  # a bad frame from a client fails alone
+                errors.extend(_answer_malformed(frame.buffer, e))
                 continue
             if isinstance(msg, AddRequest):
                 errors.extend(self._add(msg))
@@ -198,6 +199,20 @@ class EngineCore:
     def close(self) -> None:
         self.executor.shutdown()
         self.ctx.destroy(linger=1000)
+
+
+def _answer_malformed(frame: memoryview, error: ProtocolError) -> list[RequestOutput]:
+    """An AddRequest whose fields do not decode still names its request id: fail that
+    request with the reason, so its client is not left waiting for an answer."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return []
+    if isinstance(raw, dict) and raw.get("type") == "add":
+        rid = raw.get("request_id")
+        if isinstance(rid, str):
+            return [RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,11 @@ pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -138,14 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_inputs(path: Path, args: argparse.Namespace) -> list:  # list[Prompt | str]
-    """Parse every line; a bad line becomes an error string and fails alone."""
+def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
+    """(line number, Prompt) for each non-blank line, or (line number, error string) for a
+    bad one, which fails alone."""
     from launch.llm import Prompt
 
-    if not path.exists():
-        raise SystemExit(f"pagedserve generate: input file not found: {path}")
     decoder = msgspec.json.Decoder(InputLine)
-    items: list = []
+    items: list[tuple[int, Any]] = []
     for n, raw in enumerate(path.read_bytes().splitlines(), start=1):
         if not raw.strip():
             continue
@@ -161,9 +162,9 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list:  # list[Prompt |
                 ignore_eos=bool(line.ignore_eos),
             )
             params.validate()
-            items.append(Prompt(line.prompt, line.prompt_token_ids, params, line.cache_salt))
+            items.append((n, Prompt(line.prompt, line.prompt_token_ids, params, line.cache_salt)))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            items.append(f"{path}:{n}: {e}")
+            items.append((n, f"{path}:{n}: {e}"))
     return items
 
 
@@ -171,94 +172,119 @@ def _pick(value, default):
     return default if value is None else value
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so the engine shuts down in order."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
 def generate(args: argparse.Namespace) -> int:
     from launch.engine import EngineDeadError
     from launch.llm import LLM, CompletionOutput
+    from launch.results import ResultWriter
 
-    items = _read_inputs(args.input, args)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    if not args.input.is_file():
+        what = "is not a file" if args.input.exists() else "not found"
+        print(f"pagedserve generate: input file {what}: {args.input}", file=sys.stderr)
+        return 2
     try:
-        llm = LLM(
-            args.model,
-            block_size=args.block_size,
-            num_gpu_blocks=args.num_gpu_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            hash_algo=args.hash,
-            seed=args.seed,
-            dtype=args.dtype,
-            device=args.device,
-            tensor_parallel_size=args.tensor_parallel_size,
-            external_workers=args.external_workers,
-            worker_address=args.worker_address,
-            dist_init=args.dist_init,
-            startup_timeout_s=args.worker_timeout,
-            log_level=args.log_level,
-        )
+        items = _read_inputs(args.input, args)
+        writer = ResultWriter(args.output)  # before the engine: a bad path fails at once
+    except OSError as e:
+        print(f"pagedserve generate: {e}", file=sys.stderr)
+        return 2
+    good = [(i, n, it) for i, (n, it) in enumerate(items) if not isinstance(it, str)]
+    for i, (_, it) in enumerate(items):
+        if isinstance(it, str):
+            writer.write(i, CompletionOutput(i, [], finish_reason="error", error=it))
+
+    def save(out: CompletionOutput) -> None:
+        i, line, _ = good[out.index]
+        if out.error is not None:
+            out.error = f"{args.input}:{line}: {out.error}"
+        writer.write(i, out)
+
+    llm = None
+    code = 0
+    try:
+        llm = LLM(args.model, log_level=args.log_level, **_engine_kwargs(args))
+        llm.generate([it for _, _, it in good], use_tqdm=not args.no_progress, on_finish=save)
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)
-        return 1
+        code = 1
     except KeyboardInterrupt:
-        print("pagedserve generate: interrupted", file=sys.stderr)
-        return 130
-    try:
-        good = [(i, it) for i, it in enumerate(items) if not isinstance(it, str)]
-        outs = llm.generate([it for _, it in good], use_tqdm=not args.no_progress)
-    except EngineDeadError as e:
-        print(f"pagedserve generate: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("pagedserve generate: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except Terminated as e:
+        code = 128 + e.signum
     finally:
-        llm.close()
-    results: list[CompletionOutput] = []
-    by_index = {i: o for (i, _), o in zip(good, outs)}
-    for i, it in enumerate(items):
-        if isinstance(it, str):
-            results.append(CompletionOutput(i, [], finish_reason="error", error=it))
-        else:
-            out = by_index[i]
-            out.index = i
-            results.append(out)
-    _write_outputs(args.output, results)
-    s = llm.last_summary
-    failed = sum(1 for r in results if r.finish_reason == "error")
+        if llm is not None:
+            llm.close()
+        writer.close(sort=code == 0)
+    cut_short = len(items) - writer.written
+    if code >= 128:
+        print(
+            f"pagedserve generate: interrupted; {writer.written} finished results are in "
+            f"{args.output}, {cut_short} requests were cut short",
+            file=sys.stderr,
+        )
+        return code
+    assert llm is not None or code
+    if llm is not None:
+        _print_summary(llm.last_summary, len(items), writer.failed, cut_short)
+        if llm.dead_reason is not None:
+            print(f"pagedserve generate: {llm.dead_reason}", file=sys.stderr)
+            code = 1
+    for error in writer.errors:
+        print(f"  {error}", file=sys.stderr)
+    if writer.failed > len(writer.errors):
+        print(f"  ... and {writer.failed - len(writer.errors)} more", file=sys.stderr)
+    if writer.failed and not code:
+        print(
+            f"pagedserve generate: {writer.failed} of {len(items)} requests failed", file=sys.stderr
+        )
+        code = 1
+    return code
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        hash_algo=args.hash,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        external_workers=args.external_workers,
+        worker_address=args.worker_address,
+        dist_init=args.dist_init,
+        startup_timeout_s=args.worker_timeout,
+    )
+
+
+def _print_summary(s: Any, requests: int, failed: int, cut_short: int) -> None:
+    short = f", {cut_short} cut short" if cut_short else ""
     print(
-        f"requests: {len(results)} ({failed} failed) | prompt tokens: {s.prompt_tokens} | "
+        f"requests: {requests} ({failed} failed{short}) | prompt tokens: {s.prompt_tokens} | "
         f"output tokens: {s.output_tokens} in {s.seconds:.2f} s "
         f"({s.output_tokens_per_s:.1f} tok/s) | prefix-cache hit rate: "
         f"{s.prefix_cache_hit_rate:.1%} | preemptions: "
         f"{s.stats.num_preemptions if s.stats else 0}",
         file=sys.stderr,
     )
-    for r in results:
-        if r.error:
-            print(f"  request {r.index} failed: {r.error}", file=sys.stderr)
-    if llm.dead_reason is not None:
-        print(f"pagedserve generate: {llm.dead_reason}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _write_outputs(path: Path, results: list) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        for r in results:
-            line = {
-                "index": r.index,
-                "prompt_token_ids": r.prompt_token_ids,
-                "token_ids": r.token_ids,
-                "finish_reason": r.finish_reason,
-                "num_cached_tokens": r.num_cached_tokens,
-            }
-            if r.text is not None:
-                line["text"] = r.text
-            if r.error is not None:
-                line["error"] = r.error
-            f.write(msgspec.json.encode(line) + b"\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,10 +197,21 @@ class EngineProcesses:
         cache_salt: str | None = None,
     ) -> None:
         msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt)
+        self._check_open()
         self.to_core.send(self.from_client.encode(msg), copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
+        self._check_open()
         self.to_core.send(self.from_client.encode(AbortRequests(request_ids)))
+
+    @property
+    def closed(self) -> bool:
+        """Shut down (by shutdown(), or after the engine died)."""
+        return self.ctx.closed
+
+    def _check_open(self) -> None:
+        if self.ctx.closed:
+            raise EngineDeadError("the engine was shut down; start a new one")
 
     def get_outputs(self, timeout_ms: int = 500) -> EngineOutputs | None:
         """The next batch of outputs, or None after timeout_ms; EngineDeadError if the

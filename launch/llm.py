@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
 from launch.tokenizer import Tokenizer, load_tokenizer
@@ -71,42 +74,51 @@ class LLM:
         self.last_summary = RunSummary()
         self.dead_reason: str | None = None  # set once the engine has stopped
         self._next_id = 0
+        self._closed = False
 
     def generate(
         self,
-        prompts: list[str | list[int] | Prompt],
-        sampling_params: SamplingParams | None = None,
+        prompts: str | list[int] | Sequence[str | list[int] | Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        on_finish: Callable[[CompletionOutput], None] | None = None,
     ) -> list[CompletionOutput]:
-        """Outputs in input order; a bad prompt fails alone (finish_reason "error")."""
-        default = sampling_params or SamplingParams()
+        """Outputs in input order; a bad prompt fails alone (finish_reason "error").
+
+        prompts: one prompt (text or token ids) or a list of them. sampling_params: one for
+        all, or one per prompt. on_finish is called with each output as its request ends
+        (in finish order), e.g. to save results as they come. Malformed arguments raise
+        TypeError or ValueError before anything is sent."""
+        if self._closed:
+            raise EngineDeadError("this LLM was closed; create a new one")
+        items = _as_prompt_list(prompts)
+        params = _per_prompt_params(sampling_params, len(items), self.vocab_size)
         results: list[CompletionOutput] = []
         pending: dict[str, int] = {}
-        summary = RunSummary(requests=len(prompts))
+        summary = RunSummary(requests=len(items))
         start = time.perf_counter()
-        for index, item in enumerate(prompts):
-            p = (
-                item
-                if isinstance(item, Prompt)
-                else (
-                    Prompt(prompt=item) if isinstance(item, str) else Prompt(prompt_token_ids=item)
-                )
-            )
+        finish = on_finish or (lambda _out: None)
+        bar = _progress(len(items), use_tqdm)
+        for index, (item, default) in enumerate(zip(items, params)):
+            p = item if isinstance(item, Prompt) else _to_prompt(item)
             out = CompletionOutput(index=index, prompt_token_ids=[])
             results.append(out)
             try:
                 ids = self._token_ids(p)
-            except ValueError as e:
-                out.finish_reason, out.error = "error", str(e)
+                request_params = default
+                if p.sampling_params is not None:
+                    request_params = _checked_params(p.sampling_params, index, self.vocab_size)
+            except (TypeError, ValueError) as e:
+                out.finish_reason, out.error = "error", f"prompt {index}: {e}"
+                finish(out)
+                bar.update(1)
                 continue
             out.prompt_token_ids = ids
             summary.prompt_tokens += len(ids)
             rid = f"req-{self._next_id}"
             self._next_id += 1
             pending[rid] = index
-            self.engine.add_request(rid, ids, p.sampling_params or default, p.cache_salt)
-        bar = _progress(len(prompts), use_tqdm)
-        bar.update(len(prompts) - len(pending))
+            self.engine.add_request(rid, ids, request_params, p.cache_salt)
         try:
             while pending:
                 batch = self.engine.get_outputs()
@@ -124,8 +136,12 @@ class LLM:
                     if o.finish_reason is not None:
                         out.finish_reason = o.finish_reason
                         out.num_cached_tokens = o.num_cached_tokens
-                        out.error = o.error
+                        # The core names its request id; the caller knows the prompt index.
+                        out.error = o.error and o.error.replace(
+                            f"request {o.request_id}", f"prompt {index}"
+                        )
                         del pending[o.request_id]
+                        self._finished(out, finish)
                         bar.update(1)
         except KeyboardInterrupt:
             self.engine.abort(list(pending))
@@ -136,29 +152,42 @@ class LLM:
             self.dead_reason = str(e)
             for index in pending.values():
                 results[index].finish_reason, results[index].error = "error", str(e)
+                self._finished(results[index], finish)
         finally:
             bar.close()
         summary.seconds = time.perf_counter() - start
         summary.failed = sum(1 for r in results if r.finish_reason == "error")
-        if summary.failed and self.dead_reason is None:
+        if summary.failed and self.dead_reason is None and not self.engine.closed:
             # Failures may be the engine going down: say so rather than look healthy.
             self.dead_reason = self.engine.dead_reason()
-        if self.tokenizer is not None:
-            for r in results:
-                r.text = self.tokenizer.decode(r.token_ids)
         self.last_summary = summary
         return results
+
+    def _finished(self, out: CompletionOutput, finish: Callable[[CompletionOutput], None]) -> None:
+        if self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids)
+        finish(out)
 
     def _token_ids(self, p: Prompt) -> list[int]:
         if (p.prompt is None) == (p.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt and prompt_token_ids")
         if p.prompt_token_ids is not None:
-            return list(p.prompt_token_ids)
+            ids = list(p.prompt_token_ids)
+            vocab = self.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise TypeError(f"prompt_token_ids holds {t!r}, not an int")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab})")
+            return ids
+        if not isinstance(p.prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(p.prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
-        return self.tokenizer.encode(p.prompt)  # type: ignore[arg-type]
+        return self.tokenizer.encode(p.prompt)
 
     def close(self) -> None:
+        self._closed = True
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:
@@ -168,10 +197,73 @@ class LLM:
         self.close()
 
 
+def _as_prompt_list(prompts: object) -> list:
+    """A bare prompt (text or token ids) is one prompt, not a list of characters."""
+    if isinstance(prompts, (str, Prompt)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    raise TypeError(
+        f"prompts must be a str, a list of token ids or a list of prompts, "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def _to_prompt(item: object) -> Prompt:
+    if isinstance(item, str):
+        return Prompt(prompt=item)
+    if isinstance(item, (list, tuple)):
+        return Prompt(prompt_token_ids=list(item))
+    raise TypeError(f"a prompt is a str, a list of token ids or a Prompt, not {item!r}")
+
+
+def _checked_params(params: object, index: int, vocab_size: int) -> SamplingParams:
+    """params, if it is a SamplingParams whose fields have the declared types and sane
+    values (msgspec does not check types at construction: 8.0 would reach the wire)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"prompt {index}: sampling params must be a SamplingParams, got {type(params).__name__}"
+        )
+    try:
+        msgspec.convert(msgspec.structs.asdict(params), SamplingParams)
+    except msgspec.ValidationError as e:
+        raise TypeError(f"prompt {index}: SamplingParams: {e}") from None
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise ValueError(f"prompt {index}: {e}") from None
+    return params
+
+
+def _per_prompt_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int, vocab_size: int
+) -> list[SamplingParams]:
+    """One checked SamplingParams per prompt (raises before anything is sent)."""
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, (list, tuple)):
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        return [_checked_params(p, i, vocab_size) for i, p in enumerate(params)]
+    checked = _checked_params(params, 0, vocab_size)
+    return [checked] * n
+
+
 def _progress(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="requests", unit="req", disable=not enabled, file=sys.stderr)
+    # miniters=1: tqdm's adaptive skipping would otherwise hold the bar at its first
+    # counts while requests finish in bursts.
+    return tqdm(
+        total=total,
+        desc="requests",
+        unit="req",
+        disable=not enabled,
+        file=sys.stderr,
+        miniters=1,
+    )
 
 
 __all__ = ["LLM", "CompletionOutput", "EngineDeadError", "Prompt", "SamplingParams"]

@@ -18,22 +18,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens < 2**63:
+            raise ValueError(f"max_tokens must be in [1, 2**63), got {self.max_tokens}")
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    raise ValueError(
-                        f"stop token id {t} is outside the vocabulary [0, {vocab_size})"
-                    )
+        # Unbounded ints would not even encode (msgpack stops at 2**64).
+        limit = 2**63 if vocab_size is None else vocab_size
+        for t in self.stop_token_ids:
+            if not 0 <= t < limit:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {limit})")
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):

@@ -1,0 +1,66 @@
+"""The output file of `pagedserve generate`: durable as results come, in input order at the end.
+
+The file is created before the engine starts (an unwritable path fails at once, not after
+the whole run), and every result is appended and flushed the moment its request ends, so
+Ctrl-C, SIGTERM or a dead engine keep every finished result. A run that ends normally
+rewrites the file in input order (atomically: a crash mid-rewrite leaves the old file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+MAX_LISTED_ERRORS = 20
+
+
+class ResultWriter:
+    def __init__(self, path: Path) -> None:
+        """Create (truncate) path; OSError names the path when it cannot be written."""
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[bytes] | None = open(path, "wb")  # noqa: SIM115 (kept open for the run)
+        self._encoder = msgspec.json.Encoder()
+        self.written = 0
+        self.failed = 0
+        self.errors: list[str] = []  # the first MAX_LISTED_ERRORS, for the summary
+
+    def write(self, index: int, out: Any) -> None:
+        """Append one result (a CompletionOutput) as line `index` of the input."""
+        assert self._file is not None, "ResultWriter already closed"
+        line: dict[str, Any] = {
+            "index": index,
+            "prompt_token_ids": out.prompt_token_ids,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "num_cached_tokens": out.num_cached_tokens,
+        }
+        if out.text is not None:
+            line["text"] = out.text
+        if out.error is not None:
+            line["error"] = out.error
+        self._file.write(self._encoder.encode(line) + b"\n")
+        self._file.flush()
+        self.written += 1
+        if out.finish_reason == "error":
+            self.failed += 1
+            if len(self.errors) < MAX_LISTED_ERRORS:
+                self.errors.append(f"request {index} failed: {out.error}")
+
+    def close(self, sort: bool) -> None:
+        """Close the file; sort=True rewrites it in input order first."""
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        if not sort:
+            return
+        decoder = msgspec.json.Decoder()
+        lines = self.path.read_bytes().splitlines()
+        lines.sort(key=lambda raw: decoder.decode(raw)["index"])
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(b"".join(raw + b"\n" for raw in lines))
+        os.replace(tmp, self.path)
