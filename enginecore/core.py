@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -124,7 +125,10 @@ class EngineCore:
             self.executor.check_workers(events)
             if self.inp in events:
                 self._drain_input()
-            if not busy and not events and not parent_alive(self.config.parent_pid):
+            # Busy or idle: a launcher killed without a word must not leave us computing
+            # for nobody (one getppid per step).
+            if not parent_alive(self.config.parent_pid):
+                log.warning("engine core: the launcher went away; exiting")
                 return
             if scheduler.has_unfinished_requests():
                 self._step()
@@ -244,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         core.close()
+        if config.private_dir and not parent_alive(config.parent_pid):
+            # The launcher vanished (killed without a word): nobody else will clean up.
+            shutil.rmtree(config.private_dir, ignore_errors=True)
     return code
 
 

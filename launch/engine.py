@@ -9,6 +9,7 @@ exit by themselves when this process disappears).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.hash_algo not in ("xxh3_128", "sha256"):
             raise ValueError(f"hash_algo must be xxh3_128 or sha256, not {self.hash_algo}")
 
@@ -145,6 +148,7 @@ class EngineProcesses:
             num_gpu_blocks=args.num_gpu_blocks,
             handshake_timeout_s=args.startup_timeout_s,
             parent_pid=os.getpid(),
+            private_dir=self._dir,
         )
         env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
         self.procs: dict[str, subprocess.Popen] = {}

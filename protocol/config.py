@@ -22,6 +22,8 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_gpu_blocks: int | None = None  # None: what the workers' memory allows
     handshake_timeout_s: float = 300.0
     parent_pid: int | None = None  # exit when this process is gone
+    # The launcher's socket folder; removed by the core if the launcher vanishes.
+    private_dir: str | None = None
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

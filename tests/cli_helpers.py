@@ -97,3 +97,33 @@ class StderrWatch:
     def join(self) -> str:
         self._thread.join()
         return self.text()
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of pid's direct children."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def all_gone(pids: list[int], timeout: float = 60.0) -> bool:
+    """True once every pid has exited (zombies count as gone); False after timeout, which
+    only keeps a broken run from hanging the suite."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists() and " Z " not in Path(f"/proc/{p}/stat").read_text()
+        ]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False

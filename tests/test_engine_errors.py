@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
+from cli_helpers import CPU, ENV, StderrWatch, all_gone, children_of, generate_cli, generate_cmd
 from hf_checkpoints import VOCAB
 
 from launch import LLM, SamplingParams
@@ -78,33 +76,6 @@ def test_missing_weights_fail_at_start(llama_dir: Path, tmp_path: Path) -> None:
     assert "worker rank 0" in proc.stderr and "safetensors" in proc.stderr, proc.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _gone(pids: list[int], timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [
-            p
-            for p in pids
-            if Path(f"/proc/{p}").exists() and " Z " not in Path(f"/proc/{p}/stat").read_text()
-        ]
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
     llm = LLM(num_gpu_blocks=64, device=CPU)  # the built-in model: 4096 positions, long runs
     procs = dict(llm.engine.procs)
@@ -133,7 +104,7 @@ def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
         assert 0 < len(tokens[rid]) < 3000  # what was streamed before the loss is kept
     assert "worker rank 0" in str(dead.value) and "killed by signal 9" in str(dead.value)
     llm.close()
-    assert _gone([p.pid for p in procs.values()])
+    assert all_gone([p.pid for p in procs.values()])
 
 
 # When Ctrl-C comes: while the worker loads (its first log line: the core and the worker
@@ -154,10 +125,10 @@ def test_ctrl_c_stops_everything(moment: str, tmp_path: Path) -> None:
     )
     watch = StderrWatch(proc)
     watch.wait_for(CTRL_C_MOMENTS[moment])
-    children = _children(proc.pid)
+    children = children_of(proc.pid)
     assert len(children) == 2, "core and worker did not start"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130, watch.join()
     stderr = watch.join()
     assert "interrupted" in stderr and "Traceback" not in stderr, stderr
-    assert _gone(children), "orphan processes after Ctrl-C"
+    assert all_gone(children), "orphan processes after Ctrl-C"
