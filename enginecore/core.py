@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     except msgspec.DecodeError as e:
         print(f"enginecore: bad configuration: {e}", file=sys.stderr)
         return 2
-    core = EngineCore(config)
+    try:
+        core = EngineCore(config)
+    except ValueError as e:  # e.g. the worker address is taken
+        log.error("%s", e)
+        return 1
     code = 0
     try:
         core.start()

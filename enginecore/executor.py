@@ -24,11 +24,13 @@ from protocol.worker import (
     ModelRunnerOutput,
     SchedulerOutput,
     ShutdownWorker,
+    WorkerAccepted,
     WorkerConfigure,
     WorkerConnected,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
+    WorkerRejected,
     WorkerToCore,
 )
 
@@ -73,9 +75,14 @@ class Executor:
         host = any_port(address)
         if host is None:
             result_address, step_addresses = worker_sockets(address, self.world_size)
-            self.results.bind(result_address)
-            for sock, step_address in zip(self.push, step_addresses):
-                sock.bind(step_address)
+            for sock, where in zip((self.results, *self.push), (result_address, *step_addresses)):
+                try:
+                    sock.bind(where)
+                except zmq.ZMQError as e:
+                    raise ValueError(
+                        f"cannot listen for workers at {where}: {e.strerror} (choose another "
+                        "--worker-address, or port 0 to let the core pick free ports)"
+                    ) from None
             return address
         for _ in range(MAX_BIND_TRIES):
             base = self.results.bind_to_random_port(f"tcp://{host}", max_port=65535 - 64)
@@ -107,7 +114,7 @@ class Executor:
             if msg is None:
                 raise WorkerDied(self._missing(connected, hellos))
             if isinstance(msg, WorkerConnected):
-                self._check_rank(msg.rank, self.world_size)
+                self._admit(msg)
                 connected[msg.rank] = msg
                 continue
             if not isinstance(msg, WorkerHello):
@@ -123,6 +130,32 @@ class Executor:
             hellos[msg.rank] = msg
         self.hellos = [hellos[r] for r in range(self.world_size)]
         return self.hellos
+
+    def _admit(self, msg: WorkerConnected) -> None:
+        """Accept a connecting rank, or tell it (and the user) which setting differs, before
+        it spends minutes loading a model or waits for a group that never forms."""
+        config = self.config
+        problems = []
+        if msg.protocol_version != PROTOCOL_VERSION:
+            problems.append(f"protocol {msg.protocol_version} (the core: {PROTOCOL_VERSION})")
+        if msg.world_size != self.world_size:
+            problems.append(f"--tp {msg.world_size} (the core: --tp {self.world_size})")
+        if config.block_size is not None and msg.block_size != config.block_size:
+            problems.append(
+                f"--block-size {msg.block_size} (the core: --block-size {config.block_size})"
+            )
+        if not 0 <= msg.rank < self.world_size:
+            problems.append(f"--rank {msg.rank} (the core's ranks: 0..{self.world_size - 1})")
+        if not problems:
+            self.push[msg.rank].send(self.to_worker.encode(WorkerAccepted()))
+            return
+        reason = (
+            f"worker rank {msg.rank} (pid {msg.pid} on {msg.host}) was started with "
+            f"{', '.join(problems)}: start the core and every worker with the same settings"
+        )
+        if 0 <= msg.rank < self.world_size:
+            self.push[msg.rank].send(self.to_worker.encode(WorkerRejected(reason)))
+        raise WorkerDied(reason)
 
     def _check_rank(self, rank: int, world_size: int) -> None:
         if not 0 <= rank < self.world_size or world_size != self.world_size:
@@ -202,11 +235,16 @@ class Executor:
                 raise WorkerDied(self.describe_loss(rank, "next step"))
 
     def wait_output(self) -> ModelRunnerOutput:
-        while True:
-            msg = self._recv(None, "model output")
-            if isinstance(msg, ModelRunnerOutput):
-                return msg
-            raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
+        timeout = self.config.step_timeout_s
+        msg = self._recv(time.monotonic() + timeout, "model output")
+        if msg is None:
+            raise WorkerDied(
+                f"worker rank 0 did not answer a step within {timeout:g} s (--step-timeout): "
+                "a rank is stopped, hung or stuck in a collective"
+            )
+        if isinstance(msg, ModelRunnerOutput):
+            return msg
+        raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
 
     def shutdown(self) -> None:
         frame = self.to_worker.encode(ShutdownWorker())

@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds to wait for every worker to report at start-up",
     )
+    g.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a step may take before the run fails naming the rank (a stopped or "
+        "stuck worker)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="WARNING", help="engine processes' log level")
 
@@ -136,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rank", type=int, required=True)
     w.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive("--tp"), default=1)
     w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
+    w.add_argument(
+        "--core-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the core to answer before giving up",
+    )
     _add_worker_flags(w)
     return parser
 
@@ -272,6 +285,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         worker_address=args.worker_address,
         dist_init=args.dist_init,
         startup_timeout_s=args.worker_timeout,
+        step_timeout_s=args.step_timeout,
     )
 
 
@@ -323,6 +337,7 @@ def worker(args: argparse.Namespace) -> int:
             world_size=args.tp,
             core_address=args.core,
             dist_init=args.dist_init,
+            core_timeout_s=args.core_timeout,
         )
     )
 

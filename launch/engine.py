@@ -84,6 +84,7 @@ class EngineArgs:
     device: str = "auto"
     kv_cache_memory: int | None = None
     startup_timeout_s: float = 300.0
+    step_timeout_s: float = 300.0
     # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
     # of being spawned here; dist_init is their torch.distributed rendezvous.
     external_workers: bool = False
@@ -99,6 +100,9 @@ class EngineArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("startup_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -147,6 +151,8 @@ class EngineProcesses:
             hash_algo=args.hash_algo,
             num_gpu_blocks=args.num_gpu_blocks,
             handshake_timeout_s=args.startup_timeout_s,
+            step_timeout_s=args.step_timeout_s,
+            block_size=args.block_size,
             parent_pid=os.getpid(),
             private_dir=self._dir,
         )

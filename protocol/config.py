@@ -21,6 +21,11 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash_algo: str = "xxh3_128"
     num_gpu_blocks: int | None = None  # None: what the workers' memory allows
     handshake_timeout_s: float = 300.0
+    # A step rank 0 has not answered after this long fails the open requests (a stopped
+    # or stuck rank would otherwise hang the engine without a word).
+    step_timeout_s: float = 300.0
+    # Workers must have been started with this block size (external ones may differ).
+    block_size: int | None = None
     parent_pid: int | None = None  # exit when this process is gone
     # The launcher's socket folder; removed by the core if the launcher vanishes.
     private_dir: str | None = None
@@ -42,6 +47,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     dist_init: str | None = None  # torch.distributed init method when world_size > 1
     parent_pid: int | None = None
+    # How long to wait for the core to answer the connection before giving up.
+    core_timeout_s: float = 300.0
 
 
 def ipc_dir() -> str:

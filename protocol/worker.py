@@ -13,16 +13,30 @@ from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
     """Sent on connecting, before the model loads: lets a start-up timeout tell a rank
-    that never came from one that came but is still loading or waiting for its group."""
+    that never came from one that came but is still loading or waiting for its group,
+    and lets the core refuse a worker started with other settings before it loads."""
 
     rank: int
     pid: int
     host: str
+    protocol_version: int
+    world_size: int
+    block_size: int
+
+
+class WorkerAccepted(msgspec.Struct, frozen=True, tag="accepted", array_like=True):
+    """The core's answer to WorkerConnected: load the model and join the group."""
+
+
+class WorkerRejected(msgspec.Struct, frozen=True, tag="rejected", array_like=True):
+    """The core's answer to a worker whose settings do not match its own: exit."""
+
+    reason: str
 
 
 class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
@@ -104,5 +118,5 @@ class ShutdownWorker(msgspec.Struct, frozen=True, tag="shutdown", array_like=Tru
     pass
 
 
-CoreToWorker = WorkerConfigure | SchedulerOutput | ShutdownWorker
+CoreToWorker = WorkerAccepted | WorkerRejected | WorkerConfigure | SchedulerOutput | ShutdownWorker
 WorkerToCore = WorkerConnected | WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
@@ -142,14 +144,61 @@ def test_a_worker_that_never_arrives_is_named(llama_dir: Path, tmp_path: Path) -
 def test_mismatched_kv_specs_stop_start_up(llama_dir: Path, tmp_path: Path) -> None:
     cluster = Cluster(2, tmp_path)
     try:
-        cluster.start(0, llama_dir, "--block-size", "4")
-        cluster.start(1, llama_dir, "--block-size", "8")
+        cluster.start(0, llama_dir)
+        cluster.start(1, llama_dir, "--dtype", "float16")
         proc, _ = generate_cli(llama_dir, LINES, tmp_path, *cluster.flags())
         assert proc.returncode == 1
         assert "worker rank 1 reports KV cache specs that differ from rank 0" in proc.stderr
-        assert "block_size 4 vs 8" in proc.stderr, proc.stderr
+        assert "dtype float32 vs float16" in proc.stderr, proc.stderr
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("worker_flags", "message"),
+    [
+        (("--block-size", "8"), "--block-size 8 (the core: --block-size 16)"),
+        (("--tp", "2", "--dist-init", "file:///nonexistent"), "--tp 2 (the core: --tp 1)"),
+    ],
+)
+def test_a_worker_started_with_other_settings_is_refused_at_once(
+    worker_flags: tuple[str, ...], message: str, llama_dir: Path, tmp_path: Path
+) -> None:
+    cluster = Cluster(1, tmp_path)
+    try:
+        worker = cluster.start(0, llama_dir, *worker_flags)
+        proc, _ = generate_cli(llama_dir, LINES, tmp_path, *cluster.flags())
+        assert proc.returncode == 1
+        assert message in proc.stderr, proc.stderr
+        assert "start the core and every worker with the same settings" in proc.stderr
+        # The worker hears it too, and exits instead of loading or waiting for a group.
+        assert worker.wait(timeout=120) == 1
+        assert message in worker.stderr.read()
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_without_a_core_gives_up_with_a_message(tmp_path: Path) -> None:
+    cluster = Cluster(1, tmp_path)
+    worker = cluster.start(0, None, "--core-timeout", "2")
+    try:
+        assert worker.wait(timeout=120) == 1
+        err = worker.stderr.read()
+        assert "no engine core answered at ipc://" in err and "--core-timeout" in err, err
+    finally:
+        cluster.stop()
+
+
+def test_a_taken_worker_address_is_a_clear_error(llama_dir: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # held open: nobody else can have this port
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = ("--external-workers", "--worker-address", f"tcp://127.0.0.1:{port}")
+        proc, _ = generate_cli(llama_dir, LINES, tmp_path, *flags)
+    assert proc.returncode == 1
+    assert f"cannot listen for workers at tcp://127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_killing_a_rank_fails_requests_and_stops_the_rest(tmp_path: Path) -> None:

@@ -114,3 +114,19 @@ def test_bad_paths_and_flags_are_one_line_errors(
     )
     assert proc.returncode in (1, 2)
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_stopped_worker_is_named_by_the_watchdog(tmp_path: Path) -> None:
+    proc, watch, out, tmp = _start(tmp_path, "--step-timeout", "5")
+    _finished_lines(out, 3)
+    children = children_of(proc.pid)
+    (worker,) = [p for p in children if "worker.main" in Path(f"/proc/{p}/cmdline").read_text()]
+    os.kill(worker, signal.SIGSTOP)  # alive but silent, as a hung collective would be
+    assert proc.wait(timeout=300) == 1
+    stderr = watch.join()
+    assert "worker rank 0 did not answer a step within 5 s (--step-timeout)" in stderr, stderr
+    lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert [r["finish_reason"] for r in lines] == ["length"] * 3 + ["error"]
+    assert "did not answer a step" in lines[3]["error"]
+    assert all_gone(children), "orphan processes"
+    assert not os.listdir(tmp), "socket folder left behind"

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import msgspec
@@ -25,11 +26,13 @@ from protocol.worker import (
     CoreToWorker,
     SchedulerOutput,
     ShutdownWorker,
+    WorkerAccepted,
     WorkerConfigure,
     WorkerConnected,
     WorkerFailed,
     WorkerHello,
     WorkerReady,
+    WorkerRejected,
     WorkerToCore,
 )
 
@@ -91,6 +94,26 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         monitor.close(linger=0)
 
 
+def _wait_for_acceptance(config: WorkerConfig, pull: zmq.Socket) -> str | None:
+    """None once the core accepts this rank; else why not (refused, no core, no parent)."""
+    from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
+    deadline = time.monotonic() + config.core_timeout_s
+    while time.monotonic() < deadline:
+        if pull.poll(500):
+            msg = from_core.decode(pull.recv())
+            if isinstance(msg, WorkerAccepted):
+                return None
+            if isinstance(msg, WorkerRejected):
+                return f"refused by the core: {msg.reason}"
+            return f"expected the core's answer to connecting, got {type(msg).__name__}"
+        if not parent_alive(config.parent_pid):
+            return "the launcher went away"
+    return (
+        f"no engine core answered at {config.core_address} within "
+        f"{config.core_timeout_s:g} s (--core-timeout): is it running, at that address?"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -130,9 +153,23 @@ def run(config: WorkerConfig) -> int:
     push.connect(result_address)
     push.send(
         Codec(WorkerToCore, "worker->core").encode(
-            WorkerConnected(config.rank, os.getpid(), socket.gethostname())
+            WorkerConnected(
+                config.rank,
+                os.getpid(),
+                socket.gethostname(),
+                PROTOCOL_VERSION,
+                config.world_size,
+                config.block_size,
+            )
         )
     )
+    refusal = _wait_for_acceptance(config, pull)
+    if refusal is not None:
+        print(f"worker rank {config.rank}: {refusal}", file=sys.stderr)
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+        return 1
     code = 0
     try:
         serve(config, pull, push)
