@@ -14,7 +14,11 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from enginecore.kv_cache_config import make_kv_cache_config, unify_kv_cache_configs
+from enginecore.kv_cache_config import (
+    check_core_memory,
+    make_kv_cache_config,
+    unify_kv_cache_configs,
+)
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
@@ -318,6 +322,7 @@ def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheC
     if num_gpu_blocks is not None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
+        check_core_memory(num_gpu_blocks)
         return _with_num_blocks(config, num_gpu_blocks)
     if config.num_blocks > MAX_AUTO_NUM_BLOCKS:
         log.warning(

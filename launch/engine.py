@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore.kv_cache_config import check_core_memory
 from protocol.codec import Codec
 from protocol.config import (
     EngineCoreConfig,
@@ -103,8 +104,10 @@ class EngineArgs:
         for name in ("startup_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+        if self.num_gpu_blocks is not None:
+            if self.num_gpu_blocks < 2:
+                raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
+            check_core_memory(self.num_gpu_blocks)  # before any process starts
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

@@ -96,3 +96,18 @@ def any_port(address: str) -> str | None:
 def parent_alive(parent_pid: int | None) -> bool:
     """False once the launching process is gone (we were re-parented)."""
     return parent_pid is None or os.getppid() == parent_pid
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to new allocations (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

@@ -174,8 +174,10 @@ def run(config: WorkerConfig) -> int:
     try:
         serve(config, pull, push)
     except Exception as e:
-        detail = traceback.format_exc()
-        log.error("worker rank %d failed:\n%s", config.rank, detail)
+        if isinstance(e, ValueError):  # bad input (model files, flags): the message says it
+            log.error("worker rank %d failed: %s", config.rank, e)
+        else:
+            log.error("worker rank %d failed:\n%s", config.rank, traceback.format_exc())
         short = f"{type(e).__name__}: {e}"
         push.send(Codec(WorkerToCore, "worker->core").encode(WorkerFailed(config.rank, short)))
         code = 1

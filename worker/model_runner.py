@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.config import WorkerConfig
+from protocol.config import WorkerConfig, available_host_memory
 from protocol.kv_cache import KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
@@ -129,8 +129,10 @@ class ModelRunner:
         what GPU_MEMORY_UTILIZATION of the device leaves after the memory in use now (the
         weights, the CUDA context, other processes) and the peak of the largest step."""
         if self.config.kv_cache_memory is not None:
+            self._check_fits(self.config.kv_cache_memory, "--kv-cache-memory")
             return self.config.kv_cache_memory
         if self.device.type == "cpu":
+            self._check_fits(DEFAULT_CPU_KV_CACHE_MEMORY, "the default CPU KV cache")
             return DEFAULT_CPU_KV_CACHE_MEMORY
         step_peak = self.profile_step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         torch.cuda.empty_cache()
@@ -151,6 +153,21 @@ class ModelRunner:
             )
         log.info("rank %d: KV cache budget %.2f GiB (%s)", self.config.rank, budget / gib, summary)
         return budget
+
+    def _check_fits(self, nbytes: int, what: str) -> None:
+        """ValueError with numbers if nbytes cannot be allocated here now: better than an
+        out-of-memory kill a minute into start-up."""
+        if self.device.type == "cuda":
+            available, where = torch.cuda.mem_get_info(self.device)[0], f"free on {self.device}"
+        else:
+            available, where = available_host_memory(), "available host memory"
+        if available is not None and nbytes > available:
+            gib = 1 << 30
+            raise ValueError(
+                f"rank {self.config.rank}: {what} needs {nbytes / gib:.2f} GiB but only "
+                f"{available / gib:.2f} GiB is {where}: lower --kv-cache-memory or "
+                "--num-gpu-blocks"
+            )
 
     @torch.inference_mode()
     def profile_step(self, num_tokens: int, num_seqs: int) -> int:
@@ -222,6 +239,15 @@ class ModelRunner:
         """Allocate exactly the core's KV cache config and the persistent batch."""
         config = msg.kv_cache_config
         layers = self.model.attention_layers()
+        specs = {
+            name: group.kv_cache_spec
+            for group in config.kv_cache_groups
+            for name in group.layer_names
+        }
+        self._check_fits(
+            config.num_blocks * sum(spec.page_size_bytes for spec in specs.values()),
+            f"a KV cache of {config.num_blocks} blocks",
+        )
         caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         block_sizes = []
         for group_id, group in enumerate(config.kv_cache_groups):
