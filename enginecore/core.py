@@ -60,6 +60,11 @@ class EngineCore:
 
     # -- start-up ---------------------------------------------------------------------
     def start(self) -> None:
+        log.info(
+            "engine core: waiting for %d worker(s) at %s",
+            self.config.world_size,
+            self.executor.address,
+        )
         hellos = self.executor.handshake()
         first = hellos[0]
         for hello in hellos[1:]:

@@ -6,6 +6,7 @@ pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -204,6 +205,7 @@ def generate(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if not args.input.is_file():
         what = "is not a file" if args.input.exists() else "not found"
         print(f"pagedserve generate: input file {what}: {args.input}", file=sys.stderr)

@@ -8,6 +8,7 @@ exit by themselves when this process disappears).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,8 @@ from protocol.engine import (
     SamplingParams,
     ShutdownCore,
 )
+
+log = logging.getLogger("pagedserve.launch")
 
 DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
 # How long a client waits for the core to report a worker's death before giving up on it
@@ -126,6 +129,17 @@ class EngineProcesses:
         self.args = args
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            self.ready: EngineReady = self._start(log_level)
+        except BaseException:
+            # Ctrl-C, a signal or a failure at any moment of start-up: nothing we spawned
+            # outlives us, and the socket folder goes.
+            self.shutdown()
+            raise
+
+    def _start(self, log_level: str) -> EngineReady:
+        args = self.args
         self.to_core = self.ctx.socket(zmq.PUSH)
         self.to_core.setsockopt(zmq.LINGER, 0)
         self.from_core = self.ctx.socket(zmq.PULL)
@@ -160,7 +174,7 @@ class EngineProcesses:
             private_dir=self._dir,
         )
         env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
-        self.procs: dict[str, subprocess.Popen] = {}
+        log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
         self.procs["engine core"] = self._spawn("enginecore.core", core_config, env)
         dist_init = args.dist_init
         if dist_init is None and n > 1:
@@ -178,12 +192,7 @@ class EngineProcesses:
                 parent_pid=os.getpid(),
             )
             self.procs[f"worker rank {rank}"] = self._spawn("worker.main", config, env)
-        try:
-            self.ready: EngineReady = self._wait_ready()
-        except BaseException:
-            # Ctrl-C or a failure while starting: nothing we spawned outlives us.
-            self.shutdown()
-            raise
+        return self._wait_ready()
 
     def _spawn(self, module: str, config: msgspec.Struct, env: dict) -> subprocess.Popen:
         return subprocess.Popen(

@@ -127,3 +127,19 @@ def all_gone(pids: list[int], timeout: float = 60.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains text (an engine's processes carry their socket
+    folder in their configuration), so a test finds every member of a group, even one
+    spawned after it last looked."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline:
+                pids.append(int(entry))
+    return pids

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from cli_helpers import CPU, ENV, StderrWatch, all_gone, children_of, generate_cli, generate_cmd
+from cli_helpers import (
+    CPU,
+    ENV,
+    StderrWatch,
+    all_gone,
+    children_of,
+    generate_cli,
+    generate_cmd,
+    processes_mentioning,
+)
 from hf_checkpoints import VOCAB
 
 from launch import LLM, SamplingParams
@@ -107,28 +117,36 @@ def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
     assert all_gone([p.pid for p in procs.values()])
 
 
-# When Ctrl-C comes: while the worker loads (its first log line: the core and the worker
-# both run, the engine is not ready), or once the core has sized the KV cache (generation
-# starts right after). Either way: exit status 130, a one-line message, no orphans.
-CTRL_C_MOMENTS = {"starting": r"attention kernels:", "generating": r"KV cache: \d+ blocks"}
+# When Ctrl-C comes, each moment a line the processes log: the launcher about to spawn,
+# the core up and waiting, the worker loading, the worker loaded (the engine not ready),
+# the KV cache sized (generation starts right after). Every time: exit status 130, a
+# one-line message, no process left, no socket folder left.
+CTRL_C_MOMENTS = {
+    "launching": r"starting the engine core",
+    "core-up": r"engine core: waiting for 1 worker",
+    "loading": r"worker rank 0: loading",
+    "loaded": r"attention kernels:",
+    "generating": r"KV cache: \d+ blocks",
+}
 
 
 @pytest.mark.parametrize("moment", list(CTRL_C_MOMENTS))
 def test_ctrl_c_stops_everything(moment: str, tmp_path: Path) -> None:
-    inp = tmp_path / "in.jsonl"
+    inp, tmp = tmp_path / "in.jsonl", tmp_path / "tmp"
+    tmp.mkdir()
     inp.write_text(json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True}) + "\n")
     proc = subprocess.Popen(
         generate_cmd(inp, tmp_path / "out.jsonl", "--log-level", "INFO"),
         stderr=subprocess.PIPE,
         text=True,
-        env=ENV,
+        env={**ENV, "TMPDIR": str(tmp)},  # the socket folder goes here
     )
     watch = StderrWatch(proc)
     watch.wait_for(CTRL_C_MOMENTS[moment])
-    children = children_of(proc.pid)
-    assert len(children) == 2, "core and worker did not start"
+    children = children_of(proc.pid)  # the launcher may not have spawned them all yet
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130, watch.join()
     stderr = watch.join()
     assert "interrupted" in stderr and "Traceback" not in stderr, stderr
-    assert all_gone(children), "orphan processes after Ctrl-C"
+    assert all_gone(children + processes_mentioning(str(tmp))), "orphans after Ctrl-C"
+    assert not os.listdir(tmp), "socket folder left behind"

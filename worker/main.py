@@ -44,6 +44,7 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
 
     to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
     from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
+    log.info("worker rank %d: loading %s", config.rank, config.model)
     runner = ModelRunner(config)
     mc = runner.model_config
     push.send(
@@ -74,9 +75,10 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                 # The core closed its end (its shutdown message, if any, came first).
                 log.warning("worker rank %d: the engine core went away; exiting", config.rank)
                 return
+            # Busy or idle (one getppid per step): a vanished launcher ends the group.
+            if not parent_alive(config.parent_pid):
+                return
             if pull not in events:
-                if not parent_alive(config.parent_pid):
-                    return
                 continue
             msg = from_core.decode(pull.recv(copy=False).buffer)
             if isinstance(msg, SchedulerOutput):
