@@ -8,6 +8,7 @@ is lost it fails every open request with the reason, tells the client, and exits
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -35,9 +36,14 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.sockets import send_or_drop
 from protocol.worker import WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
+
+
+class ClientGone(RuntimeError):
+    """The launcher vanished: nobody will read another output."""
 
 
 class EngineCore:
@@ -195,15 +201,20 @@ class EngineCore:
         self._send(EngineOutputs(outputs, scheduler.stats()))
 
     def _send(self, msg: object) -> None:
-        self.out.send(self.to_client.encode(msg), copy=False)
+        if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
+            raise ClientGone("the launcher went away")
+
+    def _client_alive(self) -> bool:
+        return parent_alive(self.config.parent_pid)
 
     def fail(self, reason: str) -> None:
-        """Fail every open request with reason, tell the client, stop the workers."""
-        if self.scheduler is not None:
-            outputs = self.scheduler.fail_all(reason)
+        """Fail every open request with reason, tell the client (if it is still there),
+        stop the workers."""
+        outputs = self.scheduler.fail_all(reason) if self.scheduler is not None else []
+        with contextlib.suppress(ClientGone):
             if outputs:
                 self._send(EngineOutputs(outputs))
-        self._send(EngineDead(reason))
+            self._send(EngineDead(reason))
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -247,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         core.start()
         core.run()
+    except ClientGone as e:
+        log.warning("engine core: %s; exiting", e)
+        code = 1
     except (WorkerDied, ValueError) as e:
         log.error("%s", e)
         core.fail(str(e))

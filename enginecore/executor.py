@@ -22,6 +22,7 @@ from enginecore.kv_cache_config import (
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
+from protocol.sockets import send_or_drop
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
@@ -224,8 +225,13 @@ class Executor:
         return self.wait_output()
 
     def broadcast(self, frame: bytes) -> None:
-        for sock in self.push:
-            sock.send(frame, copy=False)
+        for rank, sock in enumerate(self.push):
+            if not send_or_drop(sock, frame, lambda r=rank: self._rank_alive(r)):
+                raise WorkerDied(self.describe_loss(rank, "its next step"))
+
+    def _rank_alive(self, rank: int) -> bool:
+        """False once rank's step socket reported a disconnect (or the launcher is gone)."""
+        return not self.monitors[rank].poll(0) and parent_alive(self.config.parent_pid)
 
     def watch(self, poller: zmq.Poller) -> None:
         """Register the ranks' disconnect monitors, for check_workers."""

@@ -205,6 +205,9 @@ def generate(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
+    # Explicit: a shell without job control starts background jobs with SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt; `kill -INT` must still stop us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     if not args.input.is_file():
         what = "is not a file" if args.input.exists() else "not found"

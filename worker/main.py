@@ -21,6 +21,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
+from protocol.sockets import send_or_drop
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
@@ -84,7 +85,10 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
             if isinstance(msg, SchedulerOutput):
                 out = runner.execute(msg)
                 if out is not None and answers:
-                    push.send(to_core.encode(out), copy=False)
+                    frame = to_core.encode(out)
+                    if not send_or_drop(push, frame, lambda: core_alive(config, monitor)):
+                        log.warning("worker rank %d: the engine core went away", config.rank)
+                        return
             elif isinstance(msg, WorkerConfigure):
                 runner.initialize(msg)
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
@@ -94,6 +98,11 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         # An open monitor socket would keep the context from terminating.
         pull.disable_monitor()
         monitor.close(linger=0)
+
+
+def core_alive(config: WorkerConfig, monitor: zmq.Socket) -> bool:
+    """False once the core's step socket disconnected or the launcher is gone."""
+    return not monitor.poll(0) and parent_alive(config.parent_pid)
 
 
 def _wait_for_acceptance(config: WorkerConfig, pull: zmq.Socket) -> str | None:
