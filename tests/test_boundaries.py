@@ -46,6 +46,8 @@ def test_bad_arguments_raise_before_anything_is_sent(
 def test_prompts_and_params_in_every_form(llm: LLM) -> None:
     one = llm.generate([9, 10, 11], OK, use_tqdm=False)  # token ids: one prompt
     assert len(one) == 1 and one[0].prompt_token_ids == [9, 10, 11]
+    (text,) = llm.generate("Hello", OK, use_tqdm=False)  # one prompt, not five
+    assert text.finish_reason == "error" and "no tokenizer.json" in (text.error or "")
     per_prompt = llm.generate(
         [[9, 10], [9, 11]],
         [OK, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)],

@@ -137,3 +137,19 @@ def test_a_stopped_worker_is_named_by_the_watchdog(tmp_path: Path) -> None:
     assert "did not answer a step" in lines[3]["error"]
     assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
     assert not os.listdir(tmp), "socket folder left behind"
+
+
+def test_a_killed_core_keeps_finished_results_and_fails_the_rest(tmp_path: Path) -> None:
+    proc, watch, out, tmp = _start(tmp_path)
+    _finished_lines(out, 3)
+    children = children_of(proc.pid)
+    (core,) = [p for p in children if "enginecore.core" in Path(f"/proc/{p}/cmdline").read_text()]
+    os.kill(core, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 1
+    stderr = watch.join()
+    assert "engine core" in stderr and "killed by signal 9" in stderr, stderr
+    lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert [r["finish_reason"] for r in lines] == ["length"] * 3 + ["error"]
+    assert "killed by signal 9" in lines[3]["error"]
+    assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
+    assert not os.listdir(tmp), "socket folder left behind"
