@@ -46,13 +46,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from enginecore.kv_cache_config import make_kv_cache_config  # noqa: E402
+from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks  # noqa: E402
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
 from protocol.config import WorkerConfig  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
-from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec  # noqa: E402
+from protocol.kv_cache import FullAttentionSpec, KVCacheSpec  # noqa: E402
 from protocol.worker import (  # noqa: E402
     CoreToWorker,
     SchedulerOutput,
@@ -162,11 +162,7 @@ def run_workload(
     # Enough blocks for every request's whole life at once in two groups, whichever
     # the config: the same count for both runs, and nothing is preempted.
     num_blocks = 1 + 2 * sum(cdiv(len(p) + a.decode, a.block_size) for p in prompts)
-    kv_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_groups=sized.kv_cache_groups,
-        kv_cache_tensors=sized.kv_cache_tensors,
-    )
+    kv_config = with_num_blocks(sized.kv_cache_groups, num_blocks)
     # Pool bytes per block id as make_kv_cache_config lays the buffers out (shared
     # across groups of equal layer counts), and per group: what one id of that group
     # holds, page size x its layers.

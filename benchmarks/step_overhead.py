@@ -254,7 +254,7 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
     """Per-step nanoseconds of every piece (and the frame sizes), and the profiles."""
     import numpy as np
 
-    from enginecore.kv_cache_config import make_kv_cache_config
+    from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
     from protocol.config import WorkerConfig
     from worker.model_inputs import prepare_inputs
     from worker.model_runner import ModelRunner
@@ -273,7 +273,7 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
     )
     # As Executor.build_kv_cache_config does with a num_gpu_blocks override.
     sized = make_kv_cache_config(runner.kv_cache_specs(), runner.available_kv_memory())
-    kv_config = KVCacheConfig(num_blocks=s.num_blocks, kv_cache_groups=sized.kv_cache_groups)
+    kv_config = with_num_blocks(sized.kv_cache_groups, s.num_blocks)
     runner.initialize(s.configure(kv_config))
     batch = runner.batch
     assert batch is not None

@@ -18,6 +18,7 @@ from enginecore.kv_cache_config import (
     check_core_memory,
     make_kv_cache_config,
     unify_kv_cache_configs,
+    with_num_blocks,
 )
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
@@ -329,7 +330,7 @@ def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheC
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         check_core_memory(num_gpu_blocks)
-        return _with_num_blocks(config, num_gpu_blocks)
+        return with_num_blocks(config.kv_cache_groups, num_gpu_blocks)
     if config.num_blocks > MAX_AUTO_NUM_BLOCKS:
         log.warning(
             "KV cache capped at %d blocks (the workers' memory allows %d); "
@@ -337,12 +338,5 @@ def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheC
             MAX_AUTO_NUM_BLOCKS,
             config.num_blocks,
         )
-        return _with_num_blocks(config, MAX_AUTO_NUM_BLOCKS)
+        return with_num_blocks(config.kv_cache_groups, MAX_AUTO_NUM_BLOCKS)
     return config
-
-
-def _with_num_blocks(config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
-    # Workers size their buffers from num_blocks and the groups' specs.
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_groups=config.kv_cache_groups, kv_cache_tensors=[]
-    )

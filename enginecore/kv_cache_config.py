@@ -24,46 +24,53 @@ def group_layers_by_spec(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCache
 def make_kv_cache_config(
     layer_specs: Mapping[str, KVCacheSpec], available_memory: int
 ) -> KVCacheConfig:
-    """The most blocks that fit in available_memory bytes.
-
-    Groups of equal page size and layer count share buffers: tensor k serves layer k of
-    every group, since a block id belongs to one group at a time. Otherwise every layer
-    gets its own buffer.
-    """
+    """The most blocks that fit in available_memory bytes (buffers as plan_kv_cache_tensors
+    lays them out)."""
     groups = group_layers_by_spec(layer_specs)
-    page_sizes = {g.kv_cache_spec.page_size_bytes for g in groups}
-    layer_counts = {len(g.layer_names) for g in groups}
-    shared = len(page_sizes) == 1 and len(layer_counts) == 1
-    if shared:
-        page = page_sizes.pop()
-        num_tensors = layer_counts.pop()
-        bytes_per_block = page * num_tensors
-    else:
-        bytes_per_block = sum(spec.page_size_bytes for spec in layer_specs.values())
+    bytes_per_block = sum(t.size for t in plan_kv_cache_tensors(groups, 1))
     num_blocks = available_memory // bytes_per_block
     if num_blocks < 2:
         raise ValueError(
             f"{available_memory} bytes of KV-cache memory hold {num_blocks} blocks of "
             f"{bytes_per_block} bytes; at least 2 are needed (block 0 is the null block)"
         )
-    if shared:
-        tensors = [
+    return with_num_blocks(groups, num_blocks)
+
+
+def with_num_blocks(groups: Sequence[KVCacheGroupSpec], num_blocks: int) -> KVCacheConfig:
+    """The config of num_blocks blocks for these groups, buffers sized to match."""
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=list(groups),
+        kv_cache_tensors=plan_kv_cache_tensors(groups, num_blocks),
+    )
+
+
+def plan_kv_cache_tensors(
+    groups: Sequence[KVCacheGroupSpec], num_blocks: int
+) -> list[KVCacheTensor]:
+    """The worker buffers. Groups of equal page size and layer count share them: tensor k
+    serves layer k of every group, since a block id belongs to one group at a time (so a
+    sliding-window group's freed blocks become full-attention capacity). Otherwise every
+    layer gets its own buffer."""
+    page_sizes = {g.kv_cache_spec.page_size_bytes for g in groups}
+    layer_counts = {len(g.layer_names) for g in groups}
+    if len(page_sizes) == 1 and len(layer_counts) == 1:
+        page = page_sizes.pop()
+        return [
             KVCacheTensor(size=page * num_blocks, shared_by=[g.layer_names[k] for g in groups])
-            for k in range(num_tensors)
+            for k in range(layer_counts.pop())
         ]
-    else:
-        tensors = [
-            KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=[name])
-            for name, spec in layer_specs.items()
-        ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, kv_cache_tensors=tensors)
+    return [
+        KVCacheTensor(size=g.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name])
+        for g in groups
+        for name in g.layer_names
+    ]
 
 
 def unify_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
-    """One config for all workers: identical groups required, the minimum block count.
-
-    Buffers sized for more blocks stay valid: only the first num_blocks are addressed.
-    """
+    """One config for all workers: identical groups required, the minimum block count
+    (buffers sized for it)."""
     if not configs:
         raise ValueError("no KV cache configs to unify")
     first = configs[0]
@@ -73,12 +80,7 @@ def unify_kv_cache_configs(configs: Sequence[KVCacheConfig]) -> KVCacheConfig:
                 f"worker {rank} reports KV cache groups that differ from worker 0: "
                 f"{_describe_difference(first.kv_cache_groups, config.kv_cache_groups)}"
             )
-    num_blocks = min(c.num_blocks for c in configs)
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_groups=first.kv_cache_groups,
-        kv_cache_tensors=first.kv_cache_tensors,
-    )
+    return with_num_blocks(first.kv_cache_groups, min(c.num_blocks for c in configs))
 
 
 def _describe_difference(a: list[KVCacheGroupSpec], b: list[KVCacheGroupSpec]) -> str:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from enginecore.kv_cache_config import make_kv_cache_config
+from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.kv_cache import KVCacheConfig, SlidingWindowSpec
+from protocol.kv_cache import SlidingWindowSpec
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure
 from worker.model_runner import ModelRunner
 
@@ -101,7 +101,7 @@ def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecor
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
     sliding_only = all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
     per_group = BLOCKS_PER_GROUP_SLIDING_ONLY if sliding_only else BLOCKS_PER_GROUP
-    kv_config = KVCacheConfig(1 + per_group * len(groups), kv_cache_groups=groups)
+    kv_config = with_num_blocks(groups, 1 + per_group * len(groups))
     scheduler = Scheduler(
         SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN), kv_config, vocab, None
     )

@@ -13,13 +13,12 @@ import pytest
 from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
-from enginecore.kv_cache_config import make_kv_cache_config
+from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.kv_cache import KVCacheConfig
 from protocol.worker import CoreToWorker, WorkerConfigure, WorkerToCore
 from worker.model_runner import ModelRunner
 
@@ -39,7 +38,7 @@ def test_worker_tables_follow_the_core(runner: ModelRunner) -> None:
     specs = runner.kv_cache_specs()
     base = make_kv_cache_config(specs, 1 << 30)
     # 15 usable blocks of 4 tokens: six requests growing to ~30 tokens must preempt.
-    kv_config = KVCacheConfig(num_blocks=16, kv_cache_groups=base.kv_cache_groups)
+    kv_config = with_num_blocks(base.kv_cache_groups, 16)
     config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
     scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size, None)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 32))

@@ -18,7 +18,7 @@ from cli_helpers import CPU
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
 
 from enginecore.kv_cache_block import KVCacheBlock
-from enginecore.kv_cache_config import make_kv_cache_config
+from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from enginecore.single_type_kv_cache_manager import (
@@ -29,7 +29,6 @@ from enginecore.single_type_kv_cache_manager import (
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.kv_cache import KVCacheConfig
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure, WorkerToCore
 from worker.model_runner import ModelRunner
 
@@ -70,7 +69,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, num_blocks: int, max_num_batched_tokens: int) -> None:
         specs = runner.kv_cache_specs()
         groups = make_kv_cache_config(specs, 1 << 30).kv_cache_groups
-        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+        kv_config = with_num_blocks(groups, num_blocks)
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=8,

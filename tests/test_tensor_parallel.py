@@ -31,13 +31,12 @@ from test_model_vs_hf import (
     run_paged_batches,
 )
 
-from enginecore.kv_cache_config import make_kv_cache_config
+from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.kv_cache import KVCacheConfig
 from protocol.worker import CoreToWorker, WorkerConfigure
 from worker.layers import ParallelLMHead, VocabParallelEmbedding
 from worker.model_config import load_model_config
@@ -123,7 +122,7 @@ def _drive_runner(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     not depend on sampled values (no stop tokens), so ranks stay in lockstep even if
     their tokens differed."""
     base = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30)
-    kv_config = KVCacheConfig(num_blocks=64, kv_cache_groups=base.kv_cache_groups)
+    kv_config = with_num_blocks(base.kv_cache_groups, 64)
     sched_config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     scheduler = Scheduler(sched_config, kv_config, runner.model_config.vocab_size, None)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 16))

@@ -15,7 +15,9 @@ import torch
 from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
+from enginecore.kv_cache_config import make_kv_cache_config
 from protocol.config import WorkerConfig
+from protocol.worker import WorkerConfigure
 from worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner
 
 
@@ -51,3 +53,28 @@ def test_gpu_budget_leaves_the_profiled_step_free(tmp_path: Path) -> None:
     budget = r.available_kv_memory()
     _, total = torch.cuda.mem_get_info()
     assert 0 < budget <= 0.9 * total - step_peak
+
+
+@pytest.mark.parametrize(
+    ("name", "shared"), [("llama", False), ("mistral", False), ("qwen2_interleaved", True)]
+)
+def test_kv_storage_is_exactly_the_budgeted_config(name: str, shared: bool, tmp_path: Path):
+    """The worker allocates the config's buffers and nothing else: distinct storages,
+    counted from the tensors themselves, sum to sum(tensor.size) <= the budget. The
+    interleaved model's sliding and full groups share theirs (layer k of each group)."""
+    save_checkpoint(name, tmp_path)
+    r = runner(tmp_path, block_size=4)
+    budget = 1 << 20
+    config = make_kv_cache_config(r.kv_cache_specs(), budget)
+    r.initialize(WorkerConfigure(config, 4, 64, 64))
+    storages = {}
+    for key_cache, value_cache in r.kv_caches:
+        for cache in (key_cache, value_cache):
+            storage = cache.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    assert sum(storages.values()) == sum(t.size for t in config.kv_cache_tensors) <= budget
+    assert len(storages) == len(config.kv_cache_tensors)
+    assert (len(storages) < len(r.kv_caches)) == shared
+    # Logical capacity: a shared pool gives every block id to either group.
+    per_block = sum(s.page_size_bytes for s in r.kv_cache_specs().values())
+    assert config.num_blocks == budget // (per_block // 2 if shared else per_block)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from protocol.config import WorkerConfig, available_host_memory
-from protocol.kv_cache import KVCacheSpec
+from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
 from worker.input_batch import NULL_BLOCK_ID, InputBatch
@@ -154,6 +154,38 @@ class ModelRunner:
         log.info("rank %d: KV cache budget %.2f GiB (%s)", self.config.rank, budget / gib, summary)
         return budget
 
+    def _allocate_kv_caches(
+        self, config: KVCacheConfig, specs: dict[str, KVCacheSpec]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """One buffer per KVCacheTensor, exactly its size: what the core budgeted. Every
+        layer sharing a buffer views all of it as [2, num_blocks, block_size, heads,
+        head_dim] (K then V, each contiguous); a block id belongs to one group at a time,
+        so layers of different groups never touch the same block."""
+        total = sum(t.size for t in config.kv_cache_tensors)
+        self._check_fits(total, f"a KV cache of {config.num_blocks} blocks")
+        caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for tensor in config.kv_cache_tensors:
+            buffer = torch.zeros(tensor.size, dtype=torch.uint8, device=self.device)
+            for name in tensor.shared_by:
+                spec = specs.get(name)
+                if spec is None or name in caches:
+                    raise ValueError(f"KV cache tensor names layer {name!r} twice or not at all")
+                if tensor.size != spec.page_size_bytes * config.num_blocks:
+                    raise ValueError(
+                        f"KV cache tensor of {tensor.size} bytes for layer {name!r}: its spec "
+                        f"needs {spec.page_size_bytes} x {config.num_blocks} blocks"
+                    )
+                shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                kv = buffer.view(self.dtype).view(shape)
+                caches[name] = (kv[0], kv[1])
+        # The null block stands in for positions a sliding window has left; no kernel may
+        # read it. NaN there turns a kernel that does (even under a mask: 0 * NaN is NaN)
+        # into garbage tokens that every equality test sees, instead of a silent read.
+        for key_cache, value_cache in caches.values():
+            key_cache[NULL_BLOCK_ID].fill_(float("nan"))
+            value_cache[NULL_BLOCK_ID].fill_(float("nan"))
+        return caches
+
     def _check_fits(self, nbytes: int, what: str) -> None:
         """ValueError with numbers if nbytes cannot be allocated here now: better than an
         out-of-memory kill a minute into start-up."""
@@ -239,39 +271,20 @@ class ModelRunner:
         """Allocate exactly the core's KV cache config and the persistent batch."""
         config = msg.kv_cache_config
         layers = self.model.attention_layers()
-        specs = {
-            name: group.kv_cache_spec
-            for group in config.kv_cache_groups
-            for name in group.layer_names
-        }
-        self._check_fits(
-            config.num_blocks * sum(spec.page_size_bytes for spec in specs.values()),
-            f"a KV cache of {config.num_blocks} blocks",
-        )
-        caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         block_sizes = []
+        specs: dict[str, KVCacheSpec] = {}
         for group_id, group in enumerate(config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            block_sizes.append(spec.block_size)
+            block_sizes.append(group.kv_cache_spec.block_size)
             for name in group.layer_names:
                 if name not in layers:
                     raise ValueError(f"KV cache config names unknown layer {name!r}")
                 layers[name].kv_group = group_id
-                shape = (config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                caches[name] = (
-                    torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device),
-                )
+                specs[name] = group.kv_cache_spec
+        caches = self._allocate_kv_caches(config, specs)
         missing = sorted(set(layers) - set(caches))
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
-        # The null block stands in for positions a sliding window has left; no kernel may
-        # read it. NaN there turns a kernel that does (even under a mask: 0 * NaN is NaN)
-        # into garbage tokens that every equality test sees, instead of a silent read.
-        for cache in caches.values():
-            for tensor in cache:
-                tensor[NULL_BLOCK_ID].fill_(float("nan"))
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
 
