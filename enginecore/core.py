@@ -96,6 +96,7 @@ class EngineCore:
             hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
         )
         self.scheduler = Scheduler(sched_config, kv_config, first.vocab_size, first.eos_token_id)
+        self.scheduler.check_capacity()
         self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,

@@ -37,6 +37,10 @@ class KVCacheCoordinator:
             for m, hits in zip(self.managers, new_computed_blocks)
         )
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one request of num_tokens tokens holds at once, all groups."""
+        return sum(m.max_blocks_held(num_tokens, max_chunk) for m in self.managers)
+
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:
         for m, hits in zip(self.managers, new_computed_blocks):
             m.save_new_computed_blocks(request_id, hits)

@@ -288,6 +288,14 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def fits(self, num_tokens: int, max_chunk: int) -> bool:
+        """Whether one request of num_tokens tokens can run at all in this pool (alone,
+        at most max_chunk tokens per step)."""
+        return self.coordinator.max_blocks_held(num_tokens, max_chunk) <= self.num_usable_blocks
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        return self.coordinator.max_blocks_held(num_tokens, max_chunk)
+
     @property
     def num_usable_blocks(self) -> int:
         """Blocks requests can hold (all but the null block)."""

@@ -109,7 +109,29 @@ class Scheduler:
             request.sampling_params.validate(vocab)
         except ValueError as e:
             return str(e)
+        # Its whole life must fit the pool, or it would be admitted, preempt everyone and
+        # itself, and never finish: fail it now, alone.
+        longest = min(n + request.sampling_params.max_tokens, self.config.max_model_len)
+        kv = self.kv_cache_manager
+        if not kv.fits(longest, self.config.max_num_batched_tokens):
+            need = kv.max_blocks_held(longest, self.config.max_num_batched_tokens)
+            return (
+                f"needs more KV cache than exists: {longest} tokens (prompt + max_tokens) "
+                f"need {need} blocks, the cache has {kv.num_usable_blocks}"
+            )
         return None
+
+    def check_capacity(self) -> None:
+        """ValueError unless one request of max_model_len tokens fits the pool: refusing
+        to start beats failing every long request later."""
+        kv = self.kv_cache_manager
+        max_len, chunk = self.config.max_model_len, self.config.max_num_batched_tokens
+        if not kv.fits(max_len, chunk):
+            raise ValueError(
+                f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
+                f"max_model_len {max_len} tokens needs {kv.max_blocks_held(max_len, chunk)}: "
+                "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []

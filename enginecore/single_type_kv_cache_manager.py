@@ -56,6 +56,11 @@ class SingleTypeKVCacheManager:
     ) -> list[KVCacheBlock]:
         raise NotImplementedError
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once in this group,
+        when the scheduler computes at most max_chunk tokens of it per step."""
+        return -(-num_tokens // self.block_size)
+
     # -- commit -----------------------------------------------------------------------
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
@@ -172,6 +177,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 return hits
         del hits[run:]
         return hits
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        # Blocks behind the window are freed before each step's allocation, judged on the
+        # tokens already computed: a step holds the window before its chunk plus the chunk,
+        # and one more where they straddle a block boundary.
+        window_and_chunk = -(-(self.sliding_window - 1 + max_chunk) // self.block_size) + 1
+        return min(-(-num_tokens // self.block_size), window_and_chunk)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)

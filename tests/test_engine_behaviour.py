@@ -7,11 +7,12 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from cli_helpers import CPU
 
 from launch import LLM, Prompt, SamplingParams
 from launch.builtin_model import builtin_model_dir
-from launch.engine import EngineArgs, EngineProcesses
+from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"  # the core checks KV invariants every step
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -105,14 +106,14 @@ def test_idle_engine_does_not_spin(llama_dir: Path) -> None:
         assert all(u < 0.3 for u in used), used
 
 
-def test_a_request_larger_than_the_cache_fails_alone(llama_dir: Path) -> None:
-    # 8 blocks of 4 tokens, 7 usable: 28 tokens; a 40-token prompt can never fit.
-    with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4) as llm:
-        outs = llm.generate([PROMPT, list(range(3, 43)), PROMPT[:3]], GREEDY, use_tqdm=False)
-        assert [o.finish_reason for o in outs] == ["length", "error", "length"]
-        assert "needs more KV cache than exists: 40 tokens do not fit in 7 blocks" in (
-            outs[1].error or ""
-        )
-        assert len(outs[0].token_ids) == len(outs[2].token_ids) == 12
-        assert llm.last_summary.stats is not None
-        assert llm.last_summary.stats.kv_cache_usage == 0.0
+def test_a_pool_too_small_for_max_model_len_refuses_to_start(llama_dir: Path) -> None:
+    # 8 blocks of 4 tokens, 7 usable: 28 tokens, while the model allows 256.
+    with pytest.raises(EngineDeadError) as info:
+        LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4)
+    message = str(info.value)
+    assert "the KV cache holds 7 blocks, but one request of max_model_len 256" in message
+    assert "needs 64" in message and "--max-model-len" in message
+    # Within what the pool holds, it serves.
+    with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4, max_model_len=28) as llm:
+        (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+        assert out.finish_reason == "length" and len(out.token_ids) == 12

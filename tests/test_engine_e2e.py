@@ -57,7 +57,19 @@ MODES = {
     "prefix-caching": (),
     "no-prefix-caching": ("--no-prefix-caching",),
     "chunked-prefill": ("--max-num-batched-tokens", "7"),
-    "preemption": ("--num-gpu-blocks", "20", "--max-num-seqs", "12"),
+    # 19 usable blocks of 4 tokens: far too few for 18 requests at once. The engine refuses
+    # a pool that cannot hold one max_model_len request, hence the shorter context (45
+    # tokens is the longest here) and chunks (a sliding group holds its window plus a chunk).
+    "preemption": (
+        "--num-gpu-blocks",
+        "20",
+        "--max-num-seqs",
+        "12",
+        "--max-model-len",
+        "48",
+        "--max-num-batched-tokens",
+        "16",
+    ),
 }
 
 

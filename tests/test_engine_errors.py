@@ -87,7 +87,9 @@ def test_missing_weights_fail_at_start(llama_dir: Path, tmp_path: Path) -> None:
 
 
 def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
-    llm = LLM(num_gpu_blocks=64, device=CPU)  # the built-in model: 4096 positions, long runs
+    # The built-in model (4096 positions: long runs); 299 usable blocks hold one request
+    # of 4096 tokens, not four of 3000.
+    llm = LLM(num_gpu_blocks=300, device=CPU)
     procs = dict(llm.engine.procs)
     params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
