@@ -99,16 +99,23 @@ class BlockPool:
         (they can never hit, so reuse them first), with a hash at the back (LRU).
         """
         null = self.null_block
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0 and block is not null:
+        # Drop every reference first, so a list naming a block more often than it is
+        # referenced is caught whole (and undone) before the free queue changes. (A list
+        # naming a block twice that holds two references is not caught: no manager builds
+        # one, a request's table names each block once; check_invariants would see it.)
+        for i, block in enumerate(ordered_blocks):
+            if block is null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                for undo in ordered_blocks[: i + 1]:
+                    if undo is not null:
+                        undo.ref_cnt += 1
                 raise ValueError(f"block {block.block_id} freed more often than referenced")
         front: list[KVCacheBlock] = []
         back: list[KVCacheBlock] = []
         for block in ordered_blocks:
-            if block is null:
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block is not null:
                 (front if block.block_hash is None else back).append(block)
         if front:
             self.free_block_queue.prepend_n(front)

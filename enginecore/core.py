@@ -196,7 +196,10 @@ class EngineCore:
                 self._send(EngineOutputs(outputs, scheduler.stats()))
             return
         result = self.executor.execute(so)
-        outputs = scheduler.update_from_output(so, result)
+        try:
+            outputs = scheduler.update_from_output(so, result)
+        except ValueError as e:
+            raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
         if self._check:
             scheduler.check_invariants()
         self._send(EngineOutputs(outputs, scheduler.stats()))

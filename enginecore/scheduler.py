@@ -65,6 +65,9 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.step_id = 0
         self.num_preemptions = 0
+        # (step id, requests due to sample) of the last SchedulerOutput: its answer must
+        # name exactly those.
+        self._due = (0, 0)
 
     # -- requests in and out ----------------------------------------------------------
     def add_request(self, request: Request) -> RequestOutput | None:
@@ -218,6 +221,7 @@ class Scheduler:
         cached_resumed: list[bool] = []
         cached_counts: list[int] = []
 
+        num_due = 0  # requests whose tokens this step completes: each samples one
         # 1. Running requests: decodes and unfinished prefill chunks.
         empty = kv.empty_blocks
         running = self.running
@@ -250,6 +254,8 @@ class Scheduler:
             cached_computed.append(computed)
             cached_resumed.append(False)
             cached_counts.append(num_new)
+            if computed + num_new == len(request.all_token_ids):
+                num_due += 1
             budget -= num_new
             i += 1
 
@@ -296,6 +302,8 @@ class Scheduler:
                 )
                 new_counts.append(num_new)
                 request.known_to_worker = True
+            if num_hit + num_new == request.num_tokens:
+                num_due += 1
             budget -= num_new
 
         # Sliding windows freed leading blocks of some running requests: tell the worker.
@@ -315,6 +323,7 @@ class Scheduler:
             total += n
         finished, self._finished_req_ids = self._finished_req_ids, []
         self.step_id += 1
+        self._due = (self.step_id, num_due)
         return SchedulerOutput(
             step_id=self.step_id,
             new_reqs=new_reqs,
@@ -338,12 +347,12 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
-        if output.step_id != scheduler_output.step_id:
-            raise ValueError(
-                f"model output of step {output.step_id} does not answer step "
-                f"{scheduler_output.step_id}"
-            )
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        ValueError if the output does not answer this step exactly (the wire is not
+        trusted: a wrong answer must stop the engine with a reason, not leave a request
+        waiting forever)."""
+        self._check_output(scheduler_output, output)
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
         eos = self.eos_token_id
@@ -352,6 +361,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if request.num_computed_tokens != len(request.all_token_ids):
+                raise ValueError(f"a token for request {rid}, which was not due to sample")
             request.append_output_token_ids(token)
             params = request.sampling_params
             reason = None
@@ -373,6 +384,23 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
+
+    def _check_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """The cheap whole-output checks: step, counts, token range (C loops)."""
+        if output.step_id != so.step_id or self._due[0] != so.step_id:
+            raise ValueError(
+                f"model output of step {output.step_id} does not answer step {so.step_id}"
+            )
+        tokens = output.sampled_token_ids
+        num_due = self._due[1]
+        if len(output.req_ids) != num_due or len(tokens) != num_due:
+            raise ValueError(
+                f"{len(output.req_ids)} requests and {len(tokens)} tokens in the output of "
+                f"step {so.step_id}, but {num_due} requests were due to sample"
+            )
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
+            raise ValueError(f"sampled token id {bad} is outside the vocabulary")
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -7,27 +7,38 @@ from kv_helpers import admit, make_manager, snapshot
 
 from enginecore import BlockPool, Request
 
+BAD_CALLS = {
+    "negative tokens": (lambda m, r, other: m.allocate_slots(r, -1), "num_new_tokens must be >= 0"),
+    "negative lookahead": (
+        lambda m, r, other: m.allocate_slots(r, 1, num_lookahead_tokens=-2),
+        "num_lookahead_tokens",
+    ),
+    "nothing to allocate": (lambda m, r, other: m.allocate_slots(r, 0), "nothing to allocate"),
+    "past the prompt": (lambda m, r, other: m.allocate_slots(r, 5), "slots up to token 15"),
+    "duplicate id": (lambda m, r, other: m.allocate_slots(other, 1), "duplicate request id"),
+    "unknown id": (
+        lambda m, r, other: m.free(Request("ghost", [1, 2], m.block_hasher)),
+        "unknown request id",
+    ),
+    "another object": (lambda m, r, other: m.free(other), "another request object"),
+    "hits twice": (
+        lambda m, r, other: m.allocate_slots(r, 1, 4, m.get_computed_blocks(r)[0]),
+        "already holds",
+    ),
+}
 
-def test_bad_calls_raise_and_leave_state_alone() -> None:
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_calls_raise_and_leave_state_alone(case: str) -> None:
     m = make_manager(16, max_model_len=64)
     r = Request("r", list(range(10)), m.block_hasher)
     admit(m, r)
     before = snapshot(m)
     other = Request("r", list(range(10)), m.block_hasher)
-    cases = [
-        (lambda: m.allocate_slots(r, -1), "num_new_tokens must be >= 0"),
-        (lambda: m.allocate_slots(r, 1, num_lookahead_tokens=-2), "num_lookahead_tokens"),
-        (lambda: m.allocate_slots(r, 0), "nothing to allocate"),
-        (lambda: m.allocate_slots(r, 5), "slots up to token 15"),
-        (lambda: m.allocate_slots(other, 1), "duplicate request id"),
-        (lambda: m.free(Request("ghost", [1, 2], m.block_hasher)), "unknown request id"),
-        (lambda: m.free(other), "another request object"),
-        (lambda: m.allocate_slots(r, 1, 4, m.get_computed_blocks(r)[0]), "already holds"),
-    ]
-    for call, message in cases:
-        with pytest.raises((ValueError, KeyError), match=message):
-            call()
-        assert snapshot(m) == before
+    call, message = BAD_CALLS[case]
+    with pytest.raises((ValueError, KeyError), match=message):
+        call(m, r, other)
+    assert snapshot(m) == before
 
 
 def test_prompt_past_max_model_len_is_refused() -> None:
@@ -59,6 +70,16 @@ def test_a_block_freed_twice_is_refused_whole() -> None:
     with pytest.raises(ValueError, match=f"block {blocks[0].block_id} freed more often"):
         pool.free_blocks([blocks[1], blocks[0]])
     assert blocks[1].ref_cnt == 1
+    assert pool.free_block_queue.block_ids() == queue
+
+
+def test_a_list_naming_a_block_twice_is_refused_whole() -> None:
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)  # one reference each
+    queue = pool.free_block_queue.block_ids()
+    with pytest.raises(ValueError, match=f"block {blocks[2].block_id} freed more often"):
+        pool.free_blocks([blocks[0], blocks[2], blocks[1], blocks[2]])
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
     assert pool.free_block_queue.block_ids() == queue
 
 
