@@ -229,7 +229,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
+            remaining = num_new = len(request.all_token_ids) - computed
             if num_new > budget:
                 num_new = budget
             if computed + num_new > max_len:
@@ -254,7 +254,7 @@ class Scheduler:
             cached_computed.append(computed)
             cached_resumed.append(False)
             cached_counts.append(num_new)
-            if computed + num_new == len(request.all_token_ids):
+            if num_new == remaining:
                 num_due += 1
             budget -= num_new
             i += 1
@@ -361,21 +361,20 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if request.num_computed_tokens != len(request.all_token_ids):
-                raise ValueError(f"a token for request {rid}, which was not due to sample")
             request.append_output_token_ids(token)
+            num_tokens = len(request.all_token_ids)
+            if num_tokens != request.num_computed_tokens + 1:  # the engine stops: no undo
+                raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
             reason = None
             if token == eos and not params.ignore_eos:
                 reason = "stop"
             elif params.stop_token_ids and token in params.stop_token_ids:
                 reason = "stop"
-            else:
-                num_tokens = len(request.all_token_ids)
-                if num_tokens - request.num_prompt_tokens >= params.max_tokens or (
-                    num_tokens >= max_len
-                ):
-                    reason = "length"
+            elif num_tokens - request.num_prompt_tokens >= params.max_tokens or (
+                num_tokens >= max_len
+            ):
+                reason = "length"
             if reason is not None:
                 self.kv_cache_manager.free(request)
                 self._finish(request, reason)
