@@ -1,4 +1,4 @@
-"""Chained block hashes: hash(parent_hash, block_token_ids, extra_keys) from a fixed root.
+"""Chained block hashes: hash(parent_hash, block_token_ids, extra_keys) from a seeded root.
 
 Block i of a request matches only if blocks 0..i all match, token for token and extra
 key for extra key. Hashes are bytes, identical in every process (they are published in
@@ -34,9 +34,12 @@ def _sha256(data: bytes) -> bytes:
 _ALGOS: dict[str, Callable[[bytes], bytes]] = {"xxh3_128": xxh3_128_digest, "sha256": _sha256}
 
 
-def root_hash(algo: HashAlgo) -> bytes:
-    """The parent of every first block: fixed, so hashes agree across processes and runs."""
-    return _ALGOS[algo](b"pagedserve block-hash root v1")
+def root_hash(algo: HashAlgo, seed: bytes | None = None) -> bytes:
+    """The parent of every first block. An engine passes a per-deployment secret seed
+    (random at each start unless fixed), so nobody outside can predict block hashes and
+    craft prompts that collide with another tenant's cached blocks; replicas behind one
+    KV-aware router share a seed. Without one the root is fixed (tests, tools)."""
+    return _ALGOS[algo](b"pagedserve block-hash root v1" + (seed or b""))
 
 
 def pack_token_ids(token_ids: list[int]) -> bytes:
@@ -70,7 +73,9 @@ class BlockHasher:
 
     __slots__ = ("_fn", "algo", "block_size", "root")
 
-    def __init__(self, block_size: int, algo: HashAlgo = "xxh3_128") -> None:
+    def __init__(
+        self, block_size: int, algo: HashAlgo = "xxh3_128", seed: bytes | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if algo not in _ALGOS:
@@ -78,7 +83,7 @@ class BlockHasher:
         self.block_size = block_size
         self.algo = algo
         self._fn = _ALGOS[algo]
-        self.root = root_hash(algo)
+        self.root = root_hash(algo, seed)
 
     def extend(
         self,

@@ -94,6 +94,7 @@ class EngineCore:
             max_model_len=max_model_len,
             enable_prefix_caching=self.config.enable_prefix_caching,
             hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
+            hash_seed=hash_seed(self.config),
         )
         self.scheduler = Scheduler(sched_config, kv_config, first.vocab_size, first.eos_token_id)
         self.scheduler.check_capacity()
@@ -223,6 +224,13 @@ class EngineCore:
     def close(self) -> None:
         self.executor.shutdown()
         self.ctx.destroy(linger=1000)
+
+
+def hash_seed(config: EngineCoreConfig) -> bytes:
+    """The block-hash root's secret: --prefix-cache-hash-seed, else random per start."""
+    if config.prefix_cache_hash_seed is not None:
+        return config.prefix_cache_hash_seed.encode()
+    return os.urandom(16)
 
 
 def _answer_malformed(frame: memoryview, error: ProtocolError) -> list[RequestOutput]:

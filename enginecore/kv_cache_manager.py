@@ -40,6 +40,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: HashAlgo = "xxh3_128",
         enable_kv_events: bool = False,
+        hash_seed: bytes | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -52,7 +53,9 @@ class KVCacheManager:
         hash_block_size = 0
         for group in groups:
             hash_block_size = gcd(hash_block_size, group.kv_cache_spec.block_size)
-        self.block_hasher = BlockHasher(hash_block_size, hash_algo) if enable_caching else None
+        self.block_hasher = (
+            BlockHasher(hash_block_size, hash_algo, hash_seed) if enable_caching else None
+        )
         self.coordinator = make_kv_cache_coordinator(
             kv_cache_config, self.block_pool, hash_block_size
         )

@@ -33,6 +33,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "xxh3_128"
     enable_kv_events: bool = False
+    hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -57,6 +58,7 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.hash_algo,
             enable_kv_events=config.enable_kv_events,
+            hash_seed=config.hash_seed,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

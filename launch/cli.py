@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
     g.add_argument(
+        "--prefix-cache-hash-seed",
+        help="secret root of the prefix-cache block hashes (default: random at each start; "
+        "replicas behind one KV-aware router need the same)",
+    )
+    g.add_argument(
         "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
     )
     g.add_argument(
@@ -282,6 +287,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         hash_algo=args.hash,
+        prefix_cache_hash_seed=args.prefix_cache_hash_seed,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

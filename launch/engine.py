@@ -83,6 +83,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_128"
+    prefix_cache_hash_seed: str | None = None
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
@@ -166,6 +167,7 @@ class EngineProcesses:
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             hash_algo=args.hash_algo,
+            prefix_cache_hash_seed=args.prefix_cache_hash_seed,
             num_gpu_blocks=args.num_gpu_blocks,
             handshake_timeout_s=args.startup_timeout_s,
             step_timeout_s=args.step_timeout_s,

@@ -19,6 +19,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_128"
+    # Fixes the secret root of the block hashes (None: random at each start). Replicas
+    # behind one KV-aware router need the same one; keep it private.
+    prefix_cache_hash_seed: str | None = None
     num_gpu_blocks: int | None = None  # None: what the workers' memory allows
     handshake_timeout_s: float = 300.0
     # A step rank 0 has not answered after this long fails the open requests (a stopped

@@ -212,3 +212,18 @@ def test_prefix_cache_stats_count_preempted_lookups_apart() -> None:
     stats = m.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (1, 33, 0)
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 33, 32)
+
+
+def test_the_hash_root_is_a_per_deployment_secret() -> None:
+    """Without a seed each engine start draws its own root, so block hashes cannot be
+    predicted (or collisions crafted) from outside; equal seeds give equal hashes."""
+    from enginecore.core import hash_seed
+    from protocol.config import EngineCoreConfig
+
+    unseeded = EngineCoreConfig("ipc://a", "ipc://b", "ipc://c")
+    seeded = EngineCoreConfig("ipc://a", "ipc://b", "ipc://c", prefix_cache_hash_seed="s3cret")
+    starts = [hash_seed(unseeded) for _ in range(2)] + [hash_seed(seeded) for _ in range(2)]
+    hashes = [Request("r", PROMPT, BlockHasher(4, seed=seed)).block_hashes for seed in starts]
+    assert hashes[0] != hashes[1]  # two starts without a seed
+    assert hashes[2] == hashes[3]  # two replicas with the same seed
+    assert hashes[0][0] != Request("r", PROMPT, BlockHasher(4)).block_hashes[0]
