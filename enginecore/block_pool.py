@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from enginecore.request import Request
+from protocol.kv_cache import NULL_BLOCK_ID
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 # One entry of the prefix-cache index: a block, or several blocks holding the same content
@@ -40,6 +41,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # Stands for positions a sliding window skipped: never counted, hashed or freed.
         self.null_block = self.free_block_queue.popleft()
+        assert self.null_block.block_id == NULL_BLOCK_ID  # the id the workers reserve too
         # cached_block_hash_to_block[group][hash]; one dict per group avoids a key tuple.
         self.cached_block_hash_to_block: list[dict[bytes, _CacheEntry]] = [
             {} for _ in range(num_groups)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
+# The block id both sides reserve as the null block: a permanent placeholder for positions
+# a sliding window has left (never allocated, freed, hashed, written or read).
+NULL_BLOCK_ID = 0
+
 _DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 

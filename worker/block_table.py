@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from protocol.kv_cache import NULL_BLOCK_ID
+
 PAD_SLOT = -1  # kernels skip tokens whose slot is negative
 
 
@@ -93,13 +95,13 @@ class BlockTable:
         self.clear_row(src)
 
     def null_prefix(self, row: int, count: int) -> None:
-        """The first count entries of row become the null block id 0."""
+        """The first count entries of row become the null block."""
         if count > self.num_blocks_per_row[row]:
             raise ValueError(
                 f"row {row}: {count} leading null blocks, but it holds "
                 f"{self.num_blocks_per_row[row]}"
             )
-        self.table[row, :count] = 0
+        self.table[row, :count] = NULL_BLOCK_ID
 
     def clear_row(self, row: int) -> None:
         self._check_row(row)

@@ -17,15 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol.engine import SamplingParams
+from protocol.kv_cache import NULL_BLOCK_ID
 from protocol.worker import SchedulerOutput
 from worker.block_table import MultiGroupBlockTable
 
 if TYPE_CHECKING:
     import torch
-
-
-# The core's permanent placeholder block (skipped sliding-window positions).
-NULL_BLOCK_ID = 0
 
 
 @dataclass

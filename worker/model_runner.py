@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from protocol.config import WorkerConfig, available_host_memory
-from protocol.kv_cache import KVCacheConfig, KVCacheSpec
+from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
-from worker.input_batch import NULL_BLOCK_ID, InputBatch
+from worker.input_batch import InputBatch
 from worker.model_config import load_model_config
 from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
