@@ -42,6 +42,23 @@ def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, StderrWatch, 
     return proc, StderrWatch(proc), out, tmp
 
 
+def _child(children: list[int], module: str) -> int:
+    """The pid of the child running `python -m module`."""
+    (pid,) = [p for p in children if module in Path(f"/proc/{p}/cmdline").read_text()]
+    return pid
+
+
+def _results(out: Path) -> list[dict]:
+    return sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+
+
+def _check_nothing_left(children: list[int], tmp: Path) -> None:
+    """No process of the group alive (found by the socket folder in their command lines
+    too), no socket folder left."""
+    assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
+    assert not os.listdir(tmp), "socket folder left behind"
+
+
 def _finished_lines(out: Path, want: int, timeout: float = 300) -> list[dict]:
     """Wait until out holds want results (they are appended as requests end)."""
     deadline = time.monotonic() + timeout
@@ -66,11 +83,10 @@ def test_a_signal_mid_run_keeps_finished_results(
     stderr = watch.join()
     assert "interrupted; 3 finished results" in stderr and "1 requests were cut short" in stderr
     assert "Traceback" not in stderr, stderr
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert sorted(r["index"] for r in lines) == [0, 1, 2]
+    lines = _results(out)
+    assert [r["index"] for r in lines] == [0, 1, 2]
     assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 4 for r in lines)
-    assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
-    assert not os.listdir(tmp), "socket folder left behind"
+    _check_nothing_left(children, tmp)
 
 
 def test_a_launcher_killed_outright_takes_the_group_down(tmp_path: Path) -> None:
@@ -80,10 +96,9 @@ def test_a_launcher_killed_outright_takes_the_group_down(tmp_path: Path) -> None
     assert len(children) == 2
     proc.send_signal(signal.SIGKILL)  # no handler runs: the core and worker must notice
     proc.wait()
-    assert all_gone(children + processes_mentioning(str(tmp))), "the group kept running"
-    assert not os.listdir(tmp), "socket folder left behind"
+    _check_nothing_left(children, tmp)
     # What finished before the kill is on disk.
-    assert sorted(json.loads(x)["index"] for x in out.read_text().splitlines()) == [0, 1, 2]
+    assert [r["index"] for r in _results(out)] == [0, 1, 2]
 
 
 def test_an_unwritable_output_fails_before_the_engine_starts(tmp_path: Path) -> None:
@@ -127,29 +142,27 @@ def test_a_stopped_worker_is_named_by_the_watchdog(tmp_path: Path) -> None:
     proc, watch, out, tmp = _start(tmp_path, "--step-timeout", "5")
     _finished_lines(out, 3)
     children = children_of(proc.pid)
-    (worker,) = [p for p in children if "worker.main" in Path(f"/proc/{p}/cmdline").read_text()]
-    os.kill(worker, signal.SIGSTOP)  # alive but silent, as a hung collective would be
+    os.kill(
+        _child(children, "worker.main"), signal.SIGSTOP
+    )  # alive but silent, as a hung collective would be
     assert proc.wait(timeout=300) == 1
     stderr = watch.join()
     assert "worker rank 0 did not answer a step within 5 s (--step-timeout)" in stderr, stderr
-    lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+    lines = _results(out)
     assert [r["finish_reason"] for r in lines] == ["length"] * 3 + ["error"]
     assert "did not answer a step" in lines[3]["error"]
-    assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
-    assert not os.listdir(tmp), "socket folder left behind"
+    _check_nothing_left(children, tmp)
 
 
 def test_a_killed_core_keeps_finished_results_and_fails_the_rest(tmp_path: Path) -> None:
     proc, watch, out, tmp = _start(tmp_path)
     _finished_lines(out, 3)
     children = children_of(proc.pid)
-    (core,) = [p for p in children if "enginecore.core" in Path(f"/proc/{p}/cmdline").read_text()]
-    os.kill(core, signal.SIGKILL)
+    os.kill(_child(children, "enginecore.core"), signal.SIGKILL)
     assert proc.wait(timeout=300) == 1
     stderr = watch.join()
     assert "engine core" in stderr and "killed by signal 9" in stderr, stderr
-    lines = sorted((json.loads(x) for x in out.read_text().splitlines()), key=lambda r: r["index"])
+    lines = _results(out)
     assert [r["finish_reason"] for r in lines] == ["length"] * 3 + ["error"]
     assert "killed by signal 9" in lines[3]["error"]
-    assert all_gone(children + processes_mentioning(str(tmp))), "orphan processes"
-    assert not os.listdir(tmp), "socket folder left behind"
+    _check_nothing_left(children, tmp)
