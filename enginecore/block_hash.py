@@ -55,6 +55,10 @@ def pack_token_ids(token_ids: list[int]) -> bytes:
     return packed.tobytes()
 
 
+def _discard(_data: bytes) -> None:
+    pass
+
+
 def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
     if extra_keys is None:
         return b""
@@ -90,8 +94,11 @@ class BlockHasher:
         block_hashes: list[bytes],
         token_ids: list[int],
         extra_keys_of: Callable[[int, int], ExtraKeys] | None = None,
+        hash_inputs: list[bytes] | None = None,
     ) -> None:
-        """Append the hashes of the blocks of token_ids that became full since last time.
+        """Append the hashes of the blocks of token_ids that became full since last time,
+        and to hash_inputs the exact bytes each was hashed from (parent hash, tokens,
+        extra keys): a prefix hit compares them, so equal digests alone never match.
 
         extra_keys_of(start, end) gives a block's extra keys; None means no block has any.
         """
@@ -105,13 +112,18 @@ class BlockHasher:
         fn = self._fn
         parent = block_hashes[-1] if first else self.root
         append = block_hashes.append
+        keep = _discard if hash_inputs is None else hash_inputs.append
         if extra_keys_of is None:
             for off in range(0, (last - first) * width, width):
-                parent = fn(parent + packed[off : off + width])
+                data = parent + packed[off : off + width]
+                parent = fn(data)
                 append(parent)
+                keep(data)
             return
         for i in range(first, last):
             off = (i - first) * width
-            extra = encode_extra_keys(extra_keys_of(i * bs, (i + 1) * bs))
-            parent = fn(parent + packed[off : off + width] + extra)
+            data = parent + packed[off : off + width]
+            data += encode_extra_keys(extra_keys_of(i * bs, (i + 1) * bs))
+            parent = fn(data)
             append(parent)
+            keep(data)

@@ -63,11 +63,23 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
 
     # -- lookup -----------------------------------------------------------------------
-    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
+    def get_cached_block(
+        self, block_hash: bytes, group_id: int, hash_input: bytes | None = None
+    ) -> KVCacheBlock | None:
+        """The cached block with this hash in this group; with hash_input, only one whose
+        content (what its hash was computed from) is exactly that: a digest collision,
+        crafted or not, is a miss."""
         entry = self.cached_block_hash_to_block[group_id].get(block_hash)
-        if entry is None or entry.__class__ is KVCacheBlock:
-            return entry
-        return next(iter(entry.values()))
+        if entry is None:
+            return None
+        if entry.__class__ is KVCacheBlock:
+            if hash_input is None or entry.hash_input == hash_input:
+                return entry
+            return None
+        for block in entry.values():
+            if hash_input is None or block.hash_input == hash_input:
+                return block
+        return None
 
     # -- allocation -------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -141,6 +153,7 @@ class BlockPool:
         long uses the hash of its last one (the chain makes it name the whole prefix).
         """
         hashes = request.block_hashes
+        inputs = request.block_hash_inputs
         index = self.cached_block_hash_to_block[group_id]
         null = self.null_block
         stored: list[bytes] | None = [] if self.enable_kv_events else None
@@ -150,6 +163,9 @@ class BlockPool:
                 continue
             block_hash = hashes[(i + 1) * stride - 1]
             block.block_hash = block_hash
+            block.hash_input = (
+                inputs[i] if stride == 1 else b"".join(inputs[i * stride : (i + 1) * stride])
+            )
             block.group_id = group_id
             entry = index.get(block_hash)
             if entry is None:
@@ -206,6 +222,7 @@ class BlockPool:
                 index[block_hash] = next(iter(entry.values()))
             gone = False
         block.block_hash = None
+        block.hash_input = None
         block.group_id = -1
         self.num_evictions += 1
         if gone and self.enable_kv_events:
@@ -233,6 +250,7 @@ class BlockPool:
             index.clear()
         for block in self.blocks:
             block.block_hash = None
+            block.hash_input = None
             block.group_id = -1
         if self.enable_kv_events:
             self._push_event(AllBlocksCleared)

@@ -12,13 +12,24 @@ from collections.abc import Iterable, Sequence
 class KVCacheBlock:
     """Metadata of one physical KV block (the K/V themselves live on the workers)."""
 
-    __slots__ = ("block_hash", "block_id", "group_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "group_id",
+        "hash_input",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         # Set only while the block is findable in the prefix cache; (hash, group) is its key.
         self.block_hash: bytes | None = None
+        # The bytes block_hash was computed from (parent hash, tokens, extra keys): a hit
+        # must match them too, so a digest collision can never serve another's KV.
+        self.hash_input: bytes | None = None
         self.group_id = -1
         # Owned by FreeKVCacheBlockQueue; None on both means "not in the queue".
         self.prev_free: KVCacheBlock | None = None

@@ -61,7 +61,7 @@ class KVCacheCoordinator:
             m.free(request_id)
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> tuple[KVCacheBlocks, int]:
         raise NotImplementedError
 
@@ -70,10 +70,10 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """One group: its hit is the hit."""
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> tuple[KVCacheBlocks, int]:
         manager = self.managers[0]
-        hits = manager.find_longest_cache_hit(block_hashes, max_length)
+        hits = manager.find_longest_cache_hit(block_hashes, hash_inputs, max_length)
         return (hits,), len(hits) * manager.block_size
 
 
@@ -93,7 +93,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         )
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> tuple[KVCacheBlocks, int]:
         managers = self.managers
         hits: list[list[KVCacheBlock]] = [[] for _ in managers]
@@ -101,7 +101,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         while True:
             for g in self._lookup_order:
                 m = managers[g]
-                hits[g] = m.find_longest_cache_hit(block_hashes, bound)
+                hits[g] = m.find_longest_cache_hit(block_hashes, hash_inputs, bound)
                 bound = min(bound, len(hits[g]) * m.block_size)
             # A pass that did not shrink the bound left every group at exactly the bound;
             # otherwise ask again, and the bound strictly shrinks, so this ends.

@@ -80,7 +80,7 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_blocks, 0
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, request.block_hash_inputs, request.num_tokens - 1
         )
         stats = self.prefix_cache_stats
         if request.num_preemptions:

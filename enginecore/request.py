@@ -41,6 +41,7 @@ class Request:
         "_hash_at",
         "_hasher",
         "all_token_ids",
+        "block_hash_inputs",
         "block_hashes",
         "cache_salt",
         "finish_reason",
@@ -96,6 +97,8 @@ class Request:
         # Prompt logprobs need every prompt position's logits: the cache cannot give them.
         self.skip_reading_prefix_cache = wants_prompt_logprobs
         self.block_hashes: list[bytes] = []
+        # What each block hash was computed from (see BlockHasher.extend).
+        self.block_hash_inputs: list[bytes] = []
         self._hasher = block_hasher
         # Extra keys are fixed at creation; most requests have none and skip that work.
         self._extra_keys_of = self.extra_keys if self.has_extra_keys else None
@@ -154,7 +157,9 @@ class Request:
 
     def _extend_hashes(self) -> None:
         hasher = self._hasher
-        hasher.extend(self.block_hashes, self.all_token_ids, self._extra_keys_of)
+        hasher.extend(
+            self.block_hashes, self.all_token_ids, self._extra_keys_of, self.block_hash_inputs
+        )
         self._hash_at = (len(self.block_hashes) + 1) * hasher.block_size
 
     def __repr__(self) -> str:

@@ -52,9 +52,17 @@ class SingleTypeKVCacheManager:
         return num_new
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> list[KVCacheBlock]:
+        """Hits match a block's hash and the exact bytes it was hashed from."""
         raise NotImplementedError
+
+    def _hash_input(self, hash_inputs: Sequence[bytes], i: int) -> bytes:
+        """What group block i was hashed from (stride hash blocks joined)."""
+        stride = self.hash_stride
+        if stride == 1:
+            return hash_inputs[i]
+        return b"".join(hash_inputs[i * stride : (i + 1) * stride])
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once in this group,
@@ -118,19 +126,25 @@ class SingleTypeKVCacheManager:
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> list[KVCacheBlock]:
         """Consecutive hits from the first block, at most max_length tokens."""
         stride = self.hash_stride
-        max_blocks = max_length // self.block_size
+        num_blocks = min(max_length // self.block_size, len(block_hashes) // stride)
         index = self.block_pool.cached_block_hash_to_block[self.group_id]
         hits: list[KVCacheBlock] = []
-        for i in range(stride - 1, min(max_blocks * stride, len(block_hashes)), stride):
-            entry = index.get(block_hashes[i])
+        for i in range(num_blocks):
+            entry = index.get(block_hashes[(i + 1) * stride - 1])
             if entry is None:
                 break
-            if entry.__class__ is not KVCacheBlock:
-                entry = next(iter(entry.values()))
+            want = hash_inputs[i] if stride == 1 else self._hash_input(hash_inputs, i)
+            if entry.__class__ is KVCacheBlock:
+                if entry.hash_input != want:
+                    break  # same digest, other content: a collision is a miss
+            else:
+                entry = next((b for b in entry.values() if b.hash_input == want), None)
+                if entry is None:
+                    break
             hits.append(entry)
         return hits
 
@@ -148,7 +162,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.skipped_changed: dict[str, int] = {}
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[bytes], max_length: int
+        self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
     ) -> list[KVCacheBlock]:
         """The longest boundary L <= max_length whose window before L is all cached.
 
@@ -166,7 +180,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             return hits
         run = 0
         for i in range(num_blocks - 1, -1, -1):
-            block = pool.get_cached_block(block_hashes[(i + 1) * stride - 1], group)
+            block = pool.get_cached_block(
+                block_hashes[(i + 1) * stride - 1], group, self._hash_input(hash_inputs, i)
+            )
             if block is None:
                 run = 0
                 continue

@@ -22,7 +22,9 @@ def test_hit_is_the_boundary_every_group_can_restore() -> None:
     m.check_invariants()
 
     b = Request("B", prompt, m.block_hasher)
-    full_only = m.coordinator.managers[0].find_longest_cache_hit(b.block_hashes, b.num_tokens - 1)
+    full_only = m.coordinator.managers[0].find_longest_cache_hit(
+        b.block_hashes, b.block_hash_inputs, b.num_tokens - 1
+    )
     assert len(full_only) * bs == 2048
     hits, num_hit = m.get_computed_blocks(b)
     assert num_hit == 1536

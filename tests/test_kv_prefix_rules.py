@@ -227,3 +227,24 @@ def test_the_hash_root_is_a_per_deployment_secret() -> None:
     assert hashes[0] != hashes[1]  # two starts without a seed
     assert hashes[2] == hashes[3]  # two replicas with the same seed
     assert hashes[0][0] != Request("r", PROMPT, BlockHasher(4)).block_hashes[0]
+
+
+def test_a_digest_collision_is_never_a_hit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test hook: every block hashes to one digest. Blocks still hit only their own
+    content (parent, tokens, extra keys), so another prompt can neither read nor poison
+    them, even when several cached blocks share the digest."""
+    from enginecore import block_hash
+
+    monkeypatch.setitem(block_hash._ALGOS, "xxh3_128", lambda data: b"\x00" * 16)
+    m = make_manager(32)
+    a = Request("a", tokens("ABCDEFGHI"), m.block_hasher)
+    b = Request("b", tokens("JKLMNOPQR"), m.block_hasher)
+    assert a.block_hashes == b.block_hashes  # the collision
+    admit(m, a)
+    assert m.get_computed_blocks(b)[1] == 0  # same digests, other tokens
+    admit(m, b)  # b's blocks are cached under the same digest beside a's
+    again = Request("a2", tokens("ABCDEFGHI"), m.block_hasher)
+    hits, num = m.get_computed_blocks(again)
+    assert num == 8 and [blk.block_id for blk in hits[0]] == m.get_block_ids("a")[0][:2]
+    salted = Request("s", tokens("ABCDEFGHI"), m.block_hasher, cache_salt="t2")
+    assert m.get_computed_blocks(salted)[1] == 0  # extra keys are content too
