@@ -179,6 +179,9 @@ def run_workload(
     runner.initialize(
         WorkerConfigure(kv_config, len(prompts), max_model_len, a.max_num_batched_tokens)
     )
+    # What the worker really allocated (distinct storages), against what the core sized.
+    physical_bytes, num_buffers = runner.kv_cache_storage_bytes()
+    config_bytes = sum(t.size for t in kv_config.kv_cache_tensors)
     to_worker = Codec(CoreToWorker, "core->worker")
     to_core = Codec(WorkerToCore, "worker->core")
     params = SamplingParams(max_tokens=a.decode, temperature=0, ignore_eos=True)
@@ -224,6 +227,9 @@ def run_workload(
             for g, b, p in zip(kv_config.kv_cache_groups, per_group, peak_live)
         ],
         "pool_bytes_per_block": pool_bytes_per_block,
+        "physical_kv_bytes": physical_bytes,
+        "physical_kv_buffers": num_buffers,
+        "physical_over_config": round(physical_bytes / config_bytes, 4),
         "steps": len(usage.blocks_in_use),
         "seconds": round(seconds, 3),
         "blocks_in_use": {

@@ -67,14 +67,10 @@ def test_kv_storage_is_exactly_the_budgeted_config(name: str, shared: bool, tmp_
     budget = 1 << 20
     config = make_kv_cache_config(r.kv_cache_specs(), budget)
     r.initialize(WorkerConfigure(config, 4, 64, 64))
-    storages = {}
-    for key_cache, value_cache in r.kv_caches:
-        for cache in (key_cache, value_cache):
-            storage = cache.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    assert sum(storages.values()) == sum(t.size for t in config.kv_cache_tensors) <= budget
-    assert len(storages) == len(config.kv_cache_tensors)
-    assert (len(storages) < len(r.kv_caches)) == shared
+    nbytes, buffers = r.kv_cache_storage_bytes()
+    assert nbytes == sum(t.size for t in config.kv_cache_tensors) <= budget
+    assert buffers == len(config.kv_cache_tensors)
+    assert (buffers < len(r.kv_caches)) == shared
     # Logical capacity: a shared pool gives every block id to either group.
     per_block = sum(s.page_size_bytes for s in r.kv_cache_specs().values())
     assert config.num_blocks == budget // (per_block // 2 if shared else per_block)

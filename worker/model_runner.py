@@ -186,6 +186,16 @@ class ModelRunner:
             value_cache[NULL_BLOCK_ID].fill_(float("nan"))
         return caches
 
+    def kv_cache_storage_bytes(self) -> tuple[int, int]:
+        """(bytes, buffers) of KV storage really allocated: distinct storages behind every
+        layer's K and V views, counted from the tensors themselves."""
+        storages: dict[int, int] = {}
+        for pair in self.kv_caches:
+            for cache in pair:
+                storage = cache.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values()), len(storages)
+
     def _check_fits(self, nbytes: int, what: str) -> None:
         """ValueError with numbers if nbytes cannot be allocated here now: better than an
         out-of-memory kill a minute into start-up."""
