@@ -9,15 +9,25 @@ from protocol.kv_cache import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCa
 
 
 def group_layers_by_spec(layer_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-    """Layers with equal specs share a group (one block table per request), in first-seen
-    order, so every worker derives the same groups from the same model."""
+    """KV cache groups (one block table per request each), in first-seen order of their
+    spec, so every worker derives the same groups from the same model.
+
+    Layers of one spec go together. With several specs, each spec's layers are cut into
+    groups of one common size, the smallest spec's layer count: then groups can share
+    buffers (tensor k serves layer k of every group, see plan_kv_cache_tensors) whatever
+    the mix. A 5:1 sliding/full model gets five sliding groups and one full group of one
+    layer each; where a count does not divide, the last group of that spec is short and
+    its missing slots stay unused (padding, a little memory, instead of no sharing)."""
     if not layer_specs:
         raise ValueError("the model reported no attention layers")
-    groups: dict[KVCacheSpec, list[str]] = {}
+    by_spec: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
-        groups.setdefault(spec, []).append(name)
+        by_spec.setdefault(spec, []).append(name)
+    size = min(len(names) for names in by_spec.values())
     return [
-        KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for spec, names in groups.items()
+        KVCacheGroupSpec(layer_names=names[i : i + size], kv_cache_spec=spec)
+        for spec, names in by_spec.items()
+        for i in range(0, len(names), size)
     ]
 
 
@@ -49,17 +59,19 @@ def with_num_blocks(groups: Sequence[KVCacheGroupSpec], num_blocks: int) -> KVCa
 def plan_kv_cache_tensors(
     groups: Sequence[KVCacheGroupSpec], num_blocks: int
 ) -> list[KVCacheTensor]:
-    """The worker buffers. Groups of equal page size and layer count share them: tensor k
-    serves layer k of every group, since a block id belongs to one group at a time (so a
-    sliding-window group's freed blocks become full-attention capacity). Otherwise every
-    layer gets its own buffer."""
+    """The worker buffers. Groups of equal page size share them: tensor k serves layer k
+    of every group that has one, since a block id belongs to one group at a time (so a
+    sliding-window group's freed blocks become full-attention capacity). Pages of
+    different sizes cannot share: then every layer gets its own buffer."""
     page_sizes = {g.kv_cache_spec.page_size_bytes for g in groups}
-    layer_counts = {len(g.layer_names) for g in groups}
-    if len(page_sizes) == 1 and len(layer_counts) == 1:
+    if len(page_sizes) == 1:
         page = page_sizes.pop()
         return [
-            KVCacheTensor(size=page * num_blocks, shared_by=[g.layer_names[k] for g in groups])
-            for k in range(layer_counts.pop())
+            KVCacheTensor(
+                size=page * num_blocks,
+                shared_by=[g.layer_names[k] for g in groups if k < len(g.layer_names)],
+            )
+            for k in range(max(len(g.layer_names) for g in groups))
         ]
     return [
         KVCacheTensor(size=g.kv_cache_spec.page_size_bytes * num_blocks, shared_by=[name])

@@ -61,6 +61,17 @@ CHECKPOINTS = {
             layer_types=["sliding_attention", "full_attention"] * 2,
         )
     ),
+    # Five sliding-window layers per full-attention layer (the Gemma 3 mix): six KV cache
+    # groups of one layer each, sharing one buffer.
+    "qwen2_5to1": lambda: transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            **COMMON,
+            num_hidden_layers=6,
+            use_sliding_window=True,
+            sliding_window=6,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        )
+    ),
     # A window much shorter than the prompts, and head_dim * heads != hidden_size.
     "mistral": lambda: transformers.MistralForCausalLM(
         transformers.MistralConfig(**COMMON, num_hidden_layers=2, head_dim=32, sliding_window=6)

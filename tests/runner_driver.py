@@ -19,22 +19,20 @@ from dataclasses import dataclass, field
 import torch
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
+from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.kv_cache import SlidingWindowSpec
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure
 from worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 GEN_TOKENS = 8
-# Per KV cache group: small enough that the workload cannot fit at once (preemption),
-# large enough that the longest request (26 tokens, 7 blocks) fits alone. A model with
-# only sliding-window layers holds a few blocks per request, so it gets fewer.
-BLOCKS_PER_GROUP = 14
-BLOCKS_PER_GROUP_SLIDING_ONLY = 8
+# The pool: what the longest request (26 tokens) can hold at once in all groups, and half
+# as much again: it fits alone, but the workload cannot fit at once (preemption).
+LONGEST_REQUEST = 26
 MAX_NUM_BATCHED_TOKENS = 12
 MAX_NUM_SEQS = 6
 MAX_MODEL_LEN = 64
@@ -99,9 +97,9 @@ def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecor
     params = params or SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = runner.model_config.vocab_size
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
-    sliding_only = all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups)
-    per_group = BLOCKS_PER_GROUP_SLIDING_ONLY if sliding_only else BLOCKS_PER_GROUP
-    kv_config = with_num_blocks(groups, 1 + per_group * len(groups))
+    probe = KVCacheManager(with_num_blocks(groups, 2), max_model_len=MAX_MODEL_LEN)
+    need = probe.max_blocks_held(LONGEST_REQUEST, MAX_NUM_BATCHED_TOKENS)
+    kv_config = with_num_blocks(groups, 1 + need + need // 2)
     scheduler = Scheduler(
         SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN), kv_config, vocab, None
     )

@@ -62,7 +62,7 @@ MODES = {
     # tokens is the longest here) and chunks (a sliding group holds its window plus a chunk).
     "preemption": (
         "--num-gpu-blocks",
-        "20",
+        "{preemption_blocks}",
         "--max-num-seqs",
         "12",
         "--max-model-len",
@@ -73,7 +73,9 @@ MODES = {
 }
 
 
-ALL = ["llama", "qwen2", "mistral", "qwen2_interleaved"]
+ALL = ["llama", "qwen2", "mistral", "qwen2_interleaved", "qwen2_5to1"]
+# Six groups (5 sliding + 1 full) hold more blocks per request: 47 for one of max_model_len.
+PREEMPTION_BLOCKS = {"qwen2_5to1": 50}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -90,7 +92,9 @@ def test_tensor_parallel_2_equals_transformers(checkpoint, mode: str, tmp_path: 
 
 def check_against_transformers(checkpoint, mode: str, tmp_path: Path, *extra: str) -> None:
     path, prompts, expected = checkpoint
-    flags = (*MODES[mode], *extra)
+    family = next((f for f in PREEMPTION_BLOCKS if path.name.startswith(f)), None)
+    blocks = str(PREEMPTION_BLOCKS.get(family, 20))  # type: ignore[arg-type]
+    flags = tuple(f.replace("{preemption_blocks}", blocks) for f in (*MODES[mode], *extra))
     results, stderr = run_generate(path, greedy_lines(prompts), tmp_path, *flags)
     assert [r["index"] for r in results] == list(range(len(prompts)))
     for r, prompt, want in zip(results, prompts, expected):

@@ -47,6 +47,33 @@ def test_layers_group_by_spec_and_hybrid_groups_share_buffers() -> None:
     assert all(t.size == page * 100 for t in config.kv_cache_tensors)
 
 
+@pytest.mark.parametrize(
+    ("kinds", "groups", "shared_by"),
+    [
+        # 5 sliding : 1 full (Gemma 3): six groups of one layer, one buffer for all.
+        (
+            "SSSSSF",
+            [["l0"], ["l1"], ["l2"], ["l3"], ["l4"], ["l5"]],
+            [["l0", "l1", "l2", "l3", "l4", "l5"]],
+        ),
+        # 3 : 2 does not divide: the sliding layers' second group is short (padded).
+        ("SFSFS", [["l0", "l2"], ["l4"], ["l1", "l3"]], [["l0", "l4", "l1"], ["l2", "l3"]]),
+        ("FFFF", [["l0", "l1", "l2", "l3"]], [["l0"], ["l1"], ["l2"], ["l3"]]),
+    ],
+)
+def test_any_mix_of_layer_types_gets_equal_size_groups_that_share_buffers(
+    kinds: str, groups: list[list[str]], shared_by: list[list[str]]
+) -> None:
+    specs: dict[str, KVCacheSpec] = {
+        f"l{i}": window(64, 16) if k == "S" else full(16) for i, k in enumerate(kinds)
+    }
+    assert [g.layer_names for g in group_layers_by_spec(specs)] == groups
+    page = full(16).page_size_bytes
+    config = make_kv_cache_config(specs, available_memory=page * len(shared_by) * 50)
+    assert config.num_blocks == 50  # a block id costs one page in each buffer
+    assert [t.shared_by for t in config.kv_cache_tensors] == shared_by
+
+
 def test_unify_takes_the_minimum_and_refuses_different_groups() -> None:
     specs: dict[str, KVCacheSpec] = {"l0": full(16), "l1": full(16)}
     a = make_kv_cache_config(specs, available_memory=full(16).page_size_bytes * 2 * 50)

@@ -56,12 +56,14 @@ def test_gpu_budget_leaves_the_profiled_step_free(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "shared"), [("llama", False), ("mistral", False), ("qwen2_interleaved", True)]
+    ("name", "shared"),
+    [("llama", False), ("mistral", False), ("qwen2_interleaved", True), ("qwen2_5to1", True)],
 )
 def test_kv_storage_is_exactly_the_budgeted_config(name: str, shared: bool, tmp_path: Path):
     """The worker allocates the config's buffers and nothing else: distinct storages,
-    counted from the tensors themselves, sum to sum(tensor.size) <= the budget. The
-    interleaved model's sliding and full groups share theirs (layer k of each group)."""
+    counted from the tensors themselves, sum to sum(tensor.size) <= the budget. Hybrid
+    models share theirs across groups (layer k of each group): the 1:1 interleaved model
+    in two buffers for four layers, the 5:1 model in one for six."""
     save_checkpoint(name, tmp_path)
     r = runner(tmp_path, block_size=4)
     budget = 1 << 20
@@ -71,6 +73,6 @@ def test_kv_storage_is_exactly_the_budgeted_config(name: str, shared: bool, tmp_
     assert nbytes == sum(t.size for t in config.kv_cache_tensors) <= budget
     assert buffers == len(config.kv_cache_tensors)
     assert (buffers < len(r.kv_caches)) == shared
-    # Logical capacity: a shared pool gives every block id to either group.
-    per_block = sum(s.page_size_bytes for s in r.kv_cache_specs().values())
-    assert config.num_blocks == budget // (per_block // 2 if shared else per_block)
+    # Logical capacity: a block id costs one page in each buffer, and serves any group.
+    (page,) = {s.page_size_bytes for s in r.kv_cache_specs().values()}
+    assert config.num_blocks == budget // (page * buffers)
