@@ -9,6 +9,7 @@ is lost it fails every open request with the reason, tells the client, and exits
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -58,6 +59,8 @@ class EngineCore:
         self.from_client: Codec[ClientMessage] = Codec(ClientMessage, "client->core")
         self.to_client: Codec[CoreMessage] = Codec(CoreMessage, "core->client")
         self.executor = Executor(self.ctx, config)
+        # Built once: _send runs every step and must not make a bound method each time.
+        self._client_alive = functools.partial(parent_alive, config.parent_pid)
         self.scheduler: Scheduler | None = None
         self._stop = False
         # Debugging and tests: walk the KV invariants after every step, and require every
@@ -208,9 +211,6 @@ class EngineCore:
     def _send(self, msg: object) -> None:
         if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
             raise ClientGone("the launcher went away")
-
-    def _client_alive(self) -> bool:
-        return parent_alive(self.config.parent_pid)
 
     def fail(self, reason: str) -> None:
         """Fail every open request with reason, tell the client (if it is still there),

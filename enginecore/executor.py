@@ -8,6 +8,7 @@ same encoded bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -67,6 +68,10 @@ class Executor:
             sock.setsockopt(zmq.LINGER, 0)
         self.address = self._bind(config.worker_address)
         self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in self.push]
+        # Liveness checks for send_or_drop, built once (broadcast runs every step).
+        self._rank_alive = [
+            functools.partial(self._is_rank_alive, r) for r in range(self.world_size)
+        ]
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:
@@ -227,10 +232,10 @@ class Executor:
 
     def broadcast(self, frame: bytes) -> None:
         for rank, sock in enumerate(self.push):
-            if not send_or_drop(sock, frame, lambda r=rank: self._rank_alive(r)):
+            if not send_or_drop(sock, frame, self._rank_alive[rank]):
                 raise WorkerDied(self.describe_loss(rank, "its next step"))
 
-    def _rank_alive(self, rank: int) -> bool:
+    def _is_rank_alive(self, rank: int) -> bool:
         """False once rank's step socket reported a disconnect (or the launcher is gone)."""
         return not self.monitors[rank].poll(0) and parent_alive(self.config.parent_pid)
 

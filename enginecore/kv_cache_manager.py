@@ -291,12 +291,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
-    def fits(self, num_tokens: int, max_chunk: int) -> bool:
-        """Whether one request of num_tokens tokens can run at all in this pool (alone,
-        at most max_chunk tokens per step)."""
-        return self.coordinator.max_blocks_held(num_tokens, max_chunk) <= self.num_usable_blocks
-
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks one request of num_tokens tokens holds at once (alone, at most
+        max_chunk tokens per step): above num_usable_blocks it can never run."""
         return self.coordinator.max_blocks_held(num_tokens, max_chunk)
 
     @property

@@ -118,8 +118,8 @@ class Scheduler:
         # itself, and never finish: fail it now, alone.
         longest = min(n + request.sampling_params.max_tokens, self.config.max_model_len)
         kv = self.kv_cache_manager
-        if not kv.fits(longest, self.config.max_num_batched_tokens):
-            need = kv.max_blocks_held(longest, self.config.max_num_batched_tokens)
+        need = kv.max_blocks_held(longest, self.config.max_num_batched_tokens)
+        if need > kv.num_usable_blocks:
             return (
                 f"needs more KV cache than exists: {longest} tokens (prompt + max_tokens) "
                 f"need {need} blocks, the cache has {kv.num_usable_blocks}"
@@ -131,10 +131,11 @@ class Scheduler:
         to start beats failing every long request later."""
         kv = self.kv_cache_manager
         max_len, chunk = self.config.max_model_len, self.config.max_num_batched_tokens
-        if not kv.fits(max_len, chunk):
+        need = kv.max_blocks_held(max_len, chunk)
+        if need > kv.num_usable_blocks:
             raise ValueError(
                 f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
-                f"max_model_len {max_len} tokens needs {kv.max_blocks_held(max_len, chunk)}: "
+                f"max_model_len {max_len} tokens needs {need}: "
                 "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
             )
 

@@ -8,6 +8,7 @@ so the core can name the rank and the reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -66,6 +67,7 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     answers = config.rank == 0
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    core_is_alive = functools.partial(core_alive, config, monitor)  # once, not per step
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -84,11 +86,13 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
             msg = from_core.decode(pull.recv(copy=False).buffer)
             if isinstance(msg, SchedulerOutput):
                 out = runner.execute(msg)
-                if out is not None and answers:
-                    frame = to_core.encode(out)
-                    if not send_or_drop(push, frame, lambda: core_alive(config, monitor)):
-                        log.warning("worker rank %d: the engine core went away", config.rank)
-                        return
+                if (
+                    out is not None
+                    and answers
+                    and not send_or_drop(push, to_core.encode(out), core_is_alive)
+                ):
+                    log.warning("worker rank %d: the engine core went away", config.rank)
+                    return
             elif isinstance(msg, WorkerConfigure):
                 runner.initialize(msg)
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
