@@ -12,6 +12,7 @@ from enginecore.request import Request
 from enginecore.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     make_single_type_manager,
 )
 from protocol.kv_cache import KVCacheConfig
@@ -28,6 +29,16 @@ class KVCacheCoordinator:
             for i, group in enumerate(config.kv_cache_groups)
         ]
         self.empty_blocks: KVCacheBlocks = tuple(() for _ in self.managers)
+        self._sliding = [
+            (g, m) for g, m in enumerate(self.managers) if isinstance(m, SlidingWindowManager)
+        ]
+        self.has_sliding_window = bool(self._sliding)
+        # The common single full-attention group: the manager a flat decode path may
+        # drive directly (KVCacheManager.allocate_slots); None otherwise.
+        only = self.managers[0]
+        self.sole_full_manager: FullAttentionManager | None = (
+            only if len(self.managers) == 1 and isinstance(only, FullAttentionManager) else None
+        )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
@@ -40,6 +51,17 @@ class KVCacheCoordinator:
     def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks one request of num_tokens tokens holds at once, all groups."""
         return sum(m.max_blocks_held(num_tokens, max_chunk) for m in self.managers)
+
+    def check_hits(self, request_id: str, hits: KVCacheBlocks, num_tokens: int) -> None:
+        """Prefix hits must list every group, each covering exactly num_tokens."""
+        if len(hits) != len(self.managers):
+            raise ValueError(f"request {request_id}: prefix hits must list every KV cache group")
+        for m, group_hits in zip(self.managers, hits):
+            if len(group_hits) * m.block_size != num_tokens:
+                raise ValueError(
+                    f"request {request_id}: group {m.group_id} hits cover "
+                    f"{len(group_hits) * m.block_size} tokens, not {num_tokens}"
+                )
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:
         for m, hits in zip(self.managers, new_computed_blocks):
@@ -59,6 +81,49 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(
+            [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers
+        )
+
+    def take_skipped_blocks(self) -> dict[str, list[int]]:
+        """Requests whose sliding-window groups replaced leading blocks with the null
+        block since the last call: request id -> leading null blocks per group (0 for
+        groups without a change)."""
+        changed: dict[str, list[int]] = {}
+        num_groups = len(self.managers)
+        for g, m in self._sliding:
+            skipped = m.skipped_changed
+            if not skipped:
+                continue
+            for rid, count in skipped.items():
+                changed.setdefault(rid, [0] * num_groups)[g] = count
+            skipped.clear()
+        return changed
+
+    def num_empty_slots(self, num_tokens: dict[str, int]) -> float:
+        """Blocks' worth of slots held but holding no token (the unfilled tails), given
+        each holding request's token count."""
+        empty = 0.0
+        for m in self.managers:
+            bs = m.block_size
+            for rid, blocks in m.req_to_blocks.items():
+                slack = len(blocks) * bs - num_tokens[rid]
+                if slack > 0:
+                    empty += slack / bs
+        return empty
+
+    def num_live_blocks_per_group(self) -> list[int]:
+        """Distinct real blocks each group holds (a prefix block shared by several
+        requests counts once; released window slots hold the null block, not counted)."""
+        null = self.block_pool.null_block
+        return [
+            len(
+                {b.block_id for blocks in m.req_to_blocks.values() for b in blocks if b is not null}
+            )
+            for m in self.managers
+        ]
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
@@ -113,8 +178,6 @@ def make_kv_cache_coordinator(
     config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int
 ) -> KVCacheCoordinator:
     cls = (
-        UnitaryKVCacheCoordinator
-        if len(config.kv_cache_groups) == 1
-        else (HybridKVCacheCoordinator)
+        UnitaryKVCacheCoordinator if len(config.kv_cache_groups) == 1 else HybridKVCacheCoordinator
     )
     return cls(config, block_pool, hash_block_size)

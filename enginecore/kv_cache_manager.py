@@ -9,7 +9,6 @@ from enginecore.block_hash import BlockHasher, HashAlgo
 from enginecore.block_pool import BlockPool
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.request import Request
-from enginecore.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import KVCacheEvent
 
@@ -63,15 +62,15 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         # Requests holding blocks, by id: duplicate ids are refused, not merged.
         self.requests: dict[str, Request] = {}
-        managers = self.coordinator.managers
-        self.has_sliding_window = any(isinstance(m, SlidingWindowManager) for m in managers)
+        self.has_sliding_window = self.coordinator.has_sliding_window
         # The common single full-attention group gets a flat decode path (see allocate_slots).
-        self._flat = len(managers) == 1 and isinstance(managers[0], FullAttentionManager)
-        self._flat_manager = managers[0]
+        flat = self.coordinator.sole_full_manager
+        self._flat = flat is not None
+        self._flat_manager = flat
         # The same block lists keyed by the Request object itself (identity hash): one
         # lookup finds the table and proves the id is not a duplicate.
         self._flat_tables: dict[Request, list] = {}
-        self._flat_block_size = managers[0].block_size
+        self._flat_block_size = flat.block_size if flat is not None else 0
 
     # -- lookup -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -239,16 +238,9 @@ class KVCacheManager:
         ):
             if not is_new:
                 raise ValueError(f"request {rid} already holds blocks: no prefix hits now")
-            if new_computed_blocks is None or len(new_computed_blocks) != len(
-                self.coordinator.managers
-            ):
+            if new_computed_blocks is None:
                 raise ValueError(f"request {rid}: prefix hits must list every KV cache group")
-            for m, hits in zip(self.coordinator.managers, new_computed_blocks):
-                if len(hits) * m.block_size != num_new_computed_tokens:
-                    raise ValueError(
-                        f"request {rid}: group {m.group_id} hits cover "
-                        f"{len(hits) * m.block_size} tokens, not {num_new_computed_tokens}"
-                    )
+            self.coordinator.check_hits(rid, new_computed_blocks, num_new_computed_tokens)
         end = (
             request.num_computed_tokens
             + num_new_computed_tokens
@@ -316,35 +308,20 @@ class KVCacheManager:
         their filled part; skipped sliding-window positions hold none)."""
         pool = self.block_pool
         used = pool.num_usable_blocks - pool.get_num_free_blocks()
-        empty = 0.0
-        for m in self.coordinator.managers:
-            bs = m.block_size
-            for rid, blocks in m.req_to_blocks.items():
-                slack = len(blocks) * bs - self.requests[rid].num_tokens
-                if slack > 0:
-                    empty += slack / bs
+        empty = self.coordinator.num_empty_slots(
+            {rid: r.num_tokens for rid, r in self.requests.items()}
+        )
         return max(0.0, used - empty) / pool.num_usable_blocks
 
+    def num_live_blocks_per_group(self) -> list[int]:
+        return self.coordinator.num_live_blocks_per_group()
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple(
-            [b.block_id for b in m.req_to_blocks.get(request_id, ())]
-            for m in self.coordinator.managers
-        )
+        return self.coordinator.get_block_ids(request_id)
 
     def take_skipped_blocks(self) -> dict[str, list[int]]:
-        """Requests whose sliding-window groups replaced leading blocks with the null
-        block since the last call: request id -> leading null blocks per group (0 for
-        groups without a change)."""
-        changed: dict[str, list[int]] = {}
-        managers = self.coordinator.managers
-        for g, m in enumerate(managers):
-            if not isinstance(m, SlidingWindowManager) or not m.skipped_changed:
-                continue
-            skipped = m.skipped_changed
-            for rid, count in skipped.items():
-                changed.setdefault(rid, [0] * len(managers))[g] = count
-            skipped.clear()
-        return changed
+        """Sliding-window releases since the last call (KVCacheCoordinator)."""
+        return self.coordinator.take_skipped_blocks()
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

@@ -1,4 +1,11 @@
-"""A worker process per GPU (or CPU): the persistent batch (input_batch), block tables and
-slot mapping (block_table), flat step inputs (model_inputs), the model and its paged KV
-cache (model_runner, models/, layers), the sampler, tensor parallelism (parallel) and the
-process loop that speaks the core's protocol (main)."""
+"""A worker process per GPU (or CPU), owning no KV-cache policy: it follows the core.
+
+- main: the process loop that speaks the core's protocol (handshake, steps, shutdown).
+- model_runner: one step end to end; allocates exactly the KV cache tensors of the
+  KVCacheConfig it is sent (each layer's K/V are views into the buffers that name it).
+- input_batch: the persistent batch the SchedulerOutput deltas describe; block_table:
+  the block ids (their only home on the worker), slot mapping and the device copy;
+  model_inputs: the flat per-step inputs; attention: per-step attention metadata.
+- model_config, weights, models/, layers: reading a Hugging Face checkpoint and running it.
+- sampler: greedy and random sampling; parallel: tensor parallelism across workers.
+"""

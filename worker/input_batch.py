@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol.engine import SamplingParams
-from protocol.kv_cache import NULL_BLOCK_ID
 from protocol.worker import SchedulerOutput
 from worker.block_table import MultiGroupBlockTable
 
@@ -27,12 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class CachedRequestState:
-    """Everything the worker knows about one request, in the batch or preempted."""
+    """Everything the worker knows about one request, in the batch or preempted. Its
+    block ids live only in the block table (a preempted request holds none)."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[list[int]]  # per KV cache group; empty while preempted
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     # Room for a per-request RNG (seeded sampling), so it lives and dies with the request.
@@ -138,9 +137,9 @@ class InputBatch:
                 raise ValueError(f"preempted request {req_id!r} is unknown to the worker")
             if req_id not in self.req_id_to_row:
                 raise ValueError(f"preempted request {req_id!r} is not in the batch")
+            # The core freed its blocks (the row's table goes with the row); its tokens
+            # stay for the recompute on resume.
             self._remove(req_id)
-            # The core freed its blocks; its tokens stay for the recompute on resume.
-            self.requests[req_id].block_ids = [[] for _ in self.block_table.tables]
 
         for new in so.new_reqs:
             if new.req_id in self.requests:
@@ -155,10 +154,9 @@ class InputBatch:
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
-                block_ids=[list(ids) for ids in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
             )
-            self._admit(state)
+            self._admit(state, new.block_ids)
             self.requests[new.req_id] = state
 
         cached = so.cached_reqs
@@ -194,9 +192,8 @@ class InputBatch:
                 if new_ids is None:
                     raise ValueError(f"resumed request {req_id!r} came without its block table")
                 self._check_groups(req_id, new_ids)
-                state.block_ids = [list(ids) for ids in new_ids]
                 state.num_computed_tokens = num_computed
-                self._admit(state)
+                self._admit(state, new_ids)
                 continue
             row = self.req_id_to_row.get(req_id)
             if row is None:
@@ -204,14 +201,10 @@ class InputBatch:
             if new_ids is not None:
                 self._check_groups(req_id, new_ids)
                 self.block_table.append_row(new_ids, row)
-                for have, add in zip(state.block_ids, new_ids):
-                    have.extend(add)
             if skipped is not None:
                 # The core freed blocks a sliding window left behind: forget their ids
                 # here too, so nothing can read blocks now owned by other requests.
                 self.block_table.null_prefix(skipped, row)
-                for have, count in zip(state.block_ids, skipped):
-                    have[:count] = [NULL_BLOCK_ID] * min(count, len(have))
             state.num_computed_tokens = num_computed
             rows.append(row)
         if rows:
@@ -272,7 +265,7 @@ class InputBatch:
 
     # -- rows ---------------------------------------------------------------------
 
-    def _admit(self, state: CachedRequestState) -> None:
+    def _admit(self, state: CachedRequestState, block_ids: Sequence[Sequence[int]]) -> None:
         """Give a request a free row holding its prompt, its outputs so far and its table."""
         if state.num_tokens > self.max_model_len:
             raise ValueError(
@@ -299,7 +292,7 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.seeded[row] = params.seed is not None and params.temperature > 0.0
-        self.block_table.add_row(state.block_ids, row)
+        self.block_table.add_row(block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row
 
