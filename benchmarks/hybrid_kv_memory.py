@@ -215,7 +215,7 @@ def run_workload(
         max_num_seqs=max(len(prompts), 1),
         max_model_len=max_model_len,
     )
-    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size, None)
+    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
     scheduler.check_capacity()
     runner.initialize(
         WorkerConfigure(kv_config, len(prompts), max_model_len, a.max_num_batched_tokens)

@@ -171,7 +171,7 @@ class Setup:
         )
 
     def scheduler(self, kv_config: KVCacheConfig) -> Scheduler:
-        sched = Scheduler(self.sched_config, kv_config, self.a.vocab, eos_token_id=2)
+        sched = Scheduler(self.sched_config, kv_config, self.a.vocab, eos_token_ids=[2])
         hasher = sched.kv_cache_manager.block_hasher
         for i, prompt in enumerate(self.prompts):
             req = Request(str(i), prompt, hasher, sampling_params=self.params)

@@ -99,7 +99,13 @@ class EngineCore:
             hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
             hash_seed=hash_seed(self.config),
         )
-        self.scheduler = Scheduler(sched_config, kv_config, first.vocab_size, first.eos_token_id)
+        self.scheduler = Scheduler(
+            sched_config,
+            kv_config,
+            first.vocab_size,
+            first.eos_token_ids,
+            first.sampling_defaults,
+        )
         self.scheduler.check_capacity()
         self.executor.configure(
             WorkerConfigure(
@@ -123,7 +129,8 @@ class EngineCore:
                 block_size=block_size,
                 max_model_len=max_model_len,
                 vocab_size=first.vocab_size,
-                eos_token_id=first.eos_token_id,
+                eos_token_ids=first.eos_token_ids,
+                sampling_defaults=first.sampling_defaults,
             )
         )
 

@@ -10,12 +10,19 @@ preempted (blocks freed, recomputed later) and the allocation retried.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from enginecore.block_hash import HashAlgo
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
-from protocol.engine import RequestOutput, SamplingParams, SchedulerStats
+from protocol.engine import (
+    BUILTIN_SAMPLING_DEFAULTS,
+    RequestOutput,
+    SamplingDefaults,
+    SamplingParams,
+    SchedulerStats,
+)
 from protocol.kv_cache import KVCacheConfig
 from protocol.worker import (
     CachedRequestData,
@@ -47,11 +54,14 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_config: KVCacheConfig,
         vocab_size: int,
-        eos_token_id: int | None,
+        eos_token_ids: Iterable[int] = (),
+        sampling_defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS,
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # Any of them ends a request (config.json's and generation_config.json's ids).
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampling_defaults = sampling_defaults
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             max_model_len=config.max_model_len,
@@ -80,6 +90,9 @@ class Scheduler:
         error = self._validate(request)
         if error is not None:
             return RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")
+        # Unset sampling fields take the model's defaults here, once, so the workers
+        # only ever see complete parameters whoever the client was.
+        request.sampling_params = request.sampling_params.resolve(self.sampling_defaults)
         self.requests[rid] = request
         self.waiting.append(request)
         return None
@@ -358,7 +371,7 @@ class Scheduler:
         self._check_output(scheduler_output, output)
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
-        eos = self.eos_token_id
+        eos = self.eos_token_ids
         max_len = self.config.max_model_len
         for rid, token in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(rid)
@@ -370,7 +383,7 @@ class Scheduler:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
             reason = None
-            if token == eos and not params.ignore_eos:
+            if token in eos and not params.ignore_eos:
                 reason = "stop"
             elif params.stop_token_ids and token in params.stop_token_ids:
                 reason = "stop"

@@ -23,6 +23,8 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    # A chat conversation, rendered with the model's chat template.
+    messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -55,7 +57,19 @@ def _positive(name: str):
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     """The flags both commands pass to their workers (named as WORKER_SETTINGS reads them)."""
-    p.add_argument("--model", help="local Hugging Face model directory (default: built-in)")
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face checkpoint directory, or a Hub id org/name[@revision] "
+        "fetched into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; "
+        "default: the built-in model)",
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: the model's generation_config.json adds its EOS ids and gives the "
+        "defaults of temperature, top-p and top-k; none: ignore that file",
+    )
     p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
     p.add_argument("--block-size", type=_positive("--block-size"), default=16)
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
@@ -92,9 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
     g.add_argument("--output", required=True, type=Path, help="JSON lines, in input order")
     g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument(
+        "--temperature",
+        type=float,
+        help="default for lines that set none (default: the model's generation_config, else "
+        "1.0; below 1e-5 is greedy)",
+    )
+    g.add_argument("--top-p", type=float, help="likewise (else 1.0: off)")
+    g.add_argument("--top-k", type=int, help="likewise (else 0: off)")
     g.add_argument(
         "--num-gpu-blocks",
         type=_positive("--num-gpu-blocks"),
@@ -181,7 +200,18 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
                 ignore_eos=bool(line.ignore_eos),
             )
             params.validate()
-            items.append((n, Prompt(line.prompt, line.prompt_token_ids, params, line.cache_salt)))
+            items.append(
+                (
+                    n,
+                    Prompt(
+                        line.prompt,
+                        line.prompt_token_ids,
+                        params,
+                        line.cache_salt,
+                        messages=line.messages,
+                    ),
+                )
+            )
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             items.append((n, f"{path}:{n}: {e}"))
     return items
@@ -291,6 +321,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        generation_config=args.generation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         external_workers=args.external_workers,
         worker_address=args.worker_address,
@@ -340,6 +371,14 @@ def worker(args: argparse.Namespace) -> int:
         from launch.builtin_model import builtin_model_dir
 
         model = str(builtin_model_dir())
+    else:
+        from launch.hub import resolve_model
+
+        try:
+            model = resolve_model(model)
+        except ValueError as e:
+            print(f"pagedserve worker: {e}", file=sys.stderr)
+            return 1
     return run(
         worker_config(
             args,

@@ -59,6 +59,7 @@ WORKER_SETTINGS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "seed",
+    "generation_config",
 )
 
 
@@ -88,6 +89,8 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None
+    # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
+    generation_config: str = "auto"
     startup_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
     # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
@@ -118,6 +121,10 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(
+                f"generation_config must be auto or none, not {self.generation_config!r}"
+            )
         if self.hash_algo not in ("xxh3_128", "sha256"):
             raise ValueError(f"hash_algo must be xxh3_128 or sha256, not {self.hash_algo}")
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import msgspec
 
+from launch.chat import ChatTemplate, load_chat_template
 from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
+from launch.hub import resolve_model
 from launch.tokenizer import Tokenizer, load_tokenizer
 from protocol.engine import SamplingParams, SchedulerStats
 
@@ -28,12 +30,16 @@ class CompletionOutput:
 
 @dataclass
 class Prompt:
-    """One input: text or token ids, with optional per-request settings."""
+    """One input: text, token ids or a chat conversation (exactly one), with optional
+    per-request settings. messages are rendered with the model's chat template."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     sampling_params: SamplingParams | None = None
     cache_salt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -56,8 +62,9 @@ class RunSummary:
 
 
 class LLM:
-    """An engine (core + workers) for offline generation. With no model, the built-in
-    small random Llama runs offline."""
+    """An engine (core + workers) for offline generation. model: a local checkpoint
+    directory or a Hugging Face Hub id (org/name[@revision]); None runs the built-in
+    small random Llama, offline. Keyword arguments are EngineArgs fields."""
 
     def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
         from worker.model_config import load_model_config  # fails fast, naming the file
@@ -66,11 +73,17 @@ class LLM:
             from launch.builtin_model import builtin_model_dir
 
             model = str(builtin_model_dir())
-        model_config = load_model_config(model)
-        self.eos_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
-        self.tokenizer: Tokenizer | None = load_tokenizer(model, self.eos_token_id)
+        else:
+            model = resolve_model(model)
+        load_model_config(model)
+        self.model = model
+        self.tokenizer: Tokenizer | None = load_tokenizer(model)
+        self.chat_template: ChatTemplate | None = load_chat_template(model)
         self.engine = EngineProcesses(EngineArgs(model=model, **kwargs), log_level=log_level)
-        self.vocab_size = self.engine.ready.vocab_size
+        ready = self.engine.ready
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = ready.eos_token_ids
+        self.sampling_defaults = ready.sampling_defaults
         self.last_summary = RunSummary()
         self.dead_reason: str | None = None  # set once the engine has stopped
         self._next_id = 0
@@ -163,14 +176,63 @@ class LLM:
         self.last_summary = summary
         return results
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        on_finish: Callable[[CompletionOutput], None] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[CompletionOutput]:
+        """generate() for conversations: one ([{"role": ..., "content": ...}, ...]) or a
+        list of them, each rendered with the model's chat template."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)):
+            conversations = list(messages)
+        else:
+            raise TypeError(
+                f"messages must be a conversation or a list of them, got {type(messages).__name__}"
+            )
+        prompts = [
+            Prompt(
+                messages=c,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, on_finish)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json), spelled out; fields a
+        request leaves unset take these anyway."""
+        d = self.sampling_defaults
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+
     def _finished(self, out: CompletionOutput, finish: Callable[[CompletionOutput], None]) -> None:
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(out.token_ids)
         finish(out)
 
     def _token_ids(self, p: Prompt) -> list[int]:
-        if (p.prompt is None) == (p.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_token_ids")
+        given = (p.prompt is not None) + (p.prompt_token_ids is not None) + (p.messages is not None)
+        if given != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids and messages")
+        if p.messages is not None:
+            if self.chat_template is None:
+                raise ValueError(
+                    f"model {self.model} has no chat template (no chat_template.jinja, and no "
+                    "chat_template in tokenizer_config.json): give a prompt instead"
+                )
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
+            text = self.chat_template.render(
+                p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
+            )
+            # The rendered text already holds the template's special tokens (BOS too).
+            return self.tokenizer.encode(text, add_special_tokens=False)
         if p.prompt_token_ids is not None:
             ids = list(p.prompt_token_ids)
             vocab = self.vocab_size

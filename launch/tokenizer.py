@@ -10,9 +10,9 @@ BYTE_TOKENIZER_FILE = "pagedserve_tokenizer.json"
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int | None
-
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens False: the text already holds them (a rendered chat)."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -24,8 +24,9 @@ class ByteTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        bos = [self.bos_token_id] if add_special_tokens else []
+        return [*bos, *text.encode("utf-8")]
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
@@ -34,27 +35,26 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer.json, through the `tokenizers` library."""
 
-    def __init__(self, path: Path, eos_token_id: int | None) -> None:
+    def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         try:
             self._tok = _Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises its own exception types
             raise ValueError(f"{path}: not a valid tokenizer.json: {e}") from None
-        self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids)
 
 
-def load_tokenizer(model_dir: str | Path, eos_token_id: int | None) -> Tokenizer | None:
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The model directory's tokenizer, or None when it ships none (token-id prompts only)."""
     directory = Path(model_dir)
     if (directory / "tokenizer.json").exists():
-        return HFTokenizer(directory / "tokenizer.json", eos_token_id)
+        return HFTokenizer(directory / "tokenizer.json")
     marker = directory / BYTE_TOKENIZER_FILE
     if marker.exists():
         try:

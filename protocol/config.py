@@ -52,6 +52,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parent_pid: int | None = None
     # How long to wait for the core to answer the connection before giving up.
     core_timeout_s: float = 300.0
+    # "auto": generation_config.json's EOS ids stop requests too and its sampling values
+    # are the defaults; "none": the file is ignored.
+    generation_config: str = "auto"
 
 
 def ipc_dir() -> str:

@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import msgspec
 
+# Temperatures below this sample greedily: dividing logits by a tinier one overflows
+# float32 (1e-39 turns every logit into inf or NaN, and sampling then picks token 0).
+GREEDY_TEMPERATURE = 1e-5
 
-class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    """How to pick each next token. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
 
-    max_tokens: int = 16
+class SamplingDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a request's unset sampling fields become: the model's generation_config.json
+    where it sets them, else these built-ins (temperature 1, top-p and top-k off)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+
+BUILTIN_SAMPLING_DEFAULTS = SamplingDefaults()
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How to pick each next token. temperature 0 (or below GREEDY_TEMPERATURE) is
+    greedy; top_k 0 and top_p 1 are off. temperature, top_p and top_k left unset (None)
+    take the model's defaults (SamplingDefaults) when the core admits the request."""
+
+    max_tokens: int = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
@@ -20,11 +38,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         """Raise ValueError naming the first bad field."""
         if not 1 <= self.max_tokens < 2**63:
             raise ValueError(f"max_tokens must be in [1, 2**63), got {self.max_tokens}")
-        if not (self.temperature >= 0.0):  # also rejects NaN
+        if self.temperature is not None and not (self.temperature >= 0.0):  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.top_k < 2**63:
+        if self.top_k is not None and not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
@@ -33,6 +51,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         for t in self.stop_token_ids:
             if not 0 <= t < limit:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {limit})")
+
+    def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
+        """Every field set: unset ones from defaults, a temperature below
+        GREEDY_TEMPERATURE as 0. Returns self when nothing changes."""
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if t is None:
+            t = defaults.temperature
+        if t < GREEDY_TEMPERATURE:
+            t = 0.0
+        if p is None:
+            p = defaults.top_p
+        if k is None:
+            k = defaults.top_k
+        if t == self.temperature and p == self.top_p and k == self.top_k:
+            return self
+        return msgspec.structs.replace(self, temperature=t, top_p=p, top_k=k)
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
@@ -93,7 +127,10 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     block_size: int
     max_model_len: int
     vocab_size: int
-    eos_token_id: int | None
+    # Every id that ends a request (unless ignore_eos): config.json's and
+    # generation_config.json's.
+    eos_token_ids: list[int]
+    sampling_defaults: SamplingDefaults
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.engine import SamplingParams
+from protocol.engine import SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -50,7 +50,8 @@ class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
     available_kv_memory: int  # bytes
     vocab_size: int
     max_model_len: int  # the model's own limit (max_position_embeddings)
-    eos_token_id: int | None
+    eos_token_ids: list[int]  # config.json's and generation_config.json's
+    sampling_defaults: SamplingDefaults  # from generation_config.json
 
 
 class WorkerConfigure(msgspec.Struct, frozen=True, tag="configure", array_like=True):

@@ -101,7 +101,7 @@ def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecor
     need = probe.max_blocks_held(LONGEST_REQUEST, MAX_NUM_BATCHED_TOKENS)
     kv_config = with_num_blocks(groups, 1 + need + need // 2)
     scheduler = Scheduler(
-        SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN), kv_config, vocab, None
+        SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN), kv_config, vocab
     )
     runner.initialize(
         WorkerConfigure(kv_config, MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS)

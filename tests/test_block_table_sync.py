@@ -40,7 +40,7 @@ def test_worker_tables_follow_the_core(runner: ModelRunner) -> None:
     # 15 usable blocks of 4 tokens: six requests growing to ~30 tokens must preempt.
     kv_config = with_num_blocks(base.kv_cache_groups, 16)
     config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
-    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size, None)
+    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 32))
     to_worker = Codec(CoreToWorker, "core->worker")
     to_core = Codec(WorkerToCore, "worker->core")

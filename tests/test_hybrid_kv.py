@@ -75,7 +75,7 @@ class Engine:
             max_num_seqs=8,
             max_model_len=MAX_MODEL_LEN,
         )
-        self.scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size, None)
+        self.scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
         runner.initialize(WorkerConfigure(kv_config, 8, MAX_MODEL_LEN, max_num_batched_tokens))
         self.runner = runner
         self.kv = self.scheduler.kv_cache_manager

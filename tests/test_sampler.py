@@ -128,6 +128,7 @@ def test_from_arrays_matches_from_params() -> None:
         SamplingParams(temperature=1.0, top_k=3, seed=4),
     ]
     a = SamplingTensors.from_params(params, "cpu")
+    params = [p.resolve() for p in params]  # as the core sends them
     b = SamplingTensors.from_arrays(
         np.array([p.temperature for p in params], dtype=np.float32),
         np.array([p.top_k for p in params], dtype=np.int64),

@@ -21,7 +21,7 @@ def scheduler(num_blocks: int, *specs, max_model_len: int = 64, chunk: int = 64)
     config = SchedulerConfig(
         max_num_batched_tokens=chunk, max_num_seqs=8, max_model_len=max_model_len
     )
-    return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB, None)
+    return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB)
 
 
 def run(sched: Scheduler, prompts: dict[str, tuple[int, int]]) -> tuple[dict, dict[str, int]]:

@@ -124,7 +124,7 @@ def _drive_runner(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     base = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30)
     kv_config = with_num_blocks(base.kv_cache_groups, 64)
     sched_config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
-    scheduler = Scheduler(sched_config, kv_config, runner.model_config.vocab_size, None)
+    scheduler = Scheduler(sched_config, kv_config, runner.model_config.vocab_size)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 16))
     codec = Codec(CoreToWorker, "core->worker")
     prompts = paged_prompts()

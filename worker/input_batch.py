@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from protocol.engine import SamplingParams
+from protocol.engine import GREEDY_TEMPERATURE, SamplingParams
 from protocol.worker import SchedulerOutput
 from worker.block_table import MultiGroupBlockTable
 
@@ -291,7 +291,7 @@ class InputBatch:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
-        self.seeded[row] = params.seed is not None and params.temperature > 0.0
+        self.seeded[row] = params.seed is not None and params.temperature >= GREEDY_TEMPERATURE
         self.block_table.add_row(block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row

@@ -37,6 +37,7 @@ from protocol.worker import (
     WorkerRejected,
     WorkerToCore,
 )
+from worker.generation_config import load_generation_config
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -47,6 +48,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
     from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
     log.info("worker rank %d: loading %s", config.rank, config.model)
+    # Before the weights: a malformed file fails in a moment, not after the load.
+    extra_eos, sampling_defaults = load_generation_config(config.model, config.generation_config)
     runner = ModelRunner(config)
     mc = runner.model_config
     push.send(
@@ -60,7 +63,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                 available_kv_memory=runner.available_kv_memory(),
                 vocab_size=mc.vocab_size,
                 max_model_len=mc.max_position_embeddings,
-                eos_token_id=mc.eos_token_ids[0] if mc.eos_token_ids else None,
+                eos_token_ids=list(dict.fromkeys(mc.eos_token_ids + extra_eos)),
+                sampling_defaults=sampling_defaults,
             )
         )
     )

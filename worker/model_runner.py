@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from protocol.config import WorkerConfig, available_host_memory
+from protocol.engine import GREEDY_TEMPERATURE
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
@@ -369,7 +370,7 @@ class ModelRunner:
         its neighbours in the batch."""
         assert self.batch is not None
         params = self.batch.requests[req_id].sampling_params
-        if params.seed is None or params.temperature == 0.0:
+        if params.seed is None or params.temperature < GREEDY_TEMPERATURE:
             return None
         gen = self.generators.get(req_id)
         if gen is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.engine import SamplingParams
+from protocol.engine import GREEDY_TEMPERATURE, SamplingParams
 
 
 @dataclass
@@ -34,10 +34,12 @@ class SamplingTensors:
     def from_params(
         cls, params: Sequence[SamplingParams], device: torch.device | str
     ) -> SamplingTensors:
+        # Unset fields as the core would fill them with no generation_config.
+        params = [p.resolve() for p in params]
         temps = [p.temperature for p in params]
         top_ks = [p.top_k for p in params]
         top_ps = [p.top_p for p in params]
-        greedy = [t == 0.0 for t in temps]
+        greedy = [t < GREEDY_TEMPERATURE for t in temps]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
@@ -58,7 +60,7 @@ class SamplingTensors:
         device: torch.device | str,
     ) -> SamplingTensors:
         """The same from per-row numpy arrays (the persistent batch keeps them)."""
-        greedy = temperature == 0.0
+        greedy = temperature < GREEDY_TEMPERATURE
         sampled = ~greedy
         return cls(
             temperature=torch.from_numpy(temperature).to(device),

@@ -1,0 +1,181 @@
+"""Chat prompts: a conversation rendered to text by the model's own chat template.
+
+The template is Jinja, shipped by the model (`chat_template.jinja`, `chat_template.json`,
+or `chat_template` in `tokenizer_config.json`), so it is untrusted code: it runs in
+Jinja's immutable sandbox, which blocks attribute tricks and mutation of our objects.
+It is rendered the way transformers' `apply_chat_template` does (the same environment
+options, helpers and special-token variables), so the text, and then the token ids,
+equal what the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered (bad messages, or the template refused it)."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: Mapping[str, str], origin: str) -> None:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        # Jinja's own tojson escapes <, > and & for HTML; templates expect plain JSON.
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{origin}: the chat template does not parse: {e}") from None
+        self.origin = origin
+        self.special_tokens = dict(special_tokens)
+
+    def render(
+        self,
+        messages: object,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        import jinja2
+
+        checked = check_messages(messages)
+        variables = {**self.special_tokens, **template_kwargs}
+        try:
+            return self._template.render(
+                messages=checked, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            raise ChatTemplateError(f"the chat template failed: {e}") from None
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """A conversation: a non-empty list of {"role": str, "content": str or text parts}."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatTemplateError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"messages[{i}].role must be a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise ChatTemplateError(
+                        f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}"
+                    )
+        elif not isinstance(content, str) and not (content is None and role == "assistant"):
+            raise ChatTemplateError(
+                f"messages[{i}].content must be a string or a list of text parts"
+            )
+    return messages  # type: ignore[return-value]
+
+
+def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
+    """The model's chat template, or None when it ships none."""
+    directory = Path(model_dir)
+    special = _special_tokens(directory)
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(), special, str(jinja_file))
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = directory / name
+        raw = _read_json(path)
+        if raw is None or raw.get("chat_template") is None:
+            continue
+        return ChatTemplate(_pick_template(raw["chat_template"], path), special, str(path))
+    return None
+
+
+def _pick_template(value: object, path: Path) -> str:
+    """A template string, or the "default" of a list of named ones."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {
+            t.get("name"): t.get("template")
+            for t in value
+            if isinstance(t, dict) and isinstance(t.get("template"), str)
+        }
+        if "default" in named:
+            return named["default"]
+        raise ValueError(f"{path}: chat_template lists {sorted(map(str, named))} but no default")
+    raise ValueError(f"{path}: chat_template must be a string or a list of named templates")
+
+
+def _special_tokens(directory: Path) -> dict[str, str]:
+    """bos_token and friends as text, for templates that write them out."""
+    tokens: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        raw = _read_json(directory / name) or {}
+        for key in SPECIAL_TOKEN_NAMES:
+            value = raw.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                tokens[key] = value
+    return tokens
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Sequence[str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=tuple(separators) if separators else None,
+        sort_keys=sort_keys,
+    )
