@@ -65,11 +65,11 @@ def resolve_model(spec: str) -> str:
 def download(repo_id: str, revision: str | None) -> str:
     """The snapshot directory of repo_id at revision, in the Hub cache."""
     import huggingface_hub
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
     name = f"{repo_id}@{revision}" if revision else repo_id
-    offline = huggingface_hub.constants.HF_HUB_OFFLINE
-    where = huggingface_hub.constants.HF_HUB_CACHE
+    offline = constants.HF_HUB_OFFLINE
+    where = constants.HF_HUB_CACHE
     log.info("model %s: from the Hugging Face Hub cache %s%s", name, where, " (offline)" * offline)
     if not offline:
         print(
