@@ -29,6 +29,23 @@ COMMON = dict(
     eos_token_id=2,
 )
 
+# Gemma 3's 5:1 sliding/full mix with a window far shorter than the prompts; a score scale
+# (24 ** -0.5) that is not head_dim ** -0.5; local and global RoPE bases of their own,
+# the global one linearly scaled; biases on the attention projections.
+GEMMA3 = dict(
+    COMMON,
+    num_hidden_layers=6,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    sliding_window=6,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    attention_bias=True,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 4.0},
+    },
+)
+
 CHECKPOINTS = {
     # llama3 rope scaling with a short original context, so all three frequency bands
     # (kept, scaled, blended) are exercised; biases on every attention projection.
@@ -80,6 +97,14 @@ CHECKPOINTS = {
     "llama_d128": lambda: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**COMMON, num_hidden_layers=2, head_dim=128)
     ),
+    # Per-head q/k RMSNorm before RoPE, no biases, head_dim * heads != hidden_size.
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**COMMON, num_hidden_layers=3, head_dim=32)
+    ),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3)),
+    "gemma3_softcap": lambda: transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**GEMMA3, final_logit_softcapping=3.0)
+    ),
 }
 
 
@@ -87,13 +112,15 @@ def save_checkpoint(name: str, path: Path) -> torch.nn.Module:
     torch.manual_seed(1234)
     hf_model = CHECKPOINTS[name]().float().eval()
     with torch.no_grad():
-        # transformers initialises biases to 0 and norms to 1; perturb them so a
-        # misplaced bias or norm weight shows up in the logits.
+        # transformers initialises biases to 0 and norms to the identity; perturb them
+        # so a misplaced bias or norm weight shows up in the logits. Gemma's norms scale
+        # by 1 + weight: their identity is 0.
+        norm_identity = 0.0 if hf_model.config.model_type.startswith("gemma") else 1.0
         for pname, p in hf_model.named_parameters():
             if pname.endswith("bias"):
                 p.normal_(0.0, 0.1)
             elif "norm" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_(norm_identity + 0.1 * torch.randn_like(p))
     hf_model.config.architectures = [type(hf_model).__name__]
     hf_model.save_pretrained(path)
     hf_model.config._attn_implementation = "eager"

@@ -73,9 +73,19 @@ MODES = {
 }
 
 
-ALL = ["llama", "qwen2", "mistral", "qwen2_interleaved", "qwen2_5to1"]
+ALL = [
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen2_interleaved",
+    "qwen2_5to1",
+    "qwen3",
+    "gemma3",
+    "gemma3_softcap",
+]
 # Six groups (5 sliding + 1 full) hold more blocks per request: 47 for one of max_model_len.
-PREEMPTION_BLOCKS = {"qwen2_5to1": 50}
+# Matched by prefix, so "gemma3" covers gemma3_softcap too.
+PREEMPTION_BLOCKS = {"qwen2_5to1": 50, "gemma3": 50}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -85,7 +95,7 @@ def test_greedy_tokens_equal_transformers(checkpoint, mode: str, tmp_path: Path)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("checkpoint", ["llama", "qwen2"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2", "gemma3"], indirect=True)
 def test_tensor_parallel_2_equals_transformers(checkpoint, mode: str, tmp_path: Path) -> None:
     check_against_transformers(checkpoint, mode, tmp_path, "--tensor-parallel-size", "2")
 

@@ -27,7 +27,7 @@ def runner(path: Path, device: str = CPU, **kw) -> ModelRunner:
     )
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_interleaved", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_interleaved", "mistral", "gemma3"])
 def test_profile_step_runs_the_largest_step(name: str, tmp_path: Path) -> None:
     save_checkpoint(name, tmp_path)
     r = runner(tmp_path, block_size=16)
@@ -57,7 +57,13 @@ def test_gpu_budget_leaves_the_profiled_step_free(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "shared"),
-    [("llama", False), ("mistral", False), ("qwen2_interleaved", True), ("qwen2_5to1", True)],
+    [
+        ("llama", False),
+        ("mistral", False),
+        ("qwen2_interleaved", True),
+        ("qwen2_5to1", True),
+        ("gemma3", True),
+    ],
 )
 def test_kv_storage_is_exactly_the_budgeted_config(name: str, shared: bool, tmp_path: Path):
     """The worker allocates the config's buffers and nothing else: distinct storages,

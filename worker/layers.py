@@ -1,5 +1,5 @@
-"""Building blocks of Llama-family decoders: linear, embedding, RMSNorm, rotary, MLP, and
-their tensor-parallel forms (how they split is described in worker.parallel).
+"""Building blocks of the decoders (Llama family, Gemma 3): linear, embedding, RMSNorm,
+rotary, MLP, and their tensor-parallel forms (how they split is described in worker.parallel).
 
 Parameters are allocated uninitialised (`torch.empty`): every one is overwritten by
 `load_weights`, and random initialisation of a multi-billion-parameter model on the CPU
@@ -10,12 +10,17 @@ checkpoint tensor it holds (`mark_sharded`), so loading slices by parameter, not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model_config import Llama3RopeScaling
+from worker.model_config import (
+    SUPPORTED_ACTIVATIONS,
+    LinearRopeScaling,
+    RopeScaling,
+)
 from worker.parallel import Shard, TPContext, even_shard, mark_sharded
 
 
@@ -132,18 +137,29 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and round back before the weight, as the reference
         # implementation does, so half-precision outputs round the same way.
+        return self.weight * self._normalized(x).to(x.dtype)
+
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) over the last dim, in float32."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None
-) -> torch.Tensor:
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (zero is the identity),
+    and the product is taken in float32, rounding only once at the end."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim // 2], float32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     # Llama 3.1: long wavelengths (beyond the original context) are slowed by `factor`,
     # short ones are kept, and the band between is blended linearly in 1/wavelength.
     wavelen = 2 * math.pi / inv_freq
@@ -163,7 +179,7 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding, "rotate half" layout: dims i and i + D/2 form a pair."""
 
     def __init__(
-        self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None, device: torch.device
+        self, head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device
     ) -> None:
         super().__init__()
         self.register_buffer(
@@ -190,8 +206,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# Hugging Face activation names (as config.json gives them) -> the function.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+assert set(_ACTIVATIONS) == set(SUPPORTED_ACTIVATIONS)
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), the intermediate features split across ranks."""
+    """down(act(gate(x)) * up(x)), the intermediate features split across ranks: SwiGLU
+    with silu (Llama), GeGLU with gelu_pytorch_tanh (Gemma)."""
 
     def __init__(
         self,
@@ -201,13 +230,15 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext | None = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
         tp = tp or TPContext()
+        self.act = _ACTIVATIONS[activation]
         part = even_shard(intermediate_size, tp, "intermediate_size")
         self.gate_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
         self.up_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
         self.down_proj = RowParallelLinear(part, hidden_size, bias, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

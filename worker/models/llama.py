@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
-The three architectures differ only in configuration, which ModelConfig already
-resolves: Qwen2 has q/k/v biases and may tie its LM head to the embedding; Mistral
-attends through a sliding window on every layer. Parameter names match Hugging Face
+The four architectures differ only in configuration, which ModelConfig already
+resolves: Qwen2 has q/k/v biases and may tie its LM head to the embedding; Qwen3 norms
+q and k per head before RoPE; Mistral attends through a sliding window on every layer.
+Other families (worker.models.gemma3) reuse the attention and the causal-LM shell here
+with their own decoder layer. Parameter names match Hugging Face
 checkpoints so weights copy across by name; under tensor parallelism (worker.parallel)
 each rank builds only its shard and slices it out of the full checkpoint tensors.
 
@@ -16,7 +18,7 @@ protocol.kv_cache.SlidingWindowSpec, so config.json's value is passed through un
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -51,7 +53,9 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext,
+        qk_norm: type[RMSNorm] | None = None,
     ) -> None:
+        """qk_norm: the norm applied to each q and k head before RoPE, if any."""
         super().__init__()
         heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
         # Local counts: this rank's query heads and the KV heads they read, which is also
@@ -59,7 +63,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = heads.q_heads.size
         self.num_kv_heads = heads.kv_heads.size
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = sliding_window
         # Which KV cache group's block table and slot mapping this layer reads; the
         # runner sets it from the KVCacheConfig the core sends.
@@ -72,6 +76,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(hidden, kv_rows, bias, dtype, device)
         self.v_proj = ColumnParallelLinear(hidden, kv_rows, bias, dtype, device)
         self.o_proj = RowParallelLinear(q_rows, hidden, config.o_proj_bias, dtype, device, tp)
+        # Over head_dim, so the same weights on every rank (replicated, not sharded).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -85,6 +95,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache
@@ -115,11 +127,22 @@ class LlamaDecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.self_attn = LlamaAttention(
-            config, config.sliding_windows[layer_idx], dtype=dtype, device=device, tp=tp
+            config,
+            config.sliding_windows[layer_idx],
+            dtype=dtype,
+            device=device,
+            tp=tp,
+            qk_norm=RMSNorm if config.qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device, tp
+            config.hidden_size,
+            config.intermediate_size,
+            config.mlp_bias,
+            dtype,
+            device,
+            tp,
+            config.hidden_act,
         )
 
     def forward(
@@ -134,20 +157,34 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+DecoderLayer = Callable[[ModelConfig, int, torch.dtype, torch.device, TPContext], nn.Module]
+
+
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPContext
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPContext,
+        decoder_layer: DecoderLayer,
+        norm: type[RMSNorm],
     ) -> None:
         super().__init__()
         vocab = shard_vocab(config.vocab_size, tp)
         self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
+            decoder_layer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):
+    # What a family built on this shell swaps: the decoder layer (its forward takes
+    # x, cos, sin, attn, kv_cache and has a `self_attn` LlamaAttention) and the final norm.
+    decoder_layer: DecoderLayer = LlamaDecoderLayer
+    final_norm: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -166,10 +203,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp = tp
-        self.model = LlamaModel(config, dtype, device, tp)
+        self.model = LlamaModel(config, dtype, device, tp, self.decoder_layer, self.final_norm)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, device
         )
+        # Sliding-window layers rotate with their own base where the config gives one.
+        self.sliding_rotary: RotaryEmbedding | None = None
+        if config.sliding_rope_theta is not None:
+            self.sliding_rotary = RotaryEmbedding(
+                config.head_dim, config.sliding_rope_theta, None, device
+            )
         self.lm_head = ParallelLMHead(
             shard_vocab(config.vocab_size, tp), config.hidden_size, dtype, device, tp
         )
@@ -234,11 +277,17 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] for a flat batch of T tokens."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.model.layers)} layers")
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.embed(input_ids)
+        full = self.rotary(positions, x.dtype)
+        sliding = full if self.sliding_rotary is None else self.sliding_rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
+            cos, sin = full if layer.self_attn.sliding_window is None else sliding
             x = layer(x, cos, sin, attn, kv_cache)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, hidden] (the whole vector on every rank)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the selected hidden states [N, hidden]; the full
