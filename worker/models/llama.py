@@ -4,9 +4,9 @@ The four architectures differ only in configuration, which ModelConfig already
 resolves: Qwen2 has q/k/v biases and may tie its LM head to the embedding; Qwen3 norms
 q and k per head before RoPE; Mistral attends through a sliding window on every layer.
 Other families (worker.models.gemma3) reuse the attention and the causal-LM shell here
-with their own decoder layer. Parameter names match Hugging Face
-checkpoints so weights copy across by name; under tensor parallelism (worker.parallel)
-each rank builds only its shard and slices it out of the full checkpoint tensors.
+with their own decoder layer. Parameter names match Hugging Face checkpoints so weights
+copy across by name; under tensor parallelism (worker.parallel) each rank builds only its
+shard and slices it out of the full checkpoint tensors.
 
 Sliding-window convention (checked in transformers 5.24, masking_utils
 `sliding_window_overlay`: key kv_idx is visible to query q_idx iff
