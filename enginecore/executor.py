@@ -2,7 +2,9 @@
 
 One PUSH socket per rank (the core binds, so each socket has exactly one peer and a
 disconnect names the rank), one PULL socket for all answers. Every rank receives the
-same encoded bytes.
+same encoded bytes. With record_dir set, those bytes and rank 0's answers are also
+written to a recording (enginecore/recording.py); launch/replay.py drives an Executor
+of its own to play a recording back.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from enginecore.kv_cache_config import (
     unify_kv_cache_configs,
     with_num_blocks,
 )
+from enginecore.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, RecordingError
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
 from protocol.sockets import send_or_drop
 from protocol.worker import (
     PROTOCOL_VERSION,
+    BlockTables,
     CoreToWorker,
+    DumpBlockTables,
     ModelRunnerOutput,
     SchedulerOutput,
     ShutdownWorker,
@@ -77,6 +82,13 @@ class Executor:
         for monitor in self.monitors:
             self.poller.register(monitor, zmq.POLLIN)
         self.hellos: list[WorkerHello] = []
+        # The frame behind _recv's last message: recordings keep bytes, not re-encodings.
+        self.last_frame: zmq.Frame | None = None
+        self.recorder: Recorder | None = None
+        if config.record_dir is not None:
+            if config.record_worker is None:
+                raise RecordingError("record_dir needs record_worker (the workers' settings)")
+            self.recorder = Recorder(config.record_dir, config.record_worker)
 
     # -- start-up ---------------------------------------------------------------------
     def _bind(self, address: str) -> str:
@@ -119,6 +131,7 @@ class Executor:
         """Wait for every rank's hello within the timeout; check protocol and ranks."""
         deadline = time.monotonic() + self.config.handshake_timeout_s
         hellos: dict[int, WorkerHello] = {}
+        frames: dict[int, bytes] = {}
         connected: dict[int, WorkerConnected] = {}
         while len(hellos) < self.world_size:
             msg = self._recv(deadline, "hello")
@@ -139,7 +152,12 @@ class Executor:
             if msg.rank in hellos:
                 raise WorkerDied(f"two workers claim rank {msg.rank}")
             hellos[msg.rank] = msg
+            if self.recorder is not None and self.last_frame is not None:
+                frames[msg.rank] = self.last_frame.bytes
         self.hellos = [hellos[r] for r in range(self.world_size)]
+        if self.recorder is not None:
+            for r in range(self.world_size):
+                self.recorder.write(HELLO, frames[r])
         return self.hellos
 
     def _admit(self, msg: WorkerConnected) -> None:
@@ -208,7 +226,13 @@ class Executor:
         return size_kv_cache(unify_kv_cache_configs(configs), num_gpu_blocks)
 
     def configure(self, message: WorkerConfigure) -> None:
-        self.broadcast(self.to_worker.encode(message))
+        self.configure_frame(self.to_worker.encode(message))
+
+    def configure_frame(self, frame: bytes) -> None:
+        """Broadcast an encoded WorkerConfigure; wait until every rank allocated."""
+        if self.recorder is not None:
+            self.recorder.write(CONFIGURE, frame)
+        self.broadcast(frame)
         deadline = time.monotonic() + self.config.handshake_timeout_s
         ready: set[int] = set()
         while len(ready) < self.world_size:
@@ -223,12 +247,29 @@ class Executor:
     # -- steps ------------------------------------------------------------------------
     def send(self, so: SchedulerOutput) -> None:
         """A step that no rank answers (it schedules no tokens, only finishes/preempts)."""
-        self.broadcast(self.to_worker.encode(so))
+        frame = self.to_worker.encode(so)
+        if self.recorder is not None:
+            self.recorder.write(STEP, frame)
+        self.broadcast(frame)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step on every rank; rank 0's answer."""
-        self.broadcast(self.to_worker.encode(so))
+        frame = self.to_worker.encode(so)
+        if self.recorder is not None:
+            return self._execute_recorded(frame)
+        self.broadcast(frame)
         return self.wait_output()
+
+    def _execute_recorded(self, frame: bytes) -> ModelRunnerOutput:
+        recorder = self.recorder
+        assert recorder is not None
+        # Before sending: the step that brings a worker down is the one to keep.
+        recorder.write(STEP, frame)
+        self.broadcast(frame)
+        output = self.wait_output()
+        assert self.last_frame is not None
+        recorder.write(OUTPUT, self.last_frame.buffer)
+        return output
 
     def broadcast(self, frame: bytes) -> None:
         for rank, sock in enumerate(self.push):
@@ -262,11 +303,29 @@ class Executor:
             return msg
         raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
 
+    def dump_block_tables(self) -> list[BlockTables]:
+        """Debugging (replay only): every rank's block-table rows after the steps sent so
+        far, in rank order."""
+        self.broadcast(self.to_worker.encode(DumpBlockTables()))
+        deadline = time.monotonic() + self.config.step_timeout_s
+        dumps: dict[int, BlockTables] = {}
+        while len(dumps) < self.world_size:
+            msg = self._recv(deadline, "block tables")
+            if msg is None:
+                missing = sorted(set(range(self.world_size)) - set(dumps))
+                raise WorkerDied(f"worker rank(s) {missing} did not dump their block tables")
+            if not isinstance(msg, BlockTables):
+                raise WorkerDied(f"expected block tables, got {type(msg).__name__}")
+            dumps[msg.rank] = msg
+        return [dumps[r] for r in range(self.world_size)]
+
     def shutdown(self) -> None:
         frame = self.to_worker.encode(ShutdownWorker())
         for sock in self.push:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send(frame, zmq.NOBLOCK)
+        if self.recorder is not None:
+            self.recorder.close()
 
     def _recv(self, deadline: float | None, waiting_for: str) -> WorkerToCore | None:
         """Next worker message; None at the deadline; WorkerDied if a rank is lost."""
@@ -284,6 +343,7 @@ class Executor:
                     raise WorkerDied(self.describe_loss(rank, waiting_for))
             if self.results in events:
                 frame = self.results.recv(copy=False)
+                self.last_frame = frame
                 try:
                     msg = self.to_core.decode(frame.buffer)
                 except ProtocolError as e:

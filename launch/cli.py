@@ -1,6 +1,7 @@
 """The `pagedserve` console script.
 
 pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
+pagedserve replay DIR [--model DIR]
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="WARNING", help="engine processes' log level")
+    g.add_argument(
+        "--record",
+        metavar="DIR",
+        help="record every frame the core sends its workers, and their answers, into this "
+        "new directory, for `pagedserve replay DIR`",
+    )
 
     w = sub.add_parser("worker", help="run one worker rank that connects to a core")
     w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
@@ -175,6 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the core to answer before giving up",
     )
     _add_worker_flags(w)
+
+    r = sub.add_parser(
+        "replay",
+        help="replay a recording (generate --record) into fresh workers and check that "
+        "outputs and block tables equal it, bit for bit",
+    )
+    r.add_argument("dir", type=Path, metavar="DIR", help="the recording's directory")
+    r.add_argument("--model", help="the checkpoint to load instead of the recorded path")
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the workers to start, and for each step",
+    )
+    r.add_argument("--log-level", default="WARNING", help="workers' log level")
     return parser
 
 
@@ -328,6 +350,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dist_init=args.dist_init,
         startup_timeout_s=args.worker_timeout,
         step_timeout_s=args.step_timeout,
+        record_dir=args.record,
     )
 
 
@@ -353,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return generate(args)
     if args.command == "worker":
         return worker(args)
+    if args.command == "replay":
+        return replay(args)
     return 0
 
 
@@ -390,6 +415,28 @@ def worker(args: argparse.Namespace) -> int:
             core_timeout_s=args.core_timeout,
         )
     )
+
+
+def replay(args: argparse.Namespace) -> int:
+    """0: bit-exact; 1: a difference (named); 2: the recording cannot be replayed."""
+    from launch.replay import ReplayMismatch, replay
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    model = args.model
+    try:
+        if model is not None:
+            from launch.hub import resolve_model
+
+            model = resolve_model(model)
+        summary = replay(args.dir, model, args.timeout, args.log_level)
+    except ValueError as e:  # RecordingError, or a Hub id that does not resolve
+        print(f"pagedserve replay: {e}", file=sys.stderr)
+        return 2
+    except ReplayMismatch as e:
+        print(f"pagedserve replay: differs from the recording at {e}", file=sys.stderr)
+        return 1
+    print(summary.line())
+    return 0
 
 
 if __name__ == "__main__":

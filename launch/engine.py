@@ -69,6 +69,15 @@ def worker_config(settings: object, **fields: Any) -> WorkerConfig:
     return WorkerConfig(**{name: getattr(settings, name) for name in WORKER_SETTINGS}, **fields)
 
 
+def spawn(module: str, config: msgspec.Struct, env: dict[str, str]) -> subprocess.Popen:
+    """`python -m module '<config as JSON>'`: how every engine process starts."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped; the message says which process and why."""
 
@@ -98,6 +107,9 @@ class EngineArgs:
     external_workers: bool = False
     worker_address: str | None = None
     dist_init: str | None = None
+    # Record every frame the core sends its workers, and rank 0's answers, into this new
+    # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
+    record_dir: str | None = None
 
     def validate(self) -> None:
         for name in (
@@ -121,12 +133,23 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+            endpoint = getattr(self, name)
+            if endpoint is not None and not re.fullmatch(r"(tcp|ipc)://\S+", endpoint):
+                raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, not {endpoint!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(
                 f"generation_config must be auto or none, not {self.generation_config!r}"
             )
         if self.hash_algo not in ("xxh3_128", "sha256"):
             raise ValueError(f"hash_algo must be xxh3_128 or sha256, not {self.hash_algo}")
+        if self.record_dir is not None:
+            from enginecore.recording import FRAMES, MANIFEST
+
+            if any(os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)):
+                # Before any process starts; the core's recorder would refuse it too.
+                raise ValueError(
+                    f"{self.record_dir} already holds a recording: record into a new directory"
+                )
 
 
 class EngineProcesses:
@@ -164,6 +187,23 @@ class EngineProcesses:
             else ipc_address(self._dir, "workers")
         )
         worker_sockets(worker_address, n)  # a bad address fails here, with its reason
+        dist_init = args.dist_init
+        if dist_init is None and n > 1:
+            # Local ranks meet through a file in the engine's private directory: no port
+            # to pick, so none that another process can take first.
+            dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
+        workers = [
+            worker_config(
+                args,
+                model=args.model,
+                rank=rank,
+                world_size=n,
+                core_address=worker_address,
+                dist_init=dist_init,
+                parent_pid=os.getpid(),
+            )
+            for rank in range(n)
+        ]
         core_config = EngineCoreConfig(
             input_address=input_address,
             output_address=output_address,
@@ -181,34 +221,18 @@ class EngineProcesses:
             block_size=args.block_size,
             parent_pid=os.getpid(),
             private_dir=self._dir,
+            record_dir=None if args.record_dir is None else os.path.abspath(args.record_dir),
+            # Without this launch's pid and rendezvous: replay gives its own.
+            record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)
+            if args.record_dir is not None
+            else None,
         )
         env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
-        self.procs["engine core"] = self._spawn("enginecore.core", core_config, env)
-        dist_init = args.dist_init
-        if dist_init is None and n > 1:
-            # Local ranks meet through a file in the engine's private directory: no port
-            # to pick, so none that another process can take first.
-            dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
+        self.procs["engine core"] = spawn("enginecore.core", core_config, env)
         for rank in range(0 if args.external_workers else n):
-            config = worker_config(
-                args,
-                model=args.model,
-                rank=rank,
-                world_size=n,
-                core_address=worker_address,
-                dist_init=dist_init,
-                parent_pid=os.getpid(),
-            )
-            self.procs[f"worker rank {rank}"] = self._spawn("worker.main", config, env)
+            self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank], env)
         return self._wait_ready()
-
-    def _spawn(self, module: str, config: msgspec.Struct, env: dict) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
 
     def _wait_ready(self) -> EngineReady:
         deadline = time.monotonic() + self.args.startup_timeout_s + 30

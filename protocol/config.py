@@ -32,6 +32,11 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parent_pid: int | None = None  # exit when this process is gone
     # The launcher's socket folder; removed by the core if the launcher vanishes.
     private_dir: str | None = None
+    # Record every core<->worker frame here (enginecore/recording.py); None: off.
+    record_dir: str | None = None
+    # The settings the workers were started with (rank 0's), kept in the recording's
+    # header so that replay starts equal workers.
+    record_worker: WorkerConfig | None = None
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,7 +13,7 @@ from protocol.engine import SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -119,5 +119,27 @@ class ShutdownWorker(msgspec.Struct, frozen=True, tag="shutdown", array_like=Tru
     pass
 
 
-CoreToWorker = WorkerAccepted | WorkerRejected | WorkerConfigure | SchedulerOutput | ShutdownWorker
-WorkerToCore = WorkerConnected | WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed
+class DumpBlockTables(msgspec.Struct, frozen=True, tag="dump_tables", array_like=True):
+    """Debugging (replay): every rank answers with its block-table rows, after the steps
+    sent before it. The core never sends it while serving."""
+
+
+class BlockTables(msgspec.Struct, frozen=True, tag="tables", array_like=True):
+    """A rank's answer to DumpBlockTables: each request in its batch -> its rows, per KV
+    cache group (null block ids where a sliding window skipped)."""
+
+    rank: int
+    tables: dict[str, list[list[int]]]
+
+
+CoreToWorker = (
+    WorkerAccepted
+    | WorkerRejected
+    | WorkerConfigure
+    | SchedulerOutput
+    | ShutdownWorker
+    | DumpBlockTables
+)
+WorkerToCore = (
+    WorkerConnected | WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed | BlockTables
+)

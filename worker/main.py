@@ -25,7 +25,9 @@ from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
 from protocol.sockets import send_or_drop
 from protocol.worker import (
     PROTOCOL_VERSION,
+    BlockTables,
     CoreToWorker,
+    DumpBlockTables,
     SchedulerOutput,
     ShutdownWorker,
     WorkerAccepted,
@@ -102,6 +104,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
             elif isinstance(msg, ShutdownWorker):
                 return
+            elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
+                push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))
     finally:
         # An open monitor socket would keep the context from terminating.
         pull.disable_monitor()

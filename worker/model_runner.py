@@ -299,6 +299,12 @@ class ModelRunner:
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
 
+    def block_tables(self) -> dict[str, list[list[int]]]:
+        """Debugging (replay): each request in the batch -> its block-table rows per group."""
+        batch = self.batch
+        assert batch is not None, "DumpBlockTables before WorkerConfigure"
+        return {req_id: batch.block_ids_of(req_id) for req_id in batch.req_ids}
+
     # -- steps ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
