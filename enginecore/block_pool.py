@@ -7,7 +7,13 @@ from collections.abc import Iterable, Sequence
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from enginecore.request import Request
 from protocol.kv_cache import NULL_BLOCK_ID
-from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from protocol.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 
 # One entry of the prefix-cache index: a block, or several blocks holding the same content
 # (two requests can fill equal blocks before either is cached; neither table is rewritten).
@@ -47,8 +53,9 @@ class BlockPool:
             {} for _ in range(num_groups)
         ]
         self.num_evictions = 0
+        # Drained every step by the core (take_events), so it holds one step's events.
         self._events: list[KVCacheEvent] = []
-        self._event_seq = 0
+        self.event_medium = MEDIUM_GPU  # where the workers keep KV, named for subscribers
 
     # -- capacity ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -156,10 +163,17 @@ class BlockPool:
         inputs = request.block_hash_inputs
         index = self.cached_block_hash_to_block[group_id]
         null = self.null_block
-        stored: list[bytes] | None = [] if self.enable_kv_events else None
+        events = self.enable_kv_events
+        run_start = -1  # first block of the current run of newly findable hashes
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block is null or block.block_hash is not None:
+                # A stored event names consecutive blocks: one that is skipped (a window's
+                # null block, or cached already) ends the run, so the event's token ids
+                # and parent always match its hashes.
+                if run_start >= 0:
+                    self._emit_stored(request, run_start, i, block_size, stride, group_id)
+                    run_start = -1
                 continue
             block_hash = hashes[(i + 1) * stride - 1]
             block.block_hash = block_hash
@@ -170,42 +184,49 @@ class BlockPool:
             entry = index.get(block_hash)
             if entry is None:
                 index[block_hash] = block
-            elif entry.__class__ is KVCacheBlock:
+                if events and run_start < 0:
+                    run_start = i
+                continue
+            # Equal content already findable under this hash: subscribers know it.
+            if entry.__class__ is KVCacheBlock:
                 index[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
-            if stored is not None:
-                stored.append(block_hash)
-        if stored:
-            self._emit_stored(
-                request, stored, num_cached_blocks, num_full_blocks, block_size, stride, group_id
-            )
+            if run_start >= 0:
+                self._emit_stored(request, run_start, i, block_size, stride, group_id)
+                run_start = -1
+        if run_start >= 0:
+            self._emit_stored(request, run_start, num_full_blocks, block_size, stride, group_id)
 
     def _emit_stored(
         self,
         request: Request,
-        stored: list[bytes],
         first: int,
         last: int,
         block_size: int,
         stride: int,
         group_id: int,
     ) -> None:
-        parent = request.block_hashes[first * stride - 1] if first > 0 else None
+        """One event for blocks first..last-1 of the request's table in this group."""
+        hashes = request.block_hashes
         extra = None
         if request.has_extra_keys:
             extra = [
-                request.extra_keys(i * block_size, (i + 1) * block_size) or ()
+                request.extra_keys(i * block_size, (i + 1) * block_size) or None
                 for i in range(first, last)
             ]
-        self._push_event(
-            BlockStored,
-            block_hashes=stored,
-            parent_block_hash=parent,
-            token_ids=request.all_token_ids[first * block_size : last * block_size],
-            block_size=block_size,
-            extra_keys=extra,
-            group_id=group_id,
+        self._events.append(
+            BlockStored(
+                block_hashes=[hashes[(i + 1) * stride - 1] for i in range(first, last)],
+                parent_block_hash=hashes[first * stride - 1] if first > 0 else None,
+                token_ids=request.all_token_ids[first * block_size : last * block_size],
+                block_size=block_size,
+                lora_id=None,
+                medium=self.event_medium,
+                lora_name=None,
+                extra_keys=extra,
+                group_idx=group_id,
+            )
         )
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -226,7 +247,7 @@ class BlockPool:
         block.group_id = -1
         self.num_evictions += 1
         if gone and self.enable_kv_events:
-            self._push_event(BlockRemoved, block_hashes=[block_hash], group_id=group_id)
+            self._events.append(BlockRemoved([block_hash], self.event_medium, group_id))
 
     def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the cached content of free blocks (for example, KV found corrupt or
@@ -253,14 +274,10 @@ class BlockPool:
             block.hash_input = None
             block.group_id = -1
         if self.enable_kv_events:
-            self._push_event(AllBlocksCleared)
+            self._events.append(AllBlocksCleared())
         return True
 
     # -- events -----------------------------------------------------------------------
-    def _push_event(self, cls: type, **fields: object) -> None:
-        self._events.append(cls(seq=self._event_seq, **fields))
-        self._event_seq += 1
-
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

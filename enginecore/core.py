@@ -22,7 +22,8 @@ import zmq
 
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.kv_event_publisher import KVEventPublisher
+from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, parent_alive
 from protocol.engine import (
@@ -33,12 +34,14 @@ from protocol.engine import (
     EngineDead,
     EngineOutputs,
     EngineReady,
+    Rejection,
     RequestOutput,
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from protocol.sockets import send_or_drop
-from protocol.worker import WorkerConfigure
+from protocol.worker import SchedulerOutput, WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
 
@@ -62,10 +65,13 @@ class EngineCore:
         # Built once: _send runs every step and must not make a bound method each time.
         self._client_alive = functools.partial(parent_alive, config.parent_pid)
         self.scheduler: Scheduler | None = None
+        self.kv_events: KVEventPublisher | None = None
         self._stop = False
         # Debugging and tests: walk the KV invariants after every step, and require every
         # block back in the pool whenever no request is open.
         self._check = os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
+        if config.log_kv:
+            kv_log.setLevel(logging.INFO)
 
     # -- start-up ---------------------------------------------------------------------
     def start(self) -> None:
@@ -98,6 +104,7 @@ class EngineCore:
             enable_prefix_caching=self.config.enable_prefix_caching,
             hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
             hash_seed=hash_seed(self.config),
+            enable_kv_events=self.config.kv_events_endpoint is not None,
         )
         self.scheduler = Scheduler(
             sched_config,
@@ -107,6 +114,16 @@ class EngineCore:
             first.sampling_defaults,
         )
         self.scheduler.check_capacity()
+        if self.config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(
+                self.ctx,
+                self.config.kv_events_endpoint,
+                self.config.kv_events_replay_endpoint,
+                self.config.kv_events_buffer_steps,
+                self.config.kv_events_topic,
+            )
+            pool = self.scheduler.kv_cache_manager.block_pool
+            pool.event_medium = MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU
         self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,
@@ -131,6 +148,8 @@ class EngineCore:
                 vocab_size=first.vocab_size,
                 eos_token_ids=first.eos_token_ids,
                 sampling_defaults=first.sampling_defaults,
+                kv_events_endpoint=self.kv_events and self.kv_events.endpoint,
+                kv_events_replay_endpoint=self.kv_events and self.kv_events.replay_endpoint,
             )
         )
 
@@ -141,6 +160,10 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
         self.executor.watch(poller)
+        kv_events = self.kv_events
+        kv = scheduler.kv_cache_manager
+        if kv_events is not None and kv_events.replay is not None:
+            poller.register(kv_events.replay, zmq.POLLIN)
         while not self._stop:
             busy = scheduler.has_unfinished_requests()
             # Idle: block (waking twice a second to notice a vanished parent).
@@ -155,11 +178,15 @@ class EngineCore:
                 return
             if scheduler.has_unfinished_requests():
                 self._step()
+            if kv_events is not None:
+                kv_events.publish(kv.take_events())  # a prefix-cache reset, if any
+                kv_events.serve_replays()
 
     def _drain_input(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
         errors: list[RequestOutput] = []
+        rejected: list[Rejection] = []
         while True:
             try:
                 frame = self.inp.recv(zmq.NOBLOCK, copy=False)
@@ -172,7 +199,10 @@ class EngineCore:
                 errors.extend(_answer_malformed(frame.buffer, e))
                 continue
             if isinstance(msg, AddRequest):
-                errors.extend(self._add(msg))
+                try:
+                    errors.extend(self._add(msg))
+                except DuplicateRequestId as e:
+                    rejected.append(Rejection(msg.request_id, str(e)))
             elif isinstance(msg, AbortRequests):
                 errors.extend(scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, ResetPrefixCache):
@@ -180,8 +210,8 @@ class EngineCore:
                 log.info("reset prefix cache: %s", "done" if ok else "refused, blocks in use")
             elif isinstance(msg, ShutdownCore):
                 self._stop = True
-        if errors:
-            self._send(EngineOutputs(errors))
+        if errors or rejected:
+            self._send(EngineOutputs(errors, rejected=rejected))
 
     def _add(self, msg: AddRequest) -> list[RequestOutput]:
         scheduler = self.scheduler
@@ -199,6 +229,8 @@ class EngineCore:
         scheduler = self.scheduler
         assert scheduler is not None
         so = scheduler.schedule()
+        if self.config.log_kv:
+            log_kv_step(scheduler, so)
         if so.total_num_scheduled_tokens == 0:
             outputs = scheduler.fail_unschedulable()
             if so.finished_req_ids or so.preempted_req_ids:
@@ -216,6 +248,10 @@ class EngineCore:
         self._send(EngineOutputs(outputs, scheduler.stats()))
 
     def _send(self, msg: object) -> None:
+        if self.kv_events is not None:
+            # A step's events go out before its outputs: a router that sees a request
+            # finish already knows the blocks it left cached.
+            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
         if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
             raise ClientGone("the launcher went away")
 
@@ -229,8 +265,38 @@ class EngineCore:
             self._send(EngineDead(reason))
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
         self.ctx.destroy(linger=1000)
+
+
+# Its own logger, at INFO even when the engine logs only warnings: --log-kv asks for it.
+kv_log = logging.getLogger("pagedserve.kv")
+
+
+def log_kv_step(scheduler: Scheduler, so: SchedulerOutput) -> None:
+    """The debugging view of one step: per scheduled request, prefix-hit tokens (new
+    requests), blocks held per group, blocks new this step; and the free blocks left."""
+    kv = scheduler.kv_cache_manager
+    parts = []
+    for new in so.new_reqs:
+        held = [len(ids) for ids in kv.get_block_ids(new.req_id)]
+        parts.append(f"{new.req_id} hit {new.num_computed_tokens} new {sum(held)} held {held}")
+    cached = so.cached_reqs
+    for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
+        held = [len(b) for b in kv.get_block_ids(rid)]
+        added = sum(len(b) for b in ids) if ids is not None else 0
+        parts.append(f"{rid}{' resumed' if resumed else ''} new {added} held {held}")
+    preempted = f" | preempted {so.preempted_req_ids}" if so.preempted_req_ids else ""
+    kv_log.info(
+        "step %d: free %d/%d%s | %s",
+        so.step_id,
+        kv.num_free_blocks,
+        kv.num_usable_blocks,
+        preempted,
+        " | ".join(parts) or "nothing scheduled",
+    )
 
 
 def hash_seed(config: EngineCoreConfig) -> bytes:

@@ -32,6 +32,10 @@ from protocol.worker import (
 )
 
 
+class DuplicateRequestId(ValueError):
+    """A new request named an open request's id."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 8192
@@ -83,10 +87,11 @@ class Scheduler:
 
     # -- requests in and out ----------------------------------------------------------
     def add_request(self, request: Request) -> RequestOutput | None:
-        """Queue a request; a bad one fails alone: the error output is returned."""
+        """Queue a request; a bad one fails alone: the error output is returned.
+        DuplicateRequestId (nothing changed) if its id is already open."""
         rid = request.request_id
         if rid in self.requests:
-            return RequestOutput(rid, [], "error", 0, f"duplicate request id {rid!r}")
+            raise DuplicateRequestId(f"request id {rid!r} is already open; request refused")
         error = self._validate(request)
         if error is not None:
             return RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")

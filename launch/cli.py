@@ -161,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a step may take before the run fails naming the rank (a stopped or "
         "stuck worker)",
     )
+    g.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format, docs/protocol.md) on a ZeroMQ PUB "
+        "socket: tcp://*:PORT binds (tcp://HOST:0 a free port, logged), another address "
+        "is a subscriber to connect to",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        help="ROUTER socket that resends buffered event batches from a sequence number",
+    )
+    g.add_argument(
+        "--log-kv",
+        action="store_true",
+        help="log one line per step: each request's prefix hits, blocks per group, new "
+        "blocks, and the free blocks",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--log-level", default="WARNING", help="engine processes' log level")
     g.add_argument(
@@ -344,6 +360,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         device=args.device,
         generation_config=args.generation_config,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        log_kv=args.log_kv,
         tensor_parallel_size=args.tensor_parallel_size,
         external_workers=args.external_workers,
         worker_address=args.worker_address,

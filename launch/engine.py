@@ -107,6 +107,11 @@ class EngineArgs:
     external_workers: bool = False
     worker_address: str | None = None
     dist_init: str | None = None
+    # KV-cache events for routers (docs/protocol.md): PUB endpoint (tcp://*:PORT binds;
+    # tcp://HOST:0 binds a free port, reported in EngineReady), and the replay ROUTER.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    log_kv: bool = False  # one core log line per step with each request's blocks
     # Record every frame the core sends its workers, and rank 0's answers, into this new
     # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
     record_dir: str | None = None
@@ -133,9 +138,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             if endpoint is not None and not re.fullmatch(r"(tcp|ipc)://\S+", endpoint):
                 raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, not {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(
                 f"generation_config must be auto or none, not {self.generation_config!r}"
@@ -221,6 +229,9 @@ class EngineProcesses:
             block_size=args.block_size,
             parent_pid=os.getpid(),
             private_dir=self._dir,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            log_kv=args.log_kv,
             record_dir=None if args.record_dir is None else os.path.abspath(args.record_dir),
             # Without this launch's pid and rendezvous: replay gives its own.
             record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)

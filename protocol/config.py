@@ -32,6 +32,14 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parent_pid: int | None = None  # exit when this process is gone
     # The launcher's socket folder; removed by the core if the launcher vanishes.
     private_dir: str | None = None
+    # KV-cache events (protocol/kv_events.py) on a ZeroMQ PUB socket, off when None; a
+    # ROUTER socket answers replay requests from the last kv_events_buffer_steps batches.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = 10_000
+    kv_events_topic: str = ""
+    # One log line per step: each scheduled request's hits, blocks per group, new blocks.
+    log_kv: bool = False
     # Record every core<->worker frame here (enginecore/recording.py); None: off.
     record_dir: str | None = None
     # The settings the workers were started with (rank 0's), kept in the recording's

@@ -115,9 +115,18 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     step: int
 
 
+class Rejection(msgspec.Struct, frozen=True, array_like=True):
+    """A request the core refused without touching it: its id is already open. Not a
+    RequestOutput, which would read as the open request failing."""
+
+    request_id: str
+    reason: str
+
+
 class EngineOutputs(msgspec.Struct, frozen=True, tag="outputs"):
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
+    rejected: list[Rejection] = []
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
@@ -131,6 +140,9 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     # generation_config.json's.
     eos_token_ids: list[int]
     sampling_defaults: SamplingDefaults
+    # Where KV events are published and replayed (ports resolved), when they are on.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from enginecore import KVCacheManager, Request
+from enginecore.block_hash import BlockHasher, hash_block_tokens
 from protocol.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -12,6 +13,7 @@ from protocol.kv_cache import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from protocol.kv_events import BlockStored
 
 
 def full(block_size: int = 4) -> FullAttentionSpec:
@@ -78,3 +80,21 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
         "requests": sorted(manager.requests),
         "events": list(pool._events),
     }
+
+
+def check_stored_hashes(event: BlockStored, hasher: BlockHasher) -> None:
+    """A stored event's hashes are the chain from its parent over its own token ids (and
+    extra keys), as a subscriber recomputing them would find. Groups whose blocks span
+    several hash blocks chain over those."""
+    hbs = hasher.block_size
+    if event.block_size != hbs and event.extra_keys:
+        # Extra keys are listed per group block, but hashed per hash block (a salt only
+        # in the first): not recomputable from the event. Engines run one block size.
+        return
+    parent = event.parent_block_hash or hasher.root
+    for i, block_hash in enumerate(event.block_hashes):
+        tokens = event.token_ids[i * event.block_size : (i + 1) * event.block_size]
+        extra = event.extra_keys[i] if event.extra_keys else None
+        for j in range(0, event.block_size, hbs):
+            parent = hash_block_tokens(hasher.algo, parent, tokens[j : j + hbs], extra)
+        assert parent == block_hash, f"block {i} of a stored event: hash does not match tokens"

@@ -10,7 +10,7 @@ import textwrap
 from typing import Any
 
 import pytest
-from kv_helpers import admit, decode, make_manager, tokens
+from kv_helpers import admit, check_stored_hashes, decode, make_manager, tokens
 
 from enginecore import KVCacheManager, MultiModalPlaceholder, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens, root_hash
@@ -157,27 +157,44 @@ def test_hashes_are_equal_across_processes() -> None:
     assert len(results[0]["sha256"][0]) == 64 and len(results[0]["xxh3_128"][0]) == 32
 
 
-def test_kv_events_are_numbered_and_describe_blocks() -> None:
+def test_kv_events_describe_blocks() -> None:
     m = make_manager(6, enable_kv_events=True)
     r = Request("r", tokens("ABCDEFGHI"), m.block_hasher)
     admit(m, r)
     m.free(r)
     (stored,) = m.take_events()
-    assert isinstance(stored, BlockStored)
-    assert stored.seq == 0 and stored.parent_block_hash is None
+    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
     assert stored.block_hashes == r.block_hashes and stored.token_ids == tokens("ABCDEFGH")
-    assert stored.block_size == 4 and stored.group_id == 0
+    assert stored.block_size == 4 and stored.group_idx == 0 and stored.medium == "GPU"
+    check_stored_hashes(stored, m.block_hasher)
     # Filling the pool with new content evicts both cached blocks.
     s = Request("s", list(range(900, 920)), m.block_hasher)
     admit(m, s)
     events = m.take_events()
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(r.block_hashes)
-    assert [e.seq for e in events] == list(range(1, 1 + len(events)))
     m.free(s)
     assert m.reset_prefix_cache()
     (cleared,) = m.take_events()
-    assert isinstance(cleared, AllBlocksCleared) and cleared.seq == 1 + len(events)
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_stored_events_skip_blocks_already_cached_without_mixing_tokens() -> None:
+    """Two requests fill equal blocks side by side; the second's first block is already
+    cached when it is stored, so its event starts after it, with the right parent and
+    tokens (one list skipping a block the other did not would misname every hash)."""
+    m = make_manager(16, enable_kv_events=True)
+    a = Request("a", [*tokens("ABCDEFGH"), 1], m.block_hasher)
+    b = Request("b", [*tokens("ABCDEFGHIJKL"), 2], m.block_hasher)
+    admit(m, a)
+    m.take_events()
+    # No prefix lookup: b gets fresh blocks, whose first two hash like a's cached ones.
+    assert m.allocate_slots(b, b.num_tokens) is not None
+    (event,) = m.take_events()
+    check_stored_hashes(event, m.block_hasher)
+    assert event.block_hashes == b.block_hashes[2:3]
+    assert event.parent_block_hash == b.block_hashes[1]
+    assert event.token_ids == tokens("IJKL")
 
 
 def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:

@@ -34,6 +34,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+from kv_helpers import check_stored_hashes
 
 from enginecore import KVCacheManager, Request
 from protocol.kv_cache import (
@@ -183,7 +184,6 @@ class KVStateMachine(RuleBasedStateMachine):
         self.history: list[tuple[int, ...]] = []  # token ids of past requests, to share
         self.next_id = 0
         self.event_hashes: list[set[bytes]] = [set() for _ in specs]
-        self.next_event_seq = 0
 
     @property
     def mgr(self) -> KVCacheManager:
@@ -694,14 +694,13 @@ class KVStateMachine(RuleBasedStateMachine):
         # Replaying the KV events gives the index's hashes.
         for kv_event in m.take_events():
             assert self.kv_events
-            assert kv_event.seq == self.next_event_seq
-            self.next_event_seq += 1
             if isinstance(kv_event, BlockStored):
                 assert len(kv_event.token_ids) == len(kv_event.block_hashes) * kv_event.block_size
-                self.event_hashes[kv_event.group_id].update(kv_event.block_hashes)
+                check_stored_hashes(kv_event, m.block_hasher)
+                self.event_hashes[kv_event.group_idx].update(kv_event.block_hashes)
             elif isinstance(kv_event, BlockRemoved):
                 for h in kv_event.block_hashes:
-                    self.event_hashes[kv_event.group_id].remove(h)
+                    self.event_hashes[kv_event.group_idx].remove(h)
             else:
                 assert isinstance(kv_event, AllBlocksCleared)
                 for hashes in self.event_hashes:

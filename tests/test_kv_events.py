@@ -1,0 +1,292 @@
+"""KV-cache events as a router sees them: every change published, in vLLM's layout, with
+sequence numbers, a replay socket for lost messages, and bounded memory."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from cli_helpers import CPU
+from kv_helpers import check_stored_hashes, full, make_manager, window
+
+from enginecore import KVCacheManager, Request
+from enginecore.block_hash import BlockHasher
+from enginecore.kv_event_publisher import KVEventPublisher
+from launch import LLM, SamplingParams
+from protocol.kv_events import END_OF_REPLAY
+
+# -- a subscriber written against vLLM's published event layout, not our structs -------
+
+
+class VStored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+
+
+class VRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VStored | VRemoved | VCleared]
+    data_parallel_rank: int | None = None
+
+
+class Subscriber:
+    """Applies every batch in sequence order to a per-group set of cached hashes; on a gap
+    it asks the replay socket for what it missed."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        replay_endpoint: str | None,
+        pump: Callable[[], None] = lambda: None,
+    ) -> None:
+        # pump: lets an in-process publisher answer while we wait for a replay.
+        self.pump = pump
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay_endpoint
+        self.ctx = ctx
+        self.decoder = msgspec.msgpack.Decoder(VBatch)
+        self.cached: dict[int, set[bytes]] = {}
+        self.next_seq = 0
+        self.stored: list[VStored] = []
+        self.replays = 0
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        assert seq == self.next_seq, f"batch {seq} applied out of order"
+        self.next_seq += 1
+        for event in self.decoder.decode(payload).events:
+            if isinstance(event, VStored):
+                self.cached.setdefault(event.group_idx or 0, set()).update(event.block_hashes)
+                self.stored.append(event)
+            elif isinstance(event, VRemoved):
+                group = self.cached.setdefault(event.group_idx or 0, set())
+                for h in event.block_hashes:
+                    assert h in group, "removed a hash that was never stored"
+                    group.remove(h)
+            else:
+                self.cached.clear()
+
+    def poll(self, timeout_ms: int, drop: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Receive what has arrived; batches whose seq is in drop are discarded as if
+        lost on the way. Returns the batches received."""
+        n = 0
+        while self.sub.poll(timeout_ms):
+            _topic, seq_bytes, payload = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            n += 1
+            timeout_ms = 0
+            if seq in drop:
+                continue
+            if seq > self.next_seq:
+                self.catch_up()
+            if seq == self.next_seq:
+                self.apply(seq, payload)
+        return n
+
+    def catch_up(self) -> None:
+        assert self.replay_endpoint is not None, "a gap, and no replay socket"
+        self.replays += 1
+        # DEALER, not REQ: the answer is many messages, and REQ takes only one.
+        req = self.ctx.socket(zmq.DEALER)
+        req.connect(self.replay_endpoint)
+        req.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+        deadline = time.monotonic() + 60  # only so that a broken publisher cannot hang CI
+        while True:
+            self.pump()
+            if not req.poll(20):
+                assert time.monotonic() < deadline, "the replay socket did not answer"
+                continue
+            frames = req.recv_multipart()
+            if frames[-2] == END_OF_REPLAY:
+                break
+            _empty, _topic, seq_bytes, payload = frames
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq == self.next_seq:
+                self.apply(seq, payload)
+        req.close(linger=0)
+
+
+def core_view(manager: KVCacheManager) -> dict[int, set[bytes]]:
+    return {
+        g: set(index)
+        for g, index in enumerate(manager.block_pool.cached_block_hash_to_block)
+        if index
+    }
+
+
+def churn(manager: KVCacheManager, publisher: KVEventPublisher, steps: int, seed: int) -> None:
+    """Requests sharing prefixes arrive, run and finish in a pool far too small for them
+    all: blocks are cached, hit, evicted; one batch of events per step."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randint(4, 24))] for _ in range(6)]
+    live: list[Request] = []
+    for step in range(steps):
+        if live and (rng.random() < 0.5 or len(live) > 3):
+            manager.free(live.pop(rng.randrange(len(live))))
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+        r = Request(f"s{step}", prompt, manager.block_hasher)
+        hits, num_hit = manager.get_computed_blocks(r)
+        new = manager.allocate_slots(r, r.num_tokens - num_hit, num_hit, hits if num_hit else None)
+        if new is not None:
+            r.num_computed_tokens = r.num_tokens
+            live.append(r)
+        if step % 97 == 0:
+            for x in live:
+                manager.free(x)
+            live.clear()
+            assert manager.reset_prefix_cache()
+        publisher.publish(manager.take_events())
+        publisher.serve_replays()
+    for x in live:
+        manager.free(x)
+
+
+@pytest.mark.parametrize("specs", [(full(),), (full(), window(6))], ids=["full", "hybrid"])
+def test_subscriber_rebuilds_the_cached_hashes(specs: tuple) -> None:
+    ctx = zmq.Context()
+    manager = make_manager(24, *specs, enable_kv_events=True, hash_seed=b"s3cret")
+    publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 64)
+    sub = Subscriber(ctx, publisher.endpoint, publisher.replay_endpoint, publisher.serve_replays)
+    try:
+        # PUB drops messages for a subscriber that has not finished joining: publish
+        # until one arrives, then start from a clean slate.
+        while not sub.poll(20):
+            publisher.publish(manager.take_events() or [_cleared()])
+        sub.next_seq, sub.cached = publisher.next_seq, {}
+        assert manager.reset_prefix_cache()
+        publisher.publish(manager.take_events())
+        sub.poll(1000)
+        drop = {sub.next_seq + 5, sub.next_seq + 6, sub.next_seq + 40}
+        for chunk in range(6):
+            churn(manager, publisher, 50, seed=chunk)
+            sub.poll(1000, drop)
+        # Tail batches past the last drop have all arrived or are in flight.
+        deadline = time.monotonic() + 30
+        while sub.next_seq < publisher.next_seq and time.monotonic() < deadline:
+            if not sub.poll(200):
+                sub.catch_up()
+        assert sub.next_seq == publisher.next_seq
+        assert sub.replays >= 1
+        assert manager.block_pool.num_evictions > 100
+        assert {g: h for g, h in sub.cached.items() if h} == core_view(manager)
+        assert len(specs) == 1 or 1 in sub.cached  # the window group published too
+        for event in sub.stored:
+            check_stored_hashes(event, manager.block_hasher)  # type: ignore[arg-type]
+    finally:
+        publisher.close()
+        sub.sub.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def _cleared():
+    from protocol.kv_events import AllBlocksCleared
+
+    return AllBlocksCleared()
+
+
+def test_memory_stays_bounded_without_subscribers() -> None:
+    ctx = zmq.Context()
+    manager = make_manager(16, enable_kv_events=True)
+    publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=16)
+    try:
+        churn(manager, publisher, 300, seed=3)
+        assert publisher.next_seq > 100
+        assert len(publisher._buffer) == 16
+        assert not manager.block_pool._events  # drained each step
+        req = ctx.socket(zmq.DEALER)
+        req.connect(publisher.replay_endpoint)
+        req.send_multipart((b"", (0).to_bytes(8, "big")))
+        seqs = []
+        while True:
+            publisher.serve_replays()
+            if not req.poll(50):
+                continue
+            frames = req.recv_multipart()
+            if frames[-2] == END_OF_REPLAY:
+                break
+            seqs.append(int.from_bytes(frames[2], "big"))
+        assert seqs == list(range(publisher.next_seq - 16, publisher.next_seq))
+        req.close(linger=0)
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_events_from_a_running_engine_predict_its_prefix_hits(
+    llama_dir: Path,
+) -> None:
+    """A router's use: compute a prompt's block hashes with the deployment's seed, look
+    them up in the published set, and expect exactly that many cached tokens."""
+    seed = "router-shared-secret"
+    rng = random.Random(5)
+    # Four 40-token prefixes in rotation through a pool that holds about two: by the
+    # time a prefix comes back, part or all of it was evicted (LRU, tail first).
+    prefixes = [[rng.randrange(3, 160) for _ in range(40)] for _ in range(4)]
+    order = [0, 1, 2, 0, 3, 1, 2, 3, 0, 1, 1]
+    prompts = [
+        prefixes[i] + [rng.randrange(3, 160) for _ in range(rng.randint(3, 20))] for i in order
+    ]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ctx = zmq.Context()
+    with LLM(
+        str(llama_dir),
+        device=CPU,
+        block_size=4,
+        num_gpu_blocks=32,  # about two prompts' worth: prefixes are evicted between uses
+        max_model_len=80,
+        prefix_cache_hash_seed=seed,
+        kv_events_endpoint="tcp://127.0.0.1:0",
+        kv_events_replay_endpoint="tcp://127.0.0.1:0",
+    ) as llm:
+        ready = llm.engine.ready
+        assert ready.kv_events_endpoint and ready.kv_events_replay_endpoint
+        sub = Subscriber(ctx, ready.kv_events_endpoint, ready.kv_events_replay_endpoint)
+        hasher = BlockHasher(4, "xxh3_128", seed.encode())
+        checked = 0
+        for i, prompt in enumerate(prompts):
+            # The core publishes a step's events before its outputs, so once generate
+            # returns, a replay from our next sequence number holds all of them (what
+            # the SUB socket already delivered is applied first, in order).
+            sub.poll(0)
+            sub.catch_up()
+            hashes: list[bytes] = []
+            hasher.extend(hashes, prompt)
+            cached = sub.cached.get(0, set())
+            predicted = 0
+            # The last prompt token always runs: at most len - 1 tokens can hit.
+            for h in hashes[: (len(prompt) - 1) // 4]:
+                if h not in cached:
+                    break
+                predicted += 4
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            assert out.num_cached_tokens == predicted, f"prompt {i}"
+            checked += predicted > 0
+        assert checked >= 3
+        for event in sub.stored:
+            check_stored_hashes(event, hasher)  # type: ignore[arg-type]
+    sub.sub.close(linger=0)
+    ctx.destroy(linger=0)
