@@ -38,6 +38,7 @@ from protocol.engine import (
     EngineDead,
     EngineOutputs,
     EngineReady,
+    ResetPrefixCache,
     SamplingParams,
     ShutdownCore,
 )
@@ -269,6 +270,12 @@ class EngineProcesses:
     def abort(self, request_ids: list[str]) -> None:
         self._check_open()
         self.to_core.send(self.from_client.encode(AbortRequests(request_ids)))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask the core to forget every cached block (refused, and logged, while any
+        request holds blocks); subscribers to KV events see AllBlocksCleared."""
+        self._check_open()
+        self.to_core.send(self.from_client.encode(ResetPrefixCache()))
 
     @property
     def closed(self) -> bool:

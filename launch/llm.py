@@ -205,6 +205,10 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm, on_finish)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (the engine refuses while requests run)."""
+        self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's sampling defaults (generation_config.json), spelled out; fields a
         request leaves unset take these anyway."""
