@@ -1,5 +1,6 @@
 """Paged-attention kernels: CuPy RawKernel CUDA sources (kernels/cuda/, compiled by NVRTC at
-first use) and the torch references that define their semantics and run on the CPU."""
+first use), batched torch kernels for the CPU (kernels.cpu), and the torch reference that
+defines their semantics."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from typing import Any
 
 import torch
 
-# auto: the CUDA kernels on a GPU where they support the dtype and head size, else the
-# torch reference. reference: the torch path on a GPU too (debugging, bisecting a kernel).
-# cuda: the CUDA kernels or an error. emulated: the CUDA sources run on the CPU through
-# kernels.cuda_emulator (very slow; lets the CPU tests drive the CUDA kernels through the
-# whole engine).
+# auto: the CUDA kernels on a GPU where they support the dtype and head size, the batched
+# CPU kernels (kernels.cpu) on the CPU, else the torch reference. cpu: the batched CPU
+# kernels or an error. reference: the per-request torch reference anywhere (the oracle;
+# debugging, bisecting a kernel). cuda: the CUDA kernels or an error. emulated: the CUDA
+# sources run on the CPU through kernels.cuda_emulator (very slow; lets the CPU tests drive
+# the CUDA kernels through the whole engine).
 KERNELS_ENV = "PAGEDSERVE_ATTENTION"
-CHOICES = ("auto", "reference", "cuda", "emulated")
+CHOICES = ("auto", "cpu", "reference", "cuda", "emulated")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class AttentionKernels:
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernels:
-    from kernels import reference
+    from kernels import cpu, reference
 
     choice = os.environ.get(KERNELS_ENV, "auto")
     if choice not in CHOICES:
@@ -57,4 +59,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> A
             raise ValueError(f"no CUDA attention kernel for {dtype} with head_dim {head_dim}")
     elif choice == "cuda":
         raise ValueError(f"{KERNELS_ENV}=cuda needs a CUDA device, the worker runs on {device}")
+    if choice == "cpu" and device.type != "cpu":
+        raise ValueError(f"{KERNELS_ENV}=cpu needs the CPU device, the worker runs on {device}")
+    if device.type == "cpu" and choice in ("auto", "cpu"):
+        return AttentionKernels("torch cpu (batched)", cpu.write_kv_cache, cpu.paged_attention)
     return AttentionKernels("torch reference", reference.write_kv_cache, reference.paged_attention)
