@@ -32,9 +32,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import zmq  # noqa: E402
 from peer import PEER_PYTHON, PEER_SCRIPTS, run_peer_script  # noqa: E402
 
 from enginecore import KVCacheManager, Request  # noqa: E402
+from enginecore.kv_event_publisher import KVEventPublisher  # noqa: E402
 from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
 PEER_SCRIPT = PEER_SCRIPTS / "bench_kv.py"
@@ -129,18 +131,29 @@ def write_trace(ops: list[dict[str, Any]], path: Path) -> None:
 
 
 # -- replay -------------------------------------------------------------------------
-def make_manager(meta: dict[str, Any], hash_algo: str) -> KVCacheManager:
+def make_manager(meta: dict[str, Any], hash_algo: str, kv_events: bool = False) -> KVCacheManager:
     spec = FullAttentionSpec(
         block_size=meta["block_size"], num_kv_heads=1, head_size=1, dtype="float32"
     )
     config = KVCacheConfig(
         num_blocks=meta["num_gpu_blocks"], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
     )
-    return KVCacheManager(config, max_model_len=1 << 30, hash_algo=hash_algo)  # type: ignore[arg-type]
+    return KVCacheManager(
+        config,
+        max_model_len=1 << 30,
+        hash_algo=hash_algo,  # type: ignore[arg-type]
+        enable_kv_events=kv_events,
+    )
 
 
-def replay(ops: list[dict[str, Any]], hash_algo: str) -> dict[str, Any]:
-    mgr = make_manager(ops[0], hash_algo)
+def replay(
+    ops: list[dict[str, Any]], hash_algo: str, publisher: KVEventPublisher | None = None
+) -> dict[str, Any]:
+    """Replay the trace; with a publisher, KV events are on and published once per step,
+    as the core does."""
+    mgr = make_manager(ops[0], hash_algo, kv_events=publisher is not None)
+    take_events = mgr.take_events
+    step_reqs: set[int] = set()
     hasher = mgr.block_hasher
     pool = mgr.block_pool
     get_computed_blocks = mgr.get_computed_blocks
@@ -213,6 +226,22 @@ def replay(ops: list[dict[str, Any]], hash_algo: str) -> dict[str, Any]:
             calls["free"] += 1
         else:
             raise SystemExit(f"unknown trace op {kind!r}")
+        if publisher is not None and kind != "finish":
+            # The trace was made in scheduler steps, a request at most once per step: an
+            # op for a request already seen opens the next step, and the core publishes
+            # once per step. (The bookkeeping is the benchmark's; only publishing is
+            # timed.)
+            rid = op["req"]
+            if rid in step_reqs:
+                t0 = clock()
+                publisher.publish(take_events())
+                ns["kv_events"] += clock() - t0
+                step_reqs.clear()
+            step_reqs.add(rid)
+    if publisher is not None:
+        t0 = clock()
+        publisher.publish(take_events())
+        ns["kv_events"] += clock() - t0
     wall = (clock() - wall0) / 1e9
     gc.unfreeze()
     mgr.check_invariants()
@@ -337,6 +366,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kv_events_overhead(ops: list[dict[str, Any]], hash_algo: str, repeat: int) -> dict:
+    """The same replays with KV events on, published on a real PUB socket that nobody
+    reads (the worst case for memory: nothing may grow without bound)."""
+    ctx = zmq.Context()
+    try:
+        runs = []
+        for _ in range(repeat):
+            publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", None, buffer_steps=1000)
+            run = replay(ops, hash_algo, publisher)
+            run["batches"] = publisher.next_seq
+            publisher.close()
+            runs.append(run)
+    finally:
+        ctx.destroy(linger=0)
+    runs.sort(key=lambda r: r["seconds"])
+    return runs[len(runs) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.repeat < 1:
@@ -360,12 +407,20 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(ops) - 1} ops: {dict(kinds)}; replaying {a.repeat}x with {a.hash}")
     runs = [replay(ops, a.hash) for _ in range(a.repeat)]
     runs.sort(key=lambda r: r["seconds"])
+    events_on = kv_events_overhead(ops, a.hash, a.repeat)
     result: dict[str, Any] = {"benchmark": "kv_cache", "trace": str(trace_path), "hash": a.hash}
     result["ops"] = dict(kinds)
     result.update(runs[len(runs) // 2])
     result["seconds_all_runs"] = [r["seconds"] for r in runs]
     result["hash_ns_per_prompt_token"] = round(hashing_ns_per_token(ops, a.hash), 2)
     result["steady_decode_allocations"] = steady_decode_allocations(ops[0]["block_size"], a.hash)
+    result["kv_events"] = {
+        "seconds_off": result["seconds"],
+        "seconds_on": events_on["seconds"],
+        "overhead": round(events_on["seconds"] / result["seconds"] - 1, 4),
+        "batches_published": events_on["batches"],
+        "same_hit_tokens": events_on["hit_tokens"] == result["hit_tokens"],
+    }
     peer = None if a.peer == "off" else run_peer(trace_path, a.peer_python, a.peer_script, a.repeat)
     if peer is not None:
         peer_seconds = peer["kv_manager_seconds"] + peer["request_hashing_seconds"]

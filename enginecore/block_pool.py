@@ -55,6 +55,11 @@ class BlockPool:
         self.num_evictions = 0
         # Drained every step by the core (take_events), so it holds one step's events.
         self._events: list[KVCacheEvent] = []
+        # Evicted hashes not yet in _events, per group: an allocation evicts many blocks,
+        # and one BlockRemoved per group names them all. Flushed before any later event,
+        # so subscribers still see every change in order.
+        self._removed: list[list[bytes]] = [[] for _ in range(num_groups)]
+        self._any_removed = False
         self.event_medium = MEDIUM_GPU  # where the workers keep KV, named for subscribers
 
     # -- capacity ---------------------------------------------------------------------
@@ -208,6 +213,8 @@ class BlockPool:
         group_id: int,
     ) -> None:
         """One event for blocks first..last-1 of the request's table in this group."""
+        if self._any_removed:
+            self._flush_removed()  # evictions that came first stay first
         hashes = request.block_hashes
         extra = None
         if request.has_extra_keys:
@@ -217,15 +224,17 @@ class BlockPool:
             ]
         self._events.append(
             BlockStored(
-                block_hashes=[hashes[(i + 1) * stride - 1] for i in range(first, last)],
-                parent_block_hash=hashes[first * stride - 1] if first > 0 else None,
-                token_ids=request.all_token_ids[first * block_size : last * block_size],
-                block_size=block_size,
-                lora_id=None,
-                medium=self.event_medium,
-                lora_name=None,
-                extra_keys=extra,
-                group_idx=group_id,
+                hashes[first:last]
+                if stride == 1
+                else [hashes[(i + 1) * stride - 1] for i in range(first, last)],
+                hashes[first * stride - 1] if first > 0 else None,
+                request.all_token_ids[first * block_size : last * block_size],
+                block_size,
+                None,  # lora_id
+                self.event_medium,
+                None,  # lora_name
+                extra,
+                group_id,
             )
         )
 
@@ -247,7 +256,8 @@ class BlockPool:
         block.group_id = -1
         self.num_evictions += 1
         if gone and self.enable_kv_events:
-            self._events.append(BlockRemoved([block_hash], self.event_medium, group_id))
+            self._removed[group_id].append(block_hash)
+            self._any_removed = True
 
     def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the cached content of free blocks (for example, KV found corrupt or
@@ -274,10 +284,26 @@ class BlockPool:
             block.hash_input = None
             block.group_id = -1
         if self.enable_kv_events:
+            self._flush_removed()
             self._events.append(AllBlocksCleared())
         return True
 
     # -- events -----------------------------------------------------------------------
+    def _flush_removed(self) -> None:
+        if not self._any_removed:
+            return
+        self._any_removed = False
+        medium = self.event_medium
+        for group_id, hashes in enumerate(self._removed):
+            if hashes:
+                self._events.append(BlockRemoved(hashes, medium, group_id))
+                self._removed[group_id] = []
+
     def take_events(self) -> list[KVCacheEvent]:
-        events, self._events = self._events, []
+        if self._any_removed:
+            self._flush_removed()
+        events = self._events
+        if not events:
+            return events  # most steps: nothing happened, nothing to allocate
+        self._events = []
         return events
