@@ -85,3 +85,18 @@ def test_log_kv_prints_a_line_per_step(llama_dir: Path, tmp_path: Path) -> None:
     assert "req-0 new 2 held [4]" in lines[1]
     assert "req-0 new 1 held [5]" in lines[2]
     assert all("free " in ln for ln in lines)
+
+
+def test_raw_client_example_speaks_the_documented_protocol(llama_dir: Path) -> None:
+    """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "raw_client.py"), "--model", str(llama_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.splitlines()[-1])
+    assert summary["finish"] == {"a": "length", "b": "abort"}
+    assert len(summary["tokens"]["a"]) == 8 and summary["rejected"] == ["a"]

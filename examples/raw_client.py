@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Drive an EngineCore with nothing but pyzmq and msgspec, as docs/protocol.md describes.
+
+    python examples/raw_client.py [--model DIR]
+
+Binds the client's two sockets, starts the core and one worker as `python -m` processes
+with their configs as JSON, waits for EngineReady, adds three requests (one reusing an
+open id, which is rejected), aborts one, follows the others to their finish, and shuts
+the engine down. Prints what it sees; the last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address
+from protocol.engine import (
+    AbortRequests,
+    AddRequest,
+    ClientMessage,
+    CoreMessage,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    SamplingParams,
+    ShutdownCore,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    a = p.parse_args(argv)
+    if a.model is None:
+        from launch.builtin_model import builtin_model_dir
+
+        a.model = str(builtin_model_dir())
+
+    sockets_dir = tempfile.mkdtemp(prefix="raw-client-")
+    ctx = zmq.Context()
+    to_core = ctx.socket(zmq.PUSH)  # the client binds both of its sockets
+    from_core = ctx.socket(zmq.PULL)
+    inp, out = ipc_address(sockets_dir, "input"), ipc_address(sockets_dir, "output")
+    to_core.bind(inp)
+    from_core.bind(out)
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(CoreMessage).decode
+
+    core_config = EngineCoreConfig(
+        input_address=inp,
+        output_address=out,
+        worker_address=ipc_address(sockets_dir, "workers"),
+        parent_pid=None,
+    )
+    worker = WorkerConfig(
+        model=a.model, rank=0, world_size=1, core_address=core_config.worker_address, device="cpu"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-m", mod, msgspec.json.encode(cfg).decode()])
+        for mod, cfg in (("enginecore.core", core_config), ("worker.main", worker))
+    ]
+    summary: dict = {"tokens": {}, "finish": {}, "rejected": []}
+    try:
+        if not from_core.poll(300_000):
+            raise SystemExit("the engine did not start")
+        ready = decode(from_core.recv())
+        assert isinstance(ready, EngineReady), ready
+        print(f"ready: {ready.num_gpu_blocks} blocks of {ready.block_size} tokens")
+
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+        send: list[ClientMessage] = [
+            AddRequest("a", [1, 2, 3, 4], params),
+            AddRequest("b", [5, 6, 7], long),
+            AddRequest("a", [9], params),  # "a" is open: rejected, "a" goes on
+        ]
+        for msg in send:
+            to_core.send(encode(msg))
+        to_core.send(encode(AbortRequests(["b"])))
+        deadline = time.monotonic() + 300
+        while len(summary["finish"]) < 2 and time.monotonic() < deadline:
+            if not from_core.poll(1000):
+                continue
+            msg = decode(from_core.recv())
+            if isinstance(msg, EngineDead):
+                raise SystemExit(f"engine died: {msg.reason}")
+            assert isinstance(msg, EngineOutputs)
+            for r in msg.rejected:
+                print(f"rejected {r.request_id}: {r.reason}")
+                summary["rejected"].append(r.request_id)
+            for o in msg.outputs:
+                summary["tokens"].setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    summary["finish"][o.request_id] = o.finish_reason
+                    print(
+                        f"{o.request_id}: {o.finish_reason} after {summary['tokens'][o.request_id]}"
+                    )
+        to_core.send(encode(ShutdownCore()))
+        for proc in procs:
+            proc.wait(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        ctx.destroy(linger=0)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
