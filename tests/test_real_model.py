@@ -25,7 +25,7 @@ from real_model import MANIFEST
 from tokenizers import Tokenizer
 
 from launch import LLM, SamplingParams
-from launch.llm import CompletionOutput, RunSummary
+from launch.llm import CompletionOutput, Prompt, RunSummary
 
 MAX_TOKENS = 24
 # A generated token other than HF's argmax passes only if HF's logit for it is within
@@ -76,13 +76,34 @@ PROMPTS = (
 )
 # Let the chat-shaped prompt stop at EOS; every other prompt generates MAX_TOKENS.
 STOPS_AT_EOS = {len(PROMPTS) - 1}
+# Conversations through LLM.generate's messages (the model's chat template), after the
+# text prompts; they may stop at EOS. Two share a system prompt (a cached prefix).
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+CHATS = (
+    [SYSTEM, {"role": "user", "content": "What is the capital of France?"}],
+    [SYSTEM, {"role": "user", "content": "Name three primary colours."}],
+    [
+        {"role": "user", "content": "Hi! Who are you?"},
+        {"role": "assistant", "content": "I am a small language model."},
+        {"role": "user", "content": "What can you do?"},
+    ],
+)
+CHAT_START = len(PROMPTS)
 
 
 def sampling_params() -> list[SamplingParams]:
     return [
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=i not in STOPS_AT_EOS)
-        for i in range(len(PROMPTS))
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=i not in STOPS_AT_EOS and i < CHAT_START,
+        )
+        for i in range(len(PROMPTS) + len(CHATS))
     ]
+
+
+def all_prompts() -> list[str | Prompt]:
+    return [*PROMPTS, *(Prompt(messages=c) for c in CHATS)]
 
 
 @dataclass(frozen=True)
@@ -168,7 +189,7 @@ def engine_run(real_model_dir: Path) -> Callable[[str], EngineRun]:
         if mode not in runs:
             kwargs = {**DEFAULT_ENGINE_ARGS, **MODES[mode].engine_args}
             with LLM(str(real_model_dir), **kwargs) as llm:
-                outputs = llm.generate(list(PROMPTS), sampling_params(), use_tqdm=False)
+                outputs = llm.generate(all_prompts(), sampling_params(), use_tqdm=False)
                 runs[mode] = EngineRun(outputs, llm.last_summary)
         return runs[mode]
 
@@ -193,7 +214,13 @@ def check_teacher_forcing(teacher: TeacherForcing, run: EngineRun, mode: str) ->
                 )
         # Finish problems join the token mismatches, so a failure shows both.
         ids = out.token_ids
-        if i in STOPS_AT_EOS:
+        if i >= CHAT_START:  # a chat answer: EOS or MAX_TOKENS, whichever comes first
+            if not (
+                (out.finish_reason == "stop" and ids[-1] == EOS and EOS not in ids[:-1])
+                or (out.finish_reason == "length" and len(ids) == MAX_TOKENS and EOS not in ids)
+            ):
+                failures.append(f"chat {i - CHAT_START}: {out.finish_reason} after {ids}")
+        elif i in STOPS_AT_EOS:
             if out.finish_reason != "stop" or ids[-1] != EOS or EOS in ids[:-1]:
                 failures.append(f"prompt {i}: no clean EOS stop: {out.finish_reason} {ids}")
         elif out.finish_reason != "length" or len(ids) != MAX_TOKENS:
@@ -258,6 +285,27 @@ def test_tokenizer_matches_transformers(
         assert engine_tok.decode(ids, skip_special_tokens=False) == text
     assert engine_tok.encode(" ²³").ids == [216, 19133, 39050]
     assert engine_tok.encode("<|im_start|>user").ids == [1, 4093]
+
+
+def test_chat_prompts_match_transformers(
+    real_model_dir: Path, engine_run: Callable[[str], EngineRun]
+) -> None:
+    """Chat: the template renders to transformers' token ids (no second BOS), the text is
+    its decode, and the model, asked as a chat model, knows its capitals."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(real_model_dir)
+    run = engine_run("prefix-caching")
+    for chat, out in zip(CHATS, run.outputs[CHAT_START:]):
+        want = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        if not isinstance(want, list):  # a BatchEncoding in newer transformers
+            want = want["input_ids"]
+        assert out.prompt_token_ids == want, chat
+        assert out.text == hf.decode(out.token_ids, skip_special_tokens=True)
+    france = run.outputs[CHAT_START]
+    assert "Paris" in (france.text or ""), france.text
+    # The two chats that share the system prompt share its cached blocks.
+    assert run.outputs[CHAT_START + 1].num_cached_tokens >= 16
 
 
 def test_converted_checkpoint_files(real_model_dir: Path) -> None:
