@@ -288,6 +288,19 @@ class KVCacheManager:
         max_chunk tokens per step): above num_usable_blocks it can never run."""
         return self.coordinator.max_blocks_held(num_tokens, max_chunk)
 
+    def longest_request(self, limit: int, max_chunk: int) -> int:
+        """The most tokens (at most limit) one request can hold alone in this pool, 0 if
+        not even one token fits. max_blocks_held grows with the length: bisect."""
+        usable = self.num_usable_blocks
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.coordinator.max_blocks_held(mid, max_chunk) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     @property
     def num_usable_blocks(self) -> int:
         """Blocks requests can hold (all but the null block)."""

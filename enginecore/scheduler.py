@@ -151,10 +151,12 @@ class Scheduler:
         max_len, chunk = self.config.max_model_len, self.config.max_num_batched_tokens
         need = kv.max_blocks_held(max_len, chunk)
         if need > kv.num_usable_blocks:
+            fits = kv.longest_request(max_len, chunk)
             raise ValueError(
                 f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
                 f"max_model_len {max_len} tokens needs {need}: "
                 "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
+                + (f" (at most {fits} fits)" if fits else "")
             )
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:

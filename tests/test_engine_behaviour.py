@@ -113,6 +113,7 @@ def test_a_pool_too_small_for_max_model_len_refuses_to_start(llama_dir: Path) ->
     message = str(info.value)
     assert "the KV cache holds 7 blocks, but one request of max_model_len 256" in message
     assert "needs 64" in message and "--max-model-len" in message
+    assert "(at most 28 fits)" in message
     # Within what the pool holds, it serves.
     with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4, max_model_len=28) as llm:
         (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
