@@ -24,8 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("llama", "qwen2", "mistral", "qwen2_interleaved", "qwen2_5to1", "llama_d128")
-SLIDING = ("mistral", "qwen2_interleaved", "qwen2_5to1")
+ALL = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen2_interleaved",
+    "qwen2_5to1",
+    "llama_d128",
+    "qwen3",
+    "gemma3",
+    "gemma3_softcap",
+)
+SLIDING = ("mistral", "qwen2_interleaved", "qwen2_5to1", "gemma3", "gemma3_softcap")
 # The oracle tests: greedy tokens of the whole engine (TP 1 and 2) and logits at every
 # position through the real runner (TP 1 and 2) and through the unit-test harness.
 ORACLE_TESTS = (
