@@ -1,14 +1,14 @@
 """Batched CPU paged attention: kernels.reference's semantics and signatures, without a
 Python loop per request in every layer.
 
-A step's requests are cut into chunks that run as one padded attention call each:
-decode requests (one query row) sorted by key count, so a chunk pads little, and
-prefill/extend requests (several rows) padded to the chunk's longest. Per chunk, K/V rows
-are gathered from the paged cache with one index_select into a reused scratch buffer, then
-one `scaled_dot_product_attention` call runs (an explicit float32 path under a soft cap,
-which SDPA cannot express). Padded keys gather the request's own last key and padded
-query rows repeat its last row, so nothing outside the request's visible keys is read
-(released window blocks hold a NaN-poisoned null block) and no softmax row is empty.
+Decode requests (one query row each) are sorted by key count and cut into chunks of about
+CHUNK_BYTES of K; each chunk is one index_select of K, one of V (into reused scratch
+buffers) and one `scaled_dot_product_attention` call over the padded [Bc, L] keys.
+Prefill/extend requests are a chunk each (padding them together never paid, see
+_build_chunks). A soft cap, which SDPA cannot express, takes an explicit float32 path.
+Padded keys gather the request's own last key, so nothing outside the request's visible
+keys is read (released window blocks point at a NaN-poisoned null block), and a mask
+hides them.
 
 The plan (chunks, gather rows, masks) depends only on the batch layout, which every layer
 of a forward shares; it is built once and reused while the metadata's contents match.
@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from kernels.reference import write_kv_cache as _reference_write_kv_cache
 
-# Gathered K (and again V) per chunk, bytes. Chunking keeps the scratch buffers, reused
-# across layers, bounded, and a chunk's gathered K/V still in cache when attention reads it.
+# Gathered K (and again V) per decode chunk, bytes: the gathered K/V are still in cache
+# when attention reads them, and the scratch buffers stay small. One layer, 32/8 heads,
+# d 128, ms by chunk size 1/4/16/64 MiB: 256 x 512 keys 162/164/237/259, 32 x 264 keys
+# 7.3/6.5/12.4/15.1 (one chunk for all, 64 MiB, is the slowest).
 CHUNK_BYTES = 4 << 20
 # Explicit (soft-cap) path: float32 logits per query slice, elements.
 LOGITS_ELEMENTS = 16 << 20
@@ -76,7 +78,8 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding."""
+    """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding.
+    The reference's store is already one indexed copy for the whole batch."""
     _reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -234,8 +237,10 @@ def _plan_for(
     block_table: torch.Tensor,
     key: tuple[int, int, int | None, int],
 ) -> _Plan:
-    # Compared by contents, not identity: comparing costs a few microseconds, a plan about
-    # 100 per layer, and contents cannot go stale behind our back (numpy-shared tensors).
+    # Built once per step, not per layer: a plan costs 1.5 ms for 32 decode requests and
+    # 14 ms for 256 (x 30 layers: 13% of a 32-request decode step), a hit 2-5 us. Matched
+    # by contents, not identity: the worker's tensors share numpy memory that can change
+    # without torch seeing it.
     for i, p in enumerate(_PLANS):
         if (
             p.key == key
