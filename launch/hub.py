@@ -55,8 +55,8 @@ def resolve_model(spec: str) -> str:
         raise ModelNotFoundError(f"model {spec}: not a directory")
     if not is_hub_id(spec):
         raise ModelNotFoundError(
-            f"model {spec}: no such directory, and not a Hugging Face Hub id "
-            "(org/name or org/name@revision)"
+            f"model {spec}: the directory does not exist, and it is not a Hugging Face Hub "
+            "id (org/name or org/name@revision)"
         )
     repo_id, _, revision = spec.partition("@")
     return download(repo_id, revision or None)

@@ -185,7 +185,7 @@ def test_hub_ids_resolve_offline_from_the_cache(llama_dir: Path, tmp_path: Path)
         text=True,
         timeout=120,
     )
-    assert bad.returncode == 1 and "no such directory" in bad.stderr, bad.stderr
+    assert bad.returncode == 1 and "does not exist" in bad.stderr, bad.stderr
 
 
 # -- chat templates -----------------------------------------------------------------

@@ -153,7 +153,9 @@ class InputBatch:
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=new.sampling_params,
+                # Complete already when the core sent it; filled with the built-in
+                # defaults when a caller (a test, a replay) left fields unset.
+                sampling_params=new.sampling_params.resolve(),
                 num_computed_tokens=new.num_computed_tokens,
             )
             self._admit(state, new.block_ids)
