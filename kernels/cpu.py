@@ -226,7 +226,11 @@ def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 def _scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     buf = _SCRATCH.get((name, dtype))
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype)
+        # A normal tensor even when first made under inference_mode (the worker's
+        # forward): written in place later outside it (tests, tools), an inference
+        # tensor would refuse.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype)
         _SCRATCH[(name, dtype)] = buf
     return buf[:numel]
 

@@ -174,6 +174,8 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import KERNELS_ENV, select_kernels
 
     cpu = torch.device("cpu")
+    assert select_kernels(cpu, torch.bfloat16, 128).name == "torch cpu (batched)"
+    monkeypatch.setenv(KERNELS_ENV, "reference")
     assert select_kernels(cpu, torch.bfloat16, 128).name == "torch reference"
     monkeypatch.setenv(KERNELS_ENV, "emulated")
     assert select_kernels(cpu, torch.bfloat16, 128).name == "CUDA sources on the CPU emulator"
@@ -185,7 +187,7 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_kernels(cpu, torch.bfloat16, 128)
     monkeypatch.setenv(KERNELS_ENV, "fast")
-    with pytest.raises(ValueError, match="must be one of auto, reference, cuda, emulated"):
+    with pytest.raises(ValueError, match="must be one of auto, cpu, reference, cuda, emulated"):
         select_kernels(cpu, torch.bfloat16, 128)
 
 
