@@ -33,6 +33,7 @@ class BlockPool:
         num_groups: int = 1,
         enable_caching: bool = True,
         enable_kv_events: bool = False,
+        event_medium: str = MEDIUM_GPU,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -60,7 +61,7 @@ class BlockPool:
         # so subscribers still see every change in order.
         self._removed: list[list[bytes]] = [[] for _ in range(num_groups)]
         self._any_removed = False
-        self.event_medium = MEDIUM_GPU  # where the workers keep KV, named for subscribers
+        self.event_medium = event_medium  # where the workers keep KV, named for subscribers
 
     # -- capacity ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

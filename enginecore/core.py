@@ -16,10 +16,12 @@ import shutil
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
+from enginecore.errors import ConfigError
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
@@ -39,9 +41,9 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
-from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU
+from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import send_or_drop
-from protocol.worker import SchedulerOutput, WorkerConfigure
+from protocol.worker import WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
 
@@ -66,6 +68,7 @@ class EngineCore:
         self._client_alive = functools.partial(parent_alive, config.parent_pid)
         self.scheduler: Scheduler | None = None
         self.kv_events: KVEventPublisher | None = None
+        self._take_kv_events: Callable[[], list[KVCacheEvent]] = list  # bound at start
         self._stop = False
         # Debugging and tests: walk the KV invariants after every step, and require every
         # block back in the pool whenever no request is open.
@@ -92,7 +95,7 @@ class EngineCore:
         model_len = first.max_model_len
         max_model_len = self.config.max_model_len or model_len
         if max_model_len > model_len:
-            raise ValueError(
+            raise ConfigError(
                 f"max_model_len {max_model_len} exceeds the model's limit of {model_len} "
                 f"positions (max_position_embeddings)"
             )
@@ -105,6 +108,7 @@ class EngineCore:
             hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
+            kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
         )
         self.scheduler = Scheduler(
             sched_config,
@@ -115,15 +119,17 @@ class EngineCore:
         )
         self.scheduler.check_capacity()
         if self.config.kv_events_endpoint is not None:
-            self.kv_events = KVEventPublisher(
-                self.ctx,
-                self.config.kv_events_endpoint,
-                self.config.kv_events_replay_endpoint,
-                self.config.kv_events_buffer_steps,
-                self.config.kv_events_topic,
-            )
-            pool = self.scheduler.kv_cache_manager.block_pool
-            pool.event_medium = MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU
+            try:
+                self.kv_events = KVEventPublisher(
+                    self.ctx,
+                    self.config.kv_events_endpoint,
+                    self.config.kv_events_replay_endpoint,
+                    self.config.kv_events_buffer_steps,
+                    self.config.kv_events_topic,
+                )
+            except zmq.ZMQError as e:
+                raise ConfigError(f"KV events endpoint: {e}") from None
+            self._take_kv_events = self.scheduler.take_kv_events
         self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,
@@ -161,7 +167,6 @@ class EngineCore:
         poller.register(self.inp, zmq.POLLIN)
         self.executor.watch(poller)
         kv_events = self.kv_events
-        kv = scheduler.kv_cache_manager
         if kv_events is not None and kv_events.replay is not None:
             poller.register(kv_events.replay, zmq.POLLIN)
         while not self._stop:
@@ -179,7 +184,7 @@ class EngineCore:
             if scheduler.has_unfinished_requests():
                 self._step()
             if kv_events is not None:
-                kv_events.publish(kv.take_events())  # a prefix-cache reset, if any
+                kv_events.publish(scheduler.take_kv_events())  # a prefix-cache reset
                 kv_events.serve_replays()
 
     def _drain_input(self) -> None:
@@ -230,7 +235,7 @@ class EngineCore:
         assert scheduler is not None
         so = scheduler.schedule()
         if self.config.log_kv:
-            log_kv_step(scheduler, so)
+            kv_log.info("%s", scheduler.describe_kv_step(so))
         if so.total_num_scheduled_tokens == 0:
             outputs = scheduler.fail_unschedulable()
             if so.finished_req_ids or so.preempted_req_ids:
@@ -251,7 +256,7 @@ class EngineCore:
         if self.kv_events is not None:
             # A step's events go out before its outputs: a router that sees a request
             # finish already knows the blocks it left cached.
-            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+            self.kv_events.publish(self._take_kv_events())
         if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
             raise ClientGone("the launcher went away")
 
@@ -273,30 +278,6 @@ class EngineCore:
 
 # Its own logger, at INFO even when the engine logs only warnings: --log-kv asks for it.
 kv_log = logging.getLogger("pagedserve.kv")
-
-
-def log_kv_step(scheduler: Scheduler, so: SchedulerOutput) -> None:
-    """The debugging view of one step: per scheduled request, prefix-hit tokens (new
-    requests), blocks held per group, blocks new this step; and the free blocks left."""
-    kv = scheduler.kv_cache_manager
-    parts = []
-    for new in so.new_reqs:
-        held = [len(ids) for ids in kv.get_block_ids(new.req_id)]
-        parts.append(f"{new.req_id} hit {new.num_computed_tokens} new {sum(held)} held {held}")
-    cached = so.cached_reqs
-    for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
-        held = [len(b) for b in kv.get_block_ids(rid)]
-        added = sum(len(b) for b in ids) if ids is not None else 0
-        parts.append(f"{rid}{' resumed' if resumed else ''} new {added} held {held}")
-    preempted = f" | preempted {so.preempted_req_ids}" if so.preempted_req_ids else ""
-    kv_log.info(
-        "step %d: free %d/%d%s | %s",
-        so.step_id,
-        kv.num_free_blocks,
-        kv.num_usable_blocks,
-        preempted,
-        " | ".join(parts) or "nothing scheduled",
-    )
 
 
 def hash_seed(config: EngineCoreConfig) -> bytes:
@@ -336,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         core = EngineCore(config)
-    except ValueError as e:  # e.g. the worker address is taken
+    except ConfigError as e:  # e.g. the worker address is taken
         log.error("%s", e)
         return 1
     code = 0
@@ -346,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     except ClientGone as e:
         log.warning("engine core: %s; exiting", e)
         code = 1
-    except (WorkerDied, ValueError) as e:
+    except (WorkerDied, ConfigError) as e:
         log.error("%s", e)
         core.fail(str(e))
         code = 1

@@ -17,6 +17,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from enginecore.errors import ConfigError
 from enginecore.kv_cache_config import (
     check_core_memory,
     make_kv_cache_config,
@@ -97,12 +98,15 @@ class Executor:
         logs it, so nobody picks a port that is taken before it is bound."""
         host = any_port(address)
         if host is None:
-            result_address, step_addresses = worker_sockets(address, self.world_size)
+            try:
+                result_address, step_addresses = worker_sockets(address, self.world_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             for sock, where in zip((self.results, *self.push), (result_address, *step_addresses)):
                 try:
                     sock.bind(where)
                 except zmq.ZMQError as e:
-                    raise ValueError(
+                    raise ConfigError(
                         f"cannot listen for workers at {where}: {e.strerror} (choose another "
                         "--worker-address, or port 0 to let the core pick free ports)"
                     ) from None
@@ -223,7 +227,11 @@ class Executor:
                 )
             except ValueError as e:
                 raise WorkerDied(f"worker rank {hello.rank}: {e}") from None
-        return size_kv_cache(unify_kv_cache_configs(configs), num_gpu_blocks)
+        try:
+            common = unify_kv_cache_configs(configs)
+        except ValueError as e:
+            raise WorkerDied(f"the ranks' KV caches cannot be unified: {e}") from None
+        return size_kv_cache(common, num_gpu_blocks)
 
     def configure(self, message: WorkerConfigure) -> None:
         self.configure_frame(self.to_worker.encode(message))
@@ -393,7 +401,7 @@ def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheC
     --num-gpu-blocks, else what memory allows up to MAX_AUTO_NUM_BLOCKS."""
     if num_gpu_blocks is not None:
         if num_gpu_blocks < 2:
-            raise ValueError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
+            raise ConfigError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
         check_core_memory(num_gpu_blocks)
         return with_num_blocks(config.kv_cache_groups, num_gpu_blocks)
     if config.num_blocks > MAX_AUTO_NUM_BLOCKS:

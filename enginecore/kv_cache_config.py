@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from enginecore.errors import ConfigError
 from protocol.config import available_host_memory
 from protocol.kv_cache import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
 
@@ -141,14 +142,14 @@ CORE_MEMORY_SHARE = 0.5
 
 
 def check_core_memory(num_blocks: int) -> None:
-    """ValueError, with numbers, if managing num_blocks would take more than
+    """ConfigError, with numbers, if managing num_blocks would take more than
     CORE_MEMORY_SHARE of the host's available memory (it would otherwise spend minutes
     building block objects before failing, or be killed)."""
     needed = num_blocks * CORE_BYTES_PER_BLOCK
     available = available_host_memory()
     if available is not None and needed > CORE_MEMORY_SHARE * available:
         gib = 1 << 30
-        raise ValueError(
+        raise ConfigError(
             f"{num_blocks} KV cache blocks need ~{needed / gib:.1f} GiB of the engine core's "
             f"memory for their bookkeeping, more than {CORE_MEMORY_SHARE:.0%} of the "
             f"{available / gib:.1f} GiB this machine has available: lower --num-gpu-blocks"

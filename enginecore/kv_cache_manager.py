@@ -10,7 +10,7 @@ from enginecore.block_pool import BlockPool
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.request import Request
 from protocol.kv_cache import KVCacheConfig
-from protocol.kv_events import KVCacheEvent
+from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
 
 
 @dataclass
@@ -39,6 +39,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: HashAlgo = "xxh3_128",
         enable_kv_events: bool = False,
+        kv_events_medium: str = MEDIUM_GPU,
         hash_seed: bytes | None = None,
     ) -> None:
         if max_model_len < 1:
@@ -47,7 +48,11 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, len(groups), enable_caching, enable_kv_events
+            kv_cache_config.num_blocks,
+            len(groups),
+            enable_caching,
+            enable_kv_events,
+            kv_events_medium,
         )
         hash_block_size = 0
         for group in groups:

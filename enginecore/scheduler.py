@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from enginecore.block_hash import HashAlgo
+from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
 from protocol.engine import (
@@ -24,6 +25,7 @@ from protocol.engine import (
     SchedulerStats,
 )
 from protocol.kv_cache import KVCacheConfig
+from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
 from protocol.worker import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -44,6 +46,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "xxh3_128"
     enable_kv_events: bool = False
+    kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,7 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             hash_algo=config.hash_algo,
             enable_kv_events=config.enable_kv_events,
+            kv_events_medium=config.kv_events_medium,
             hash_seed=config.hash_seed,
         )
         self.requests: dict[str, Request] = {}
@@ -144,6 +148,29 @@ class Scheduler:
             )
         return None
 
+    def describe_kv_step(self, so: SchedulerOutput) -> str:
+        """The --log-kv view of a step just scheduled: per request, prefix-hit tokens (new
+        requests), blocks new this step, blocks held per group; the free blocks left."""
+        kv = self.kv_cache_manager
+        parts = []
+        for new in so.new_reqs:
+            held = [len(ids) for ids in kv.get_block_ids(new.req_id)]
+            parts.append(f"{new.req_id} hit {new.num_computed_tokens} new {sum(held)} held {held}")
+        cached = so.cached_reqs
+        for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
+            held = [len(b) for b in kv.get_block_ids(rid)]
+            added = sum(len(b) for b in ids) if ids is not None else 0
+            parts.append(f"{rid}{' resumed' if resumed else ''} new {added} held {held}")
+        preempted = f" | preempted {so.preempted_req_ids}" if so.preempted_req_ids else ""
+        return (
+            f"step {so.step_id}: free {kv.num_free_blocks}/{kv.num_usable_blocks}{preempted}"
+            f" | {' | '.join(parts) or 'nothing scheduled'}"
+        )
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, in order (empty when they are off)."""
+        return self.kv_cache_manager.take_events()
+
     def check_capacity(self) -> None:
         """ValueError unless one request of max_model_len tokens fits the pool: refusing
         to start beats failing every long request later."""
@@ -152,7 +179,7 @@ class Scheduler:
         need = kv.max_blocks_held(max_len, chunk)
         if need > kv.num_usable_blocks:
             fits = kv.longest_request(max_len, chunk)
-            raise ValueError(
+            raise ConfigError(
                 f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
                 f"max_model_len {max_len} tokens needs {need}: "
                 "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
