@@ -69,6 +69,8 @@ class _Plan:
 
 _PLANS: list[_Plan] = []
 _SCRATCH: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+# (slot mapping, (block size, rows per block), valid token indices or None, cache rows)
+_SLOT_ROWS: list[tuple[torch.Tensor, tuple[int, int], torch.Tensor | None, torch.Tensor]] = []
 
 
 def write_kv_cache(
@@ -79,8 +81,41 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store token t's K/V [T, Hkv, D] in flat slot slot_mapping[t]; slot -1 is padding.
-    The reference's store is already one indexed copy for the whole batch."""
-    _reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    One index_copy_ per cache into its row view, with the cache rows (and the valid
+    tokens) derived once per step, not per layer: the reference's mask, division and
+    two-index put cost 0.11 ms a layer for 32 decode tokens (3.4 ms a step over 30
+    layers), 0.6 ms on two threads."""
+    k_rows, v_rows = _row_view(key_cache), _row_view(value_cache)
+    if k_rows is None or v_rows is None or k_rows[1] != v_rows[1]:
+        _reference_write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    valid, rows = _slot_rows(slot_mapping, key_cache.shape[1], k_rows[1])
+    if valid is not None:
+        key, value = key.index_select(0, valid), value.index_select(0, valid)
+    k_rows[0].index_copy_(0, rows, key.to(key_cache.dtype))
+    v_rows[0].index_copy_(0, rows, value.to(value_cache.dtype))
+
+
+def _slot_rows(
+    slot_mapping: torch.Tensor, block_size: int, rows_per_block: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(indices of the valid tokens, None when all are; their rows in _row_view), memoized
+    on the slot mapping's contents like the plans (every layer of a group shares it)."""
+    for i, (slots, key, valid, rows) in enumerate(_SLOT_ROWS):
+        if key == (block_size, rows_per_block) and torch.equal(slots, slot_mapping):
+            if i:
+                _SLOT_ROWS.insert(0, _SLOT_ROWS.pop(i))
+            return valid, rows
+    slots = slot_mapping.long()
+    valid_mask = slots >= 0
+    valid = None if bool(valid_mask.all()) else torch.nonzero(valid_mask).flatten()
+    if valid is not None:
+        slots = slots.index_select(0, valid)
+    rows = slots // block_size * rows_per_block + slots % block_size
+    _SLOT_ROWS.insert(0, (slot_mapping.clone(), (block_size, rows_per_block), valid, rows))
+    del _SLOT_ROWS[PLAN_CACHE_SIZE:]
+    return valid, rows
 
 
 def paged_attention(
