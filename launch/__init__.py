@@ -1,7 +1,16 @@
 """Command line, process start-up and supervision, and the Python API."""
 
+from launch.async_llm import AsyncLLM, StreamOutput
 from launch.engine import EngineDeadError
 from launch.llm import LLM, CompletionOutput, Prompt
 from protocol.engine import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineDeadError", "Prompt", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineDeadError",
+    "Prompt",
+    "SamplingParams",
+    "StreamOutput",
+]

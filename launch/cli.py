@@ -1,6 +1,7 @@
 """The `pagedserve` console script.
 
 pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
+pagedserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [flags]
 pagedserve replay DIR [--model DIR]
 """
 
@@ -95,6 +96,79 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's flags beyond the workers' (generate and serve share them)."""
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=_positive("--num-gpu-blocks"),
+        help="override the KV cache size in blocks (counts the null block)",
+    )
+    p.add_argument("--max-model-len", type=_positive("--max-model-len"))
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
+    p.add_argument(
+        "--prefix-cache-hash-seed",
+        help="secret root of the prefix-cache block hashes (default: random at each start; "
+        "replicas behind one KV-aware router need the same)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
+    )
+    p.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="wait for N `pagedserve worker` processes instead of spawning them",
+    )
+    p.add_argument(
+        "--worker-address",
+        help="where the core listens for workers "
+        "(tcp://HOST:PORT or ipc://PATH; port 0: the core picks free ports and logs "
+        "the address; default: private ipc, or tcp://127.0.0.1:29550 with --external-workers)",
+    )
+    p.add_argument(
+        "--dist-init",
+        help="torch.distributed rendezvous for TP workers "
+        "(tcp://HOST:PORT, or file://PATH on one machine; default: a file in the "
+        "engine's private directory)",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every worker to report at start-up",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a step may take before the run fails naming the rank (a stopped or "
+        "stuck worker)",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format, docs/protocol.md) on a ZeroMQ PUB "
+        "socket: tcp://*:PORT binds (tcp://HOST:0 a free port, logged), another address "
+        "is a subscriber to connect to",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        help="ROUTER socket that resends buffered event batches from a sequence number",
+    )
+    p.add_argument(
+        "--log-kv",
+        action="store_true",
+        help="log one line per step: each request's prefix hits, blocks per group, new "
+        "blocks, and the free blocks",
+    )
+    p.add_argument("--log-level", default="WARNING", help="engine processes' log level")
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="record every frame the core sends its workers, and their answers, into this "
+        "new directory, for `pagedserve replay DIR`",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -115,76 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--top-p", type=float, help="likewise (else 1.0: off)")
     g.add_argument("--top-k", type=int, help="likewise (else 0: off)")
-    g.add_argument(
-        "--num-gpu-blocks",
-        type=_positive("--num-gpu-blocks"),
-        help="override the KV cache size in blocks (counts the null block)",
-    )
-    g.add_argument("--max-model-len", type=_positive("--max-model-len"))
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
-    g.add_argument(
-        "--prefix-cache-hash-seed",
-        help="secret root of the prefix-cache block hashes (default: random at each start; "
-        "replicas behind one KV-aware router need the same)",
-    )
-    g.add_argument(
-        "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
-    )
-    g.add_argument(
-        "--external-workers",
-        action="store_true",
-        help="wait for N `pagedserve worker` processes instead of spawning them",
-    )
-    g.add_argument(
-        "--worker-address",
-        help="where the core listens for workers "
-        "(tcp://HOST:PORT or ipc://PATH; port 0: the core picks free ports and logs "
-        "the address; default: private ipc, or tcp://127.0.0.1:29550 with --external-workers)",
-    )
-    g.add_argument(
-        "--dist-init",
-        help="torch.distributed rendezvous for TP workers "
-        "(tcp://HOST:PORT, or file://PATH on one machine; default: a file in the "
-        "engine's private directory)",
-    )
-    g.add_argument(
-        "--worker-timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for every worker to report at start-up",
-    )
-    g.add_argument(
-        "--step-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a step may take before the run fails naming the rank (a stopped or "
-        "stuck worker)",
-    )
-    g.add_argument(
-        "--kv-events-endpoint",
-        help="publish KV-cache events (vLLM's format, docs/protocol.md) on a ZeroMQ PUB "
-        "socket: tcp://*:PORT binds (tcp://HOST:0 a free port, logged), another address "
-        "is a subscriber to connect to",
-    )
-    g.add_argument(
-        "--kv-events-replay-endpoint",
-        help="ROUTER socket that resends buffered event batches from a sequence number",
-    )
-    g.add_argument(
-        "--log-kv",
-        action="store_true",
-        help="log one line per step: each request's prefix hits, blocks per group, new "
-        "blocks, and the free blocks",
-    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--log-level", default="WARNING", help="engine processes' log level")
-    g.add_argument(
-        "--record",
-        metavar="DIR",
-        help="record every frame the core sends its workers, and their answers, into this "
-        "new directory, for `pagedserve replay DIR`",
+    _add_engine_flags(g)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (launch/serve.py)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    v.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: --model as given)",
     )
+    v.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="answer 503 to new requests while this many wait for their first token "
+        "(default: no limit)",
+    )
+    _add_worker_flags(v)
+    _add_engine_flags(v)
 
     w = sub.add_parser("worker", help="run one worker rank that connects to a core")
     w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
@@ -345,6 +367,16 @@ def generate(args: argparse.Namespace) -> int:
     return code
 
 
+def serve(args: argparse.Namespace) -> int:
+    from launch.serve import serve
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)  # start-up unwinds like Ctrl-C (see generate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    return serve(args, _engine_kwargs(args))
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         block_size=args.block_size,
@@ -393,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "generate":
         return generate(args)
+    if args.command == "serve":
+        return serve(args)
     if args.command == "worker":
         return worker(args)
     if args.command == "replay":

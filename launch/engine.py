@@ -182,6 +182,9 @@ class EngineProcesses:
         args = self.args
         self.to_core = self.ctx.socket(zmq.PUSH)
         self.to_core.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: a send never blocks, so an event loop can send from
+        # its own thread (the client bounds how many requests it has in flight).
+        self.to_core.setsockopt(zmq.SNDHWM, 0)
         self.from_core = self.ctx.socket(zmq.PULL)
         self.from_client: Codec[ClientMessage] = Codec(ClientMessage, "client->core")
         self.to_client: Codec[CoreMessage] = Codec(CoreMessage, "core->client")
@@ -305,26 +308,45 @@ class EngineProcesses:
 
     def _recv(self, timeout_ms: int) -> CoreMessage | None:
         if self.from_core.poll(timeout_ms):
-            msg = self.to_client.decode(self.from_core.recv())
+            msg = self.decode(self.from_core.recv())
             if isinstance(msg, EngineDead):
-                self.shutdown()
-                raise EngineDeadError(f"engine stopped: {msg.reason}{self._exit_codes()}")
+                raise self.stopped(msg.reason)
             return msg
-        dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
-        if dead:
+        if self.lost_processes():
             # A worker is gone but the core lives: it notices too and fails the open
             # requests with the reason before it stops. Wait for that (or for the core
             # to exit), however slow a loaded machine makes it.
-            core = self.procs["engine core"]
             deadline = time.monotonic() + CORE_REPORT_TIMEOUT_S
-            while core.poll() is None and time.monotonic() < deadline:
+            while self.awaiting_core_report(deadline):
                 if self.from_core.poll(100):
                     return self._recv(0)
             if self.from_core.poll(0):
                 return self._recv(0)
-            self.shutdown()
-            raise EngineDeadError(f"engine stopped:{self._exit_codes()}")
+            raise self.stopped()
         return None
+
+    # The pieces of _recv, for clients that wait on the output socket their own way
+    # (AsyncLLM awaits it on an event loop).
+    def decode(self, frame: bytes) -> CoreMessage:
+        """A message from the core (EngineDead: call stopped() with its reason)."""
+        return self.to_client.decode(frame)
+
+    def lost_processes(self) -> list[str]:
+        """Names of the engine processes that have exited."""
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def awaiting_core_report(self, deadline: float) -> bool:
+        """After a lost process: whether the core may still report why (it lives and
+        the deadline has not passed)."""
+        return self.procs["engine core"].poll() is None and time.monotonic() < deadline
+
+    def stopped(self, reason: str = "") -> EngineDeadError:
+        """Shut everything down; the error names the reason and every process that
+        failed, with its exit status."""
+        self.shutdown()
+        return EngineDeadError(
+            f"engine stopped:{' ' if reason else ''}{reason}{self._exit_codes()}"
+        )
 
     def _exit_codes(self) -> str:
         parts = []

@@ -8,12 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from launch.chat import ChatTemplate, load_chat_template
+from launch.chat import ChatTemplate
 from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
-from launch.hub import resolve_model
-from launch.tokenizer import Tokenizer, load_tokenizer
+from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
+from launch.tokenizer import Tokenizer
 from protocol.engine import SamplingParams, SchedulerStats
 
 
@@ -26,20 +24,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-
-
-@dataclass
-class Prompt:
-    """One input: text, token ids or a chat conversation (exactly one), with optional
-    per-request settings. messages are rendered with the model's chat template."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    sampling_params: SamplingParams | None = None
-    cache_salt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -67,19 +51,11 @@ class LLM:
     small random Llama, offline. Keyword arguments are EngineArgs fields."""
 
     def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
-        from worker.model_config import load_model_config  # fails fast, naming the file
-
-        if model is None:
-            from launch.builtin_model import builtin_model_dir
-
-            model = str(builtin_model_dir())
-        else:
-            model = resolve_model(model)
-        load_model_config(model)
-        self.model = model
-        self.tokenizer: Tokenizer | None = load_tokenizer(model)
-        self.chat_template: ChatTemplate | None = load_chat_template(model)
-        self.engine = EngineProcesses(EngineArgs(model=model, **kwargs), log_level=log_level)
+        self.inputs = InputProcessor.load(model)
+        self.model = self.inputs.model_dir
+        self.tokenizer: Tokenizer | None = self.inputs.tokenizer
+        self.chat_template: ChatTemplate | None = self.inputs.chat_template
+        self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)
         ready = self.engine.ready
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = ready.eos_token_ids
@@ -113,14 +89,16 @@ class LLM:
         finish = on_finish or (lambda _out: None)
         bar = _progress(len(items), use_tqdm)
         for index, (item, default) in enumerate(zip(items, params)):
-            p = item if isinstance(item, Prompt) else _to_prompt(item)
+            p = to_prompt(item)
             out = CompletionOutput(index=index, prompt_token_ids=[])
             results.append(out)
             try:
-                ids = self._token_ids(p)
+                ids = self.inputs.token_ids(p, self.vocab_size)
                 request_params = default
                 if p.sampling_params is not None:
-                    request_params = _checked_params(p.sampling_params, index, self.vocab_size)
+                    request_params = checked_params(
+                        p.sampling_params, f"prompt {index}", self.vocab_size
+                    )
             except (TypeError, ValueError) as e:
                 out.finish_reason, out.error = "error", f"prompt {index}: {e}"
                 finish(out)
@@ -220,38 +198,6 @@ class LLM:
             out.text = self.tokenizer.decode(out.token_ids)
         finish(out)
 
-    def _token_ids(self, p: Prompt) -> list[int]:
-        given = (p.prompt is not None) + (p.prompt_token_ids is not None) + (p.messages is not None)
-        if given != 1:
-            raise ValueError("give exactly one of prompt, prompt_token_ids and messages")
-        if p.messages is not None:
-            if self.chat_template is None:
-                raise ValueError(
-                    f"model {self.model} has no chat template (no chat_template.jinja, and no "
-                    "chat_template in tokenizer_config.json): give a prompt instead"
-                )
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
-            text = self.chat_template.render(
-                p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
-            )
-            # The rendered text already holds the template's special tokens (BOS too).
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if p.prompt_token_ids is not None:
-            ids = list(p.prompt_token_ids)
-            vocab = self.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool):
-                    raise TypeError(f"prompt_token_ids holds {t!r}, not an int")
-                if not 0 <= t < vocab:
-                    raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab})")
-            return ids
-        if not isinstance(p.prompt, str):
-            raise TypeError(f"prompt must be a str, got {type(p.prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
-        return self.tokenizer.encode(p.prompt)
-
     def close(self) -> None:
         self._closed = True
         self.engine.shutdown()
@@ -277,32 +223,6 @@ def _as_prompt_list(prompts: object) -> list:
     )
 
 
-def _to_prompt(item: object) -> Prompt:
-    if isinstance(item, str):
-        return Prompt(prompt=item)
-    if isinstance(item, (list, tuple)):
-        return Prompt(prompt_token_ids=list(item))
-    raise TypeError(f"a prompt is a str, a list of token ids or a Prompt, not {item!r}")
-
-
-def _checked_params(params: object, index: int, vocab_size: int) -> SamplingParams:
-    """params, if it is a SamplingParams whose fields have the declared types and sane
-    values (msgspec does not check types at construction: 8.0 would reach the wire)."""
-    if not isinstance(params, SamplingParams):
-        raise TypeError(
-            f"prompt {index}: sampling params must be a SamplingParams, got {type(params).__name__}"
-        )
-    try:
-        msgspec.convert(msgspec.structs.asdict(params), SamplingParams)
-    except msgspec.ValidationError as e:
-        raise TypeError(f"prompt {index}: SamplingParams: {e}") from None
-    try:
-        params.validate(vocab_size)
-    except ValueError as e:
-        raise ValueError(f"prompt {index}: {e}") from None
-    return params
-
-
 def _per_prompt_params(
     params: SamplingParams | Sequence[SamplingParams] | None, n: int, vocab_size: int
 ) -> list[SamplingParams]:
@@ -312,8 +232,8 @@ def _per_prompt_params(
     if isinstance(params, (list, tuple)):
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
-        return [_checked_params(p, i, vocab_size) for i, p in enumerate(params)]
-    checked = _checked_params(params, 0, vocab_size)
+        return [checked_params(p, f"prompt {i}", vocab_size) for i, p in enumerate(params)]
+    checked = checked_params(params, "prompt 0", vocab_size)
     return [checked] * n
 
 

@@ -1,0 +1,369 @@
+"""The asyncio API: stream requests through one engine from many coroutines.
+
+`AsyncLLM` is how another Python program embeds the engine (the HTTP server is one)::
+
+    import asyncio
+    from launch import AsyncLLM, SamplingParams
+    from launch.async_llm import run
+
+    async def main() -> None:
+        engine = AsyncLLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=2048)
+        try:
+            params = SamplingParams(max_tokens=32, temperature=0)
+            chat = [{"role": "user", "content": "What is the capital of France?"}]
+            async for out in engine.generate(chat, params):
+                print(out.text, end="", flush=True)
+        finally:
+            await engine.aclose()
+
+    run(main())  # asyncio.run, on uvloop when it is installed
+
+The constructor starts the engine processes (EngineProcesses: the same start-up and
+supervision as `LLM`) and blocks until they are ready; `await AsyncLLM.create(...)` does it
+off the event loop. One task on the loop reads the core's outputs and hands each to its
+request's queue, so thousands of requests stream concurrently on one loop. Leaving a
+stream early (break, an exception, cancelling the consuming task) aborts its request in
+the core at once. If the engine dies, every open stream raises EngineDeadError naming
+the process and the cause (requests the core could fail itself first end with
+finish_reason "error" and that reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from launch.detokenizer import IncrementalDetokenizer
+from launch.engine import CORE_REPORT_TIMEOUT_S, EngineArgs, EngineDeadError, EngineProcesses
+from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
+from protocol.engine import EngineDead, EngineOutputs, RequestOutput, SamplingParams, SchedulerStats
+
+log = logging.getLogger("pagedserve.launch")
+T = TypeVar("T")
+
+# How often the reader looks at the child processes while the core is silent (an idle
+# engine sends nothing; a dead one may not be able to say so).
+WATCH_INTERVAL_MS = 500
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """What one engine step added to a request. text is the decoded delta (never part of
+    a character; "" when the model has no tokenizer); finish_reason is set once, on the
+    last output ("length", "stop", "abort" or "error", with error saying why)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    num_output_tokens: int  # so far, this output's included
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at finish)
+    error: str | None = None
+
+
+class RequestStream:
+    """An open request: iterate it for StreamOutputs. Closing it, or dropping it before
+    the end, aborts the request in the core."""
+
+    def __init__(
+        self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int], text: bool
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._detok = (
+            IncrementalDetokenizer(engine.tokenizer) if text and engine.tokenizer else None
+        )
+        self._num_output_tokens = 0
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            # Cancelled while waiting (a client went away): the core stops at once.
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return self._output(item)
+
+    def _output(self, o: RequestOutput) -> StreamOutput:
+        self._num_output_tokens += len(o.new_token_ids)
+        text = ""
+        if self._detok is not None:
+            text = self._detok.step(o.new_token_ids)
+            if o.finish_reason is not None:
+                text += self._detok.flush()
+        if o.finish_reason is not None:
+            self.finished = True
+            self._engine._forget(self.request_id)
+        return StreamOutput(
+            self.request_id,
+            o.new_token_ids,
+            text,
+            self._num_output_tokens,
+            o.finish_reason,
+            o.num_cached_tokens,
+            o.error,
+        )
+
+    def close(self) -> None:
+        """Abort the request if it is still running (idempotent, never blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._engine._abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # `break` out of `async for` drops the stream: abort now, not at garbage
+        # collection of some async generator later.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class AsyncLLM:
+    """An engine (core + workers) for asyncio programs. model: a local checkpoint
+    directory or a Hub id (org/name[@revision]); None runs the built-in model. Keyword
+    arguments are EngineArgs fields."""
+
+    def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
+        self.inputs = InputProcessor.load(model)
+        self.model = self.inputs.model_dir
+        self.tokenizer = self.inputs.tokenizer
+        self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)
+        ready = self.engine.ready
+        self.vocab_size = ready.vocab_size
+        self.max_model_len = ready.max_model_len
+        self.eos_token_ids = ready.eos_token_ids
+        self.sampling_defaults = ready.sampling_defaults
+        self.stats: SchedulerStats | None = None  # the latest, after every engine step
+        self.dead_reason: str | None = None  # set once the engine has stopped
+        self.on_stats: Callable[[SchedulerStats], None] | None = None
+        # Open requests' queues, not their streams: a stream the caller drops is collected
+        # at once (its __del__ aborts the request).
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._ids = itertools.count()
+        self._reader: asyncio.Task[None] | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._dead = asyncio.Event()  # binds to a loop only when first awaited
+        # Set before the engine's sockets close (shutdown runs off the loop, in a thread):
+        # from then on nothing on the loop sends.
+        self._closing = False
+        self._closed = False
+
+    @classmethod
+    async def create(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:
+        """Start an engine without blocking the running event loop."""
+        return await asyncio.to_thread(cls, model, **kwargs)
+
+    # -- requests ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]] | Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        text: bool = True,
+    ) -> RequestStream:
+        """Start a request and return its stream of outputs. prompt: text, token ids, a
+        chat conversation ([{"role", "content"}, ...]) or a Prompt. request_id must not
+        be open already (default: a fresh one). text False skips detokenizing.
+        Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
+        self._check_running()
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = Prompt(messages=prompt)
+        p = to_prompt(prompt)
+        rid = f"req-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already open")
+        params = sampling_params if sampling_params is not None else p.sampling_params
+        params = SamplingParams() if params is None else params
+        params = checked_params(params, f"request {rid}", self.vocab_size)
+        ids = self.inputs.token_ids(p, self.vocab_size)
+        stream = RequestStream(self, rid, ids, text)
+        self._queues[rid] = stream._queue
+        self.engine.add_request(rid, ids, params, cache_salt or p.cache_salt)
+        return stream
+
+    def prompt_token_ids(
+        self, prompt: str | list[int] | list[dict[str, Any]] | Prompt
+    ) -> list[int]:
+        """The token ids generate() would send for prompt (raises as it would)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = Prompt(messages=prompt)
+        return self.inputs.token_ids(to_prompt(prompt), self.vocab_size)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)
+
+    def abort_all(self) -> None:
+        """Abort every open request; each stream ends with finish_reason "abort"."""
+        if self._queues and self._can_send():
+            self.engine.abort(list(self._queues))
+
+    def reset_prefix_cache(self) -> None:
+        self._check_running()
+        self.engine.reset_prefix_cache()
+
+    def _abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None and self._can_send():
+            self.engine.abort([request_id])
+
+    def _can_send(self) -> bool:
+        return not self._closing and self.dead_reason is None and not self.engine.closed
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def _check_running(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if self._closing or self.engine.closed:
+            raise EngineDeadError("the engine was shut down; start a new one")
+        if self._reader is None:
+            self._start_reader()
+
+    # -- the output reader --------------------------------------------------------------
+    def _start_reader(self) -> None:
+        """Bind to the running loop: one task reads every output of the core."""
+        self._socket = zmq.asyncio.Socket.from_socket(self.engine.from_core)
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="engine-reader")
+
+    async def start(self) -> None:
+        """Attach to the running loop now (generate() does it on first use)."""
+        self._check_running()
+
+    async def wait_dead(self) -> str:
+        """Wait until the engine dies (not a shutdown by aclose()); its reason."""
+        if self.dead_reason is None and self._reader is None:
+            self._check_running()
+        await self._dead.wait()
+        return self.dead_reason or "the engine stopped"
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = self.engine.decode(await self._next_frame())
+                if isinstance(msg, EngineOutputs):
+                    self._dispatch(msg)
+                elif isinstance(msg, EngineDead):
+                    raise await self._stop_engine(msg.reason)
+                else:
+                    raise EngineDeadError(f"unexpected {type(msg).__name__} from the engine core")
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._die(str(e))
+        except Exception as e:  # a bug here must not leave streams waiting forever
+            log.exception("engine output reader failed")
+            self._die(f"the engine client failed: {type(e).__name__}: {e}")
+
+    async def _next_frame(self) -> bytes:
+        sock = self._socket
+        assert sock is not None
+        while not await sock.poll(WATCH_INTERVAL_MS):
+            if not self.engine.lost_processes():
+                continue
+            # A process is gone: give the core the time EngineProcesses gives it to
+            # report why (it fails the open requests first), without blocking the loop.
+            deadline = time.monotonic() + CORE_REPORT_TIMEOUT_S
+            while not await sock.poll(100):
+                if not self.engine.awaiting_core_report(deadline):
+                    raise await self._stop_engine("")
+        return await sock.recv()
+
+    async def _stop_engine(self, reason: str) -> EngineDeadError:
+        """The engine is going down: stop its processes off the loop; the error to raise."""
+        self._closing = True
+        self._release_socket()
+        return await asyncio.to_thread(self.engine.stopped, reason)
+
+    def _dispatch(self, batch: EngineOutputs) -> None:
+        if batch.stats is not None:
+            self.stats = batch.stats
+            if self.on_stats is not None:
+                self.on_stats(batch.stats)
+        queues = self._queues
+        for o in batch.outputs:
+            queue = queues.get(o.request_id)
+            if queue is not None:
+                queue.put_nowait(o)
+        for r in batch.rejected:  # generate() refuses open ids, so only a bug gets here
+            log.error("the engine refused request %s: %s", r.request_id, r.reason)
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._end_streams(EngineDeadError(reason))
+        self._release_socket()
+        self._dead.set()
+
+    def _end_streams(self, error: EngineDeadError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+
+    def _release_socket(self) -> None:
+        # The event loop watches this socket's descriptor: stop that before the engine's
+        # context closes it.
+        if self._socket is not None and not self._socket.closed:
+            self._socket.close(linger=0)
+
+    # -- shutdown -----------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """End every open stream (EngineDeadError), stop the reader, stop the engine
+        processes in order (off the loop). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_all()
+        stopping = self._closing  # the reader is already stopping the engine: let it end
+        self._closing = True
+        self._end_streams(EngineDeadError("the engine was shut down"))
+        if self._reader is not None:
+            if not stopping:
+                self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._release_socket()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine processes from outside a running loop (aclose() inside one)."""
+        self._closing = True
+        self._release_socket()
+        self.engine.shutdown()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main) on uvloop when it is installed (a faster loop; same semantics)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StreamOutput", "run"]

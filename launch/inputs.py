@@ -1,0 +1,120 @@
+"""What a request is made of, and how it becomes the token ids the engine takes.
+
+Shared by the synchronous `LLM`, the asyncio `AsyncLLM` and the HTTP server, so a prompt
+(text, token ids or a chat conversation) means the same thing through every door.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from launch.chat import ChatTemplate, load_chat_template
+from launch.tokenizer import Tokenizer, load_tokenizer
+from protocol.engine import SamplingParams
+
+
+@dataclass
+class Prompt:
+    """One input: text, token ids or a chat conversation (exactly one), with optional
+    per-request settings. messages are rendered with the model's chat template."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling_params: SamplingParams | None = None
+    cache_salt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def to_prompt(item: object) -> Prompt:
+    """A Prompt from text, token ids or a Prompt."""
+    if isinstance(item, Prompt):
+        return item
+    if isinstance(item, str):
+        return Prompt(prompt=item)
+    if isinstance(item, (list, tuple)):
+        return Prompt(prompt_token_ids=list(item))
+    raise TypeError(f"a prompt is a str, a list of token ids or a Prompt, not {item!r}")
+
+
+def checked_params(params: object, what: str, vocab_size: int) -> SamplingParams:
+    """params, if it is a SamplingParams whose fields have the declared types and sane
+    values (msgspec does not check types at construction: 8.0 would reach the wire).
+    what names the request in errors ("prompt 3")."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(
+            f"{what}: sampling params must be a SamplingParams, got {type(params).__name__}"
+        )
+    try:
+        msgspec.convert(msgspec.structs.asdict(params), SamplingParams)
+    except msgspec.ValidationError as e:
+        raise TypeError(f"{what}: SamplingParams: {e}") from None
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return params
+
+
+class InputProcessor:
+    """A model's tokenizer and chat template: prompts in, token ids out.
+
+    load() finds the model's files (the built-in model, a directory or a Hub id) and
+    checks its config before any engine process starts, so a bad model fails fast."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
+        self.chat_template: ChatTemplate | None = load_chat_template(model_dir)
+
+    @classmethod
+    def load(cls, model: str | None) -> InputProcessor:
+        """model: a local checkpoint directory, a Hub id (org/name[@revision]), or None
+        for the built-in model. Raises ValueError naming what is wrong."""
+        from launch.hub import resolve_model
+        from worker.model_config import load_model_config  # fails fast, naming the file
+
+        if model is None:
+            from launch.builtin_model import builtin_model_dir
+
+            model = str(builtin_model_dir())
+        else:
+            model = resolve_model(model)
+        load_model_config(model)
+        return cls(model)
+
+    def token_ids(self, p: Prompt, vocab_size: int) -> list[int]:
+        """The prompt's token ids; TypeError or ValueError says why it cannot be run."""
+        given = (p.prompt is not None) + (p.prompt_token_ids is not None) + (p.messages is not None)
+        if given != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids and messages")
+        if p.messages is not None:
+            if self.chat_template is None:
+                raise ValueError(
+                    f"model {self.model_dir} has no chat template (no chat_template.jinja, and "
+                    "no chat_template in tokenizer_config.json): give a prompt instead"
+                )
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
+            text = self.chat_template.render(
+                p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
+            )
+            # The rendered text already holds the template's special tokens (BOS too).
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if p.prompt_token_ids is not None:
+            ids = list(p.prompt_token_ids)
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise TypeError(f"prompt_token_ids holds {t!r}, not an int")
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab_size})")
+            return ids
+        if not isinstance(p.prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(p.prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
+        return self.tokenizer.encode(p.prompt)

@@ -1,0 +1,157 @@
+"""The server's Prometheus metrics, under vLLM's names so existing dashboards work.
+
+Every metric is named `vllm:<name>` as vLLM (v1) names it, labelled model_name; the one
+metric of our own is `pagedserve:open_requests`. Engine-side values (queue lengths, KV
+usage, prefix-cache tokens, preemptions) come from the SchedulerStats the core sends
+with each step's outputs; request latencies and token counts are measured in the server
+as it streams each request.
+
+| metric | type | what |
+| --- | --- | --- |
+| vllm:num_requests_running / _waiting | gauge | the core's queues, last step |
+| vllm:kv_cache_usage_perc | gauge | fraction of KV blocks in use (0..1) |
+| vllm:prefix_cache_queries_total / _hits_total | counter | prompt tokens looked up / hit |
+| vllm:num_preemptions_total | counter | requests preempted |
+| vllm:prompt_tokens_total / generation_tokens_total | counter | tokens in / out |
+| vllm:request_success_total{finished_reason} | counter | requests that ended |
+| vllm:time_to_first_token_seconds | histogram | arrival to first token |
+| vllm:inter_token_latency_seconds | histogram | between tokens of a request |
+| vllm:e2e_request_latency_seconds | histogram | arrival to last token |
+| vllm:request_prompt_tokens / _generation_tokens | histogram | tokens per request |
+| pagedserve:open_requests | gauge | requests the server has open in the engine |
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import prometheus_client as prom
+
+from protocol.engine import SchedulerStats
+
+# Latency buckets from 1 ms (a cached decode on a GPU) to 10 min (a long CPU request).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 600)
+CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
+
+
+def token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50... up to max_model_len."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    def __init__(
+        self, model_name: str, max_model_len: int, open_requests: Callable[[], int]
+    ) -> None:
+        prom.disable_created_metrics()  # the *_created series only double the output
+        self.registry = prom.CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple | list) -> prom.Histogram:
+            return prom.Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
+        self.queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.")
+        self.hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Preempted requests.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.success = prom.Counter(
+            "vllm:request_success",
+            "Requests that ended, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.model_name = model_name
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
+        )
+        tokens = token_buckets(max_model_len)
+        self.request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens
+        )
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", tokens
+        )
+        prom.Gauge(
+            "pagedserve:open_requests",
+            "Requests the server has open in the engine.",
+            registry=r,
+        ).set_function(open_requests)
+        self._last: SchedulerStats | None = None
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The core's counts are cumulative since it started: count what is new.
+        last = self._last
+        self.queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self._last = stats
+
+    def request(self, num_prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt.observe(num_prompt_tokens)
+        return RequestTimer(self)
+
+    def exposition(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class RequestTimer:
+    """One request's latencies, fed as its outputs arrive."""
+
+    __slots__ = ("_first", "_last", "_metrics", "_start", "num_tokens")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._start = self._last = time.monotonic()
+        self._first: float | None = None
+        self.num_tokens = 0
+
+    def tokens(self, n: int) -> None:
+        """n new tokens arrived now (one step's worth: n is 1 but for the first)."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        m = self._metrics
+        if self._first is None:
+            self._first = now
+            m.ttft.observe(now - self._start)
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+        self._last = now
+        self.num_tokens += n
+        m.generation_tokens.inc(n)
+
+    def finish(self, finish_reason: str) -> None:
+        m = self._metrics
+        m.e2e.observe(time.monotonic() - self._start)
+        m.request_generation.observe(self.num_tokens)
+        m.success.labels(m.model_name, finish_reason).inc()

@@ -1,0 +1,251 @@
+"""The OpenAI-compatible request bodies: decoded and checked once, at the boundary.
+
+Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
+engine does not implement is a 400 naming the field, never silently ignored. Options the
+engine does not support yet (logprobs, penalties, stop strings, n > 1...) are accepted
+only at their neutral values. Extensions beyond OpenAI's API: top_k, stop_token_ids,
+ignore_eos, cache_salt, return_token_ids (the token ids of prompt and completion in the
+response), and for chat add_generation_prompt and chat_template_kwargs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from protocol.engine import SamplingParams
+
+# OpenAI's legacy completions default; chat completions default to the context left.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+    user: str | None = None  # accepted, unused
+    # Not supported yet: accepted only at their neutral values (unsupported()).
+    n: int = 1
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[str]:
+        """The options set to something this engine cannot do yet."""
+        bad = []
+        if self.n != 1:
+            bad.append("n")
+        if self.stop:  # null, "" and [] mean no stop strings
+            bad.append("stop")
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_tokens", 0),
+        ):
+            if getattr(self, name) != neutral:
+                bad.append(name)
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        if self.echo:
+            bad.append("echo")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        if self.suffix:
+            bad.append("suffix")
+        return bad
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text or token ids (a list of one of them is that one)."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        if all(isinstance(x, (str, list)) for x in p):
+            raise APIError(
+                "several prompts in one request are not supported yet: send one request per prompt",
+                param="prompt",
+                code="unsupported_parameter",
+            )
+        raise APIError(
+            "prompt must be a string or a list of token ids",
+            param="prompt",
+            code="invalid_type",
+        )
+
+
+class ChatCompletionRequest(_Request, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.logprobs:
+            bad.append("logprobs")
+        if self.top_logprobs:
+            bad.append("top_logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.tool_choice not in (None, "none"):
+            bad.append("tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            bad.append("response_format")
+        return bad
+
+
+def decode_body(raw: bytes, kind: type[_Request]) -> Any:
+    """The request, or an APIError naming the field that is wrong."""
+    try:
+        body = msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        at = re.search(r"at `\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)
+        code = "invalid_type"
+        if "missing required field" in text:
+            code = "missing_required_parameter"
+        elif "unknown field" in text:
+            code = "unknown_parameter"
+        raise APIError(text, param=at.group(1) if at else None, code=code) from None
+    except msgspec.DecodeError as e:
+        raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    bad = body.unsupported()
+    if bad:
+        raise APIError(
+            f"{', '.join(bad)}: not supported yet by this server (leave at the default)",
+            param=bad[0],
+            code="unsupported_parameter",
+        )
+    return body
+
+
+def sampling_params(
+    body: _Request,
+    max_tokens: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> SamplingParams:
+    """The engine's SamplingParams for body, checked; max_tokens None: default."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(
+            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+            f"{max_model_len} tokens, leaving none to generate",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        chat = isinstance(body, ChatCompletionRequest)
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    elif max_tokens > room and max_tokens >= 1:
+        raise APIError(
+            f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
+            f"(prompt) + {max_tokens} (max_tokens) were asked for",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split()[0], code="invalid_value") from None
+    return params
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

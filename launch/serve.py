@@ -1,0 +1,151 @@
+"""`pagedserve serve`: the engine behind the OpenAI-compatible API, on uvicorn.
+
+Order of life: bind the port (a taken port fails before the engine starts), start the
+engine processes, serve. It ends in order too: on SIGINT, SIGTERM or SIGHUP every open
+request is aborted (streams end with an error event), uvicorn closes its connections,
+then the engine stops its workers and exits; status 0. If an engine process dies, open
+streams end with an error naming it and the server exits with status 1 within a few
+seconds. Children never outlive us (they also watch our pid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from launch.async_llm import AsyncLLM
+from launch.engine import EngineDeadError
+from launch.server import OpenAIServer
+
+log = logging.getLogger("pagedserve.serve")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After the engine died, or a stop signal, how long open connections may take to end.
+GRACEFUL_S = 3
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with our own signal handling: a stop signal aborts open requests so
+    their streams end now, and is not re-raised after shutdown (uvicorn would)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, name: str) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.name = name
+        self.stop_signal: int | None = None
+        self.engine_died: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, _frame: FrameType | None) -> None:
+        if self.stop_signal is not None:
+            self.force_exit = True  # a second signal: stop waiting for connections
+        self.stop_signal = sig
+        self.should_exit = True
+        if self._loop is not None:
+            # Not from inside the handler: it may interrupt the loop between two steps
+            # of starting a request.
+            self._loop.call_soon_threadsafe(self.engine.abort_all)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            print(f"pagedserve serve: {self.name} on http://{host}:{port}", file=sys.stderr)
+            asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        self.engine_died = await self.engine.wait_dead()
+        self.should_exit = True
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    """0 after a stop signal; 1 if the engine failed; 2 for bad settings."""
+    from launch.cli import Terminated
+
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        print("pagedserve serve: --max-waiting-requests must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"pagedserve serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    engine = None
+    try:
+        engine = AsyncLLM(args.model, log_level=args.log_level, **engine_kwargs)
+        name = args.served_model_name or args.model or "pagedserve-builtin"
+        server = _Server(_config(engine, name, args), engine, name)
+        server.run(sockets=[sock])
+    except (ValueError, EngineDeadError) as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated):
+        return 0  # during start-up: EngineProcesses stopped what it had started
+    finally:
+        sock.close()
+        if engine is not None:
+            engine.shutdown()
+    if server.engine_died is not None:
+        print(f"pagedserve serve: {server.engine_died}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.aclose()  # after uvicorn closed its connections
+
+    api = OpenAIServer(engine, name, args.max_waiting_requests)
+    return uvicorn.Config(
+        api.app(lifespan),
+        loop=_loop(),
+        http="h11",
+        lifespan="on",
+        log_level=args.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_S,
+    )
+
+
+def _loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache. Streaming answers
+are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
+`{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
+streaming or not, aborts its request in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from launch.async_llm import AsyncLLM, RequestStream
+from launch.chat import ChatTemplateError
+from launch.engine import EngineDeadError
+from launch.inputs import Prompt
+from launch.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from launch.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    sampling_params,
+    usage,
+)
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(body: object, status: int = 200) -> Response:
+    return Response(_json.encode(body), status, media_type="application/json")
+
+
+def error_response(e: APIError) -> Response:
+    return json_response(e.body(), e.status)
+
+
+class OpenAIServer:
+    """The routes' state: the engine, the served model's name, metrics, admission."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+        # Requests admitted that have not had their first token: what
+        # --max-waiting-requests bounds (exact here; the core's queue is a step old).
+        self.num_waiting = 0
+        self.metrics = ServerMetrics(
+            model_name, engine.max_model_len, lambda: engine.num_open_requests
+        )
+        engine.on_stats = self.metrics.on_stats
+
+    def app(self, lifespan: Any = None) -> Starlette:
+        return Starlette(
+            lifespan=lifespan,
+            routes=[
+                Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+                Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            ],
+        )
+
+    # -- small routes -------------------------------------------------------------------
+    async def models(self, _request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedserve"}
+        card["max_model_len"] = self.engine.max_model_len
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, _request: Request) -> Response:
+        if self.engine.dead_reason is not None:
+            return error_response(APIError(self.engine.dead_reason, 503))
+        return Response(status_code=200)
+
+    async def metrics_endpoint(self, _request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def reset_prefix_cache(self, _request: Request) -> Response:
+        self.engine.reset_prefix_cache()  # the core refuses (and logs) while blocks are held
+        return Response(status_code=200)
+
+    # -- generation ---------------------------------------------------------------------
+    def _guard(
+        self, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """Bad input and a dead engine become OpenAI-style errors; the server keeps on."""
+
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+            except EngineDeadError as e:
+                return error_response(APIError(str(e), 503))
+
+        return run
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        self._check_model(body.model)
+        prompt = body.prompt_input()
+        try:
+            ids = self.engine.prompt_token_ids(prompt)
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), param="prompt", code="invalid_value") from None
+        return await self._generate(request, body, ids, body.max_tokens, "cmpl", chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        self._check_model(body.model)
+        prompt = Prompt(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        try:
+            ids = self.engine.prompt_token_ids(prompt)
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages", code="invalid_value") from None
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), param="messages", code="invalid_value") from None
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
+        return await self._generate(request, body, ids, max_tokens, "chatcmpl", chat=True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                400,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _generate(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        max_tokens: int | None,
+        prefix: str,
+        chat: bool,
+    ) -> Response:
+        engine = self.engine
+        params = sampling_params(
+            body, max_tokens, len(ids), engine.max_model_len, engine.vocab_size
+        )
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise APIError(
+                f"{self.num_waiting} requests are already waiting (--max-waiting-requests "
+                f"{self.max_waiting}); retry later",
+                503,
+                code="too_many_waiting_requests",
+            )
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = engine.generate(ids, params, request_id, cache_salt=body.cache_salt)
+        call = _Call(self, body, stream, request_id, chat)
+        if body.stream:
+            # Starlette cancels the body's iteration when the client disconnects; the
+            # stream's close() then aborts the request.
+            return StreamingResponse(call.events(), media_type="text/event-stream")
+        return await _until_disconnect(request, call.complete())
+
+
+class _Call:
+    """One generation request: its stream, timings, and the shapes of its answers."""
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        body: CompletionRequest | ChatCompletionRequest,
+        stream: RequestStream,
+        request_id: str,
+        chat: bool,
+    ) -> None:
+        self.server = server
+        self.body = body
+        self.stream = stream
+        self.id = request_id
+        self.chat = chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.timer: RequestTimer = server.metrics.request(len(stream.prompt_token_ids))
+        self.num_cached = 0
+        self._waiting = True
+        server.num_waiting += 1
+
+    def _started(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self.server.num_waiting -= 1
+
+    async def _outputs(self) -> AsyncIterator[tuple[list[int], str, str | None]]:
+        """(new token ids, text, finish reason) per output; APIError for a failure."""
+        try:
+            async for out in self.stream:
+                self._started()
+                self.timer.tokens(len(out.new_token_ids))
+                if out.finish_reason is not None:
+                    self.timer.finish(out.finish_reason)
+                    self.num_cached = out.num_cached_tokens
+                    if out.finish_reason == "error":
+                        raise APIError(out.error or "the request failed", 500)
+                    if out.finish_reason == "abort":
+                        raise APIError("the request was aborted: the server is stopping", 503)
+                yield out.new_token_ids, out.text, out.finish_reason
+        except EngineDeadError as e:
+            raise APIError(str(e), 500) from None
+        finally:
+            self._started()
+            self.stream.close()
+
+    def _usage(self) -> dict[str, Any]:
+        n = len(self.stream.prompt_token_ids)
+        return usage(n, self.timer.num_tokens, self.num_cached)
+
+    async def complete(self) -> Response:
+        token_ids: list[int] = []
+        texts: list[str] = []
+        finish: str | None = None
+        try:
+            async for new, text, reason in self._outputs():
+                token_ids.extend(new)
+                texts.append(text)
+                finish = reason
+        except APIError as e:
+            return error_response(e)
+        text = "".join(texts)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finish)
+        answer = self._envelope([choice], self._usage())
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+            answer["prompt_token_ids"] = self.stream.prompt_token_ids
+        return json_response(answer)
+
+    def _envelope(self, choices: list[dict[str, Any]], usage: object) -> dict[str, Any]:
+        obj = self.object + (".chunk" if self.chat and self.body.stream else "")
+        answer = {"id": self.id, "object": obj, "created": self.created}
+        answer.update(model=self.server.model_name, choices=choices)
+        if usage is not None or self.body.include_usage:
+            answer["usage"] = usage  # OpenAI: null on every chunk but the last
+        return answer
+
+    def _event(self, body: object) -> bytes:
+        return b"data: " + _json.encode(body) + b"\n\n"
+
+    async def events(self) -> AsyncIterator[bytes]:
+        ids_too = self.body.return_token_ids
+        try:
+            if self.chat:
+                first = {"role": "assistant", "content": ""}
+                yield self._event(self._envelope([self._chunk(first, None, None)], None))
+            async for new, text, finish in self._outputs():
+                if not (text or finish or (ids_too and new)):
+                    continue  # a character still unfinished: nothing to say yet
+                delta: Any = (
+                    ({"content": text} if text or not finish else {}) if self.chat else text
+                )
+                choice = self._chunk(delta, finish, new if ids_too else None)
+                yield self._event(self._envelope([choice], None))
+            if self.body.include_usage:
+                yield self._event(self._envelope([], self._usage()))
+        except APIError as e:
+            yield self._event(e.body())
+        yield b"data: [DONE]\n\n"
+
+    def _chunk(self, delta: Any, finish: str | None, ids: list[int] | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        choice["delta" if self.chat else "text"] = delta
+        choice.update(logprobs=None, finish_reason=finish)
+        if ids is not None:
+            choice["token_ids"] = ids
+        return choice
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """work's response, or, if the client goes away first, work cancelled (which aborts
+    its request) and an empty response nobody reads."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read, so nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

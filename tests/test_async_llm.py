@@ -1,0 +1,129 @@
+"""AsyncLLM: streams on one event loop, text deltas that never split a character,
+aborts when a consumer leaves, and the engine's death reaching every open stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from cli_helpers import CPU
+from test_model_files import CONVERSATION, copy_model, word_tokenizer
+
+from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from launch.async_llm import run
+from launch.detokenizer import IncrementalDetokenizer
+from launch.tokenizer import ByteTokenizer, HFTokenizer
+
+os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=4000, ignore_eos=True)
+
+
+def test_text_deltas_never_split_a_character() -> None:
+    text = "añ€😀 ok"
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    deltas = [detok.step([b]) for b in text.encode()] + [detok.flush()]
+    # One byte at a time: nothing until a character is whole, then exactly it.
+    assert [d for d in deltas if d] == list(text)
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_an_unfinished_character_at_the_end_is_flushed_as_the_decode_has_it() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    ids = [*"é".encode(), *"€".encode()[:2]]
+    assert "".join(detok.step([t]) for t in ids) == "é"
+    assert detok.flush() == "\ufffd"  # what ByteTokenizer().decode(ids) ends with
+    assert ByteTokenizer().decode(ids) == "é\ufffd"
+
+
+def test_deltas_add_up_to_the_decode_with_word_joins(tmp_path: Path) -> None:
+    word_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path / "tokenizer.json")
+    ids = tok.encode("What is 2 + 2 ? You are terse", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.step([t]) for t in ids) + detok.flush() == tok.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = copy_model(llama_dir, tmp_path_factory.mktemp("async") / "model")
+    word_tokenizer(model)
+    return model
+
+
+def test_streams_equal_llm_and_leaving_early_aborts(chat_model: Path) -> None:
+    prompts: list = [[11, 12, 13], "What is 2 + 2 ?", CONVERSATION]
+    with LLM(str(chat_model), device=CPU) as llm:
+        want = [o.token_ids for o in llm.generate(prompts[:2], GREEDY, use_tqdm=False)]
+        want.append(llm.chat(CONVERSATION, GREEDY, use_tqdm=False)[0].token_ids)
+        texts = [llm.tokenizer.decode(ids) for ids in want]  # type: ignore[union-attr]
+
+    async def collect(engine: AsyncLLM, prompt: object) -> tuple[list[int], str]:
+        ids, text = [], ""
+        async for out in engine.generate(prompt, GREEDY):  # type: ignore[arg-type]
+            ids += out.new_token_ids
+            text += out.text
+        assert out.finish_reason == "length" and out.num_output_tokens == len(ids)
+        return ids, text
+
+    async def main() -> None:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            # Many at once on one loop: each equals LLM's answer for its prompt.
+            results = await asyncio.gather(*[collect(engine, p) for p in prompts * 100])
+            assert results == list(zip(want, texts)) * 100
+            # Leaving a stream (break) or cancelling its task aborts the request now.
+            async for _ in engine.generate([5, 6, 7], LONG):
+                break
+            consumer = asyncio.ensure_future(collect(engine, [8, 9]))
+            await asyncio.sleep(0)  # it sent its request and waits for tokens
+            consumer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+            assert engine.num_open_requests == 0
+            await collect(engine, [1, 2])  # steps after the aborts: the pool is empty
+            assert engine.stats is not None and engine.stats.kv_cache_usage == 0.0
+            assert engine.stats.num_running == 0
+            first = engine.generate([1], LONG, "same")
+            with pytest.raises(ValueError, match="already open"):
+                engine.generate([1], LONG, "same")
+            await first.aclose()
+            engine.generate([1], LONG, "same").close()  # a closed request's id is free
+        finally:
+            await engine.aclose()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            engine.generate([1], GREEDY)
+
+    run(main())  # on uvloop (the server's loop)
+
+
+def test_a_dead_worker_ends_every_open_stream_naming_it() -> None:
+    async def main() -> None:
+        engine = await AsyncLLM.create(device=CPU)
+        try:
+            streams = [engine.generate([1, 2, i], LONG) for i in range(3)]
+            for s in streams:
+                await s.__anext__()  # every request is running
+            os.kill(engine.engine.procs["worker rank 0"].pid, signal.SIGKILL)
+            for s in streams:
+                ends = []
+                try:
+                    async for out in s:
+                        ends.append(out)
+                except EngineDeadError as e:
+                    ends.append(e)  # type: ignore[arg-type]
+                last = ends[-1]
+                message = str(last) if isinstance(last, Exception) else last.error
+                assert "worker rank 0" in (message or ""), last
+            reason = await asyncio.wait_for(engine.wait_dead(), 300)
+            assert "worker rank 0" in reason and "killed by signal 9" in reason
+            with pytest.raises(EngineDeadError, match="worker rank 0"):
+                engine.generate([1], GREEDY)
+        finally:
+            await engine.aclose()
+        assert all(p.poll() is not None for p in engine.engine.procs.values())
+
+    asyncio.run(main())

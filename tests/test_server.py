@@ -1,0 +1,379 @@
+"""`pagedserve serve` as clients use it: real processes, the official `openai` client,
+raw HTTP where a client must misbehave (malformed bodies, disconnecting mid-stream).
+
+The model is the tiny random Llama with a word-level tokenizer and a chat template
+(test_model_files.word_tokenizer). Token ids are compared through the server's
+`return_token_ids` extension, so a greedy request must give exactly LLM.generate's ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from cli_helpers import CPU, ENV, StderrWatch, all_gone, children_of, processes_mentioning
+from prometheus_client.parser import text_string_to_metric_families
+from test_model_files import CONVERSATION, copy_model, word_tokenizer
+
+from launch import LLM, SamplingParams
+
+MODEL_NAME = "tiny"
+PROMPT_TEXT = "What is 2 + 2 ? And 3"
+PROMPT_IDS = [11, 12, 13, 14, 15, 16]
+N = 10
+GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
+EXTRA = {"ignore_eos": True, "return_token_ids": True}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    watch: StderrWatch
+    url: str
+    tmp: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+def start_server(model: Path | None, tmp: Path, *flags: str) -> Server:
+    """`pagedserve serve` on a free port; its socket folders under tmp (orphan checks)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0", "--device", CPU]
+    if model is not None:
+        cmd += ["--model", str(model), "--served-model-name", MODEL_NAME]
+    proc = subprocess.Popen(
+        [*cmd, *flags],
+        env={**ENV, "TMPDIR": str(tmp)},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    watch = StderrWatch(proc)
+    url = watch.wait_for(r"on (http://\S+)").group(1)
+    return Server(proc, watch, url, tmp)
+
+
+def nothing_left(server: Server, children: list[int]) -> None:
+    assert all_gone(children + processes_mentioning(str(server.tmp))), "orphan processes"
+    assert not os.listdir(server.tmp), "socket folder left behind"
+
+
+def post(url: str, body: object) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, parsed by prometheus-client, by name and labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return samples
+
+
+def wait_for_metric(url: str, name: str, want: float, timeout: float = 300) -> None:
+    """Poll /metrics until name == want (the timeout only guards against a hang)."""
+    deadline = time.monotonic() + timeout
+    while (got := metrics(url).get(name)) != want:
+        assert time.monotonic() < deadline, f"{name} stayed {got}, never {want}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
+    word_tokenizer(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model: Path) -> dict[str, list[int]]:
+    """LLM.generate's greedy token ids for each prompt the tests send."""
+    with LLM(str(chat_model), device=CPU) as llm:
+        text, ids = llm.generate([PROMPT_TEXT, PROMPT_IDS], GREEDY, use_tqdm=False)
+        (chat,) = llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
+    return {"text": text.token_ids, "ids": ids.token_ids, "chat": chat.token_ids}
+
+
+@pytest.fixture(scope="module")
+def server(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(chat_model, tmp_path_factory.mktemp("server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_completions_and_chat_equal_llm_generate(
+    server: Server, client: openai.OpenAI, reference: dict[str, list[int]]
+) -> None:
+    args = dict(model=MODEL_NAME, max_tokens=N, temperature=0, extra_body=EXTRA)
+    c = client.completions.create(prompt=PROMPT_TEXT, **args)
+    assert c.choices[0].token_ids == reference["text"]  # type: ignore[attr-defined]
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage is not None and c.usage.completion_tokens == N
+    assert c.usage.prompt_tokens == len(c.prompt_token_ids)  # type: ignore[attr-defined]
+    # Token-id prompt, streamed: the chunks' ids and texts add up to the whole answer.
+    chunks = list(client.completions.create(prompt=PROMPT_IDS, stream=True, **args))
+    ids = [t for ch in chunks for t in ch.choices[0].token_ids]  # type: ignore[attr-defined]
+    assert ids == reference["ids"]
+    whole = client.completions.create(prompt=PROMPT_IDS, **args)
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # Chat, the model's template, plain and streamed with usage.
+    chat_args = dict(model=MODEL_NAME, messages=CONVERSATION, temperature=0, extra_body=EXTRA)
+    r = client.chat.completions.create(max_completion_tokens=N, **chat_args)  # type: ignore
+    assert r.choices[0].token_ids == reference["chat"]  # type: ignore[attr-defined]
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        max_tokens=N, stream=True, stream_options={"include_usage": True}, **chat_args
+    )  # type: ignore[call-overload]
+    events = list(stream)
+    assert events[0].choices[0].delta.role == "assistant"
+    ids = [t for e in events[1:] if e.choices for t in e.choices[0].token_ids]  # type: ignore
+    assert ids == reference["chat"]
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == (
+        r.choices[0].message.content
+    )
+    usage = events[-1].usage
+    assert events[-1].choices == [] and usage is not None
+    assert usage.completion_tokens == N and usage.prompt_tokens == len(r.prompt_token_ids)  # type: ignore
+    # The same conversation again: its prompt comes from the prefix cache, unless salted.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    salted = client.chat.completions.create(
+        max_tokens=N, **{**chat_args, "extra_body": {**EXTRA, "cache_salt": "tenant-b"}}
+    )  # type: ignore[call-overload]
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert salted.choices[0].token_ids == reference["chat"]  # type: ignore[attr-defined]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+async def _stream_text(client: openai.AsyncOpenAI, prompt: list[int]) -> list[int]:
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=N, temperature=0, stream=True, extra_body=EXTRA
+    )
+    return [t async for chunk in stream for t in chunk.choices[0].token_ids]  # type: ignore
+
+
+async def _disconnect_mid_stream(url: str) -> None:
+    """A raw HTTP client that reads two events of a long stream, then hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps(
+        {"prompt": PROMPT_IDS, "max_tokens": 240, "stream": True, "ignore_eos": True}
+    ).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    events = 0
+    while events < 2:
+        line = await reader.readline()
+        assert line, "the server closed the stream first"
+        events += line.startswith(b"data: {")
+    writer.close()
+    await writer.wait_closed()
+
+
+def test_concurrent_streams_finish_and_disconnects_free_every_block(
+    server: Server, reference: dict[str, list[int]]
+) -> None:
+    async def run() -> list[list[int]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        jobs = [_stream_text(client, PROMPT_IDS) for _ in range(64)]
+        jobs += [_disconnect_mid_stream(server.url) for _ in range(16)]  # type: ignore[misc]
+        results = await asyncio.gather(*jobs)
+        await client.close()
+        return results[:64]  # type: ignore[return-value]
+
+    assert asyncio.run(run()) == [reference["ids"]] * 64
+    # Each hang-up aborted its request: once the server holds none open, one more request
+    # runs a step after the aborts and reports the pool empty.
+    wait_for_metric(server.url, "pagedserve:open_requests", 0)
+    assert post(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})[0] == 200
+    m = metrics(server.url)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0 and m["vllm:num_requests_running"] == 0
+
+
+BAD_BODIES = {
+    "missing prompt": ({"max_tokens": 3}, "prompt", "missing_required_parameter"),
+    "negative max_tokens": ({"prompt": "x", "max_tokens": -1}, "max_tokens", "invalid_value"),
+    "prompt too long": ({"prompt": [7] * 300}, "prompt", "context_length_exceeded"),
+    "prompt + max_tokens too long": (
+        {"prompt": [7] * 200, "max_tokens": 100},
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "wrong type": ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "invalid_type"),
+    "prompt of floats": ({"prompt": [1.5]}, "prompt", "invalid_type"),
+    "token outside the vocabulary": ({"prompt": [10**6]}, "prompt", "invalid_value"),
+    "unknown model": ({"prompt": "x", "model": "gpt-4"}, "model", "model_not_found"),
+    "unknown field": ({"prompt": "x", "bogus": 1}, "bogus", "unknown_parameter"),
+    "logprobs": ({"prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    "n > 1": ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
+    "stop strings": ({"prompt": "x", "stop": ["."]}, "stop", "unsupported_parameter"),
+    "penalty": (
+        {"prompt": "x", "presence_penalty": 0.5},
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
+    "top_p": ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES, ids=list(BAD_BODIES))
+def test_a_bad_body_is_an_openai_400_and_the_server_keeps_serving(
+    server: Server, case: str
+) -> None:
+    body, param, code = BAD_BODIES[case]
+    status, answer = post(f"{server.url}/v1/completions", body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert code is None or error["code"] == code
+    good = {"prompt": PROMPT_IDS, "max_tokens": 2, "stop": [], "model": MODEL_NAME}
+    assert post(f"{server.url}/v1/completions", good)[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # template refuses
+        ({"messages": "hello"}, "messages"),
+        ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools"),
+    ],
+    ids=["malformed JSON", "template refuses", "messages not a list", "tools"],
+)
+def test_a_bad_chat_body_is_a_400(server: Server, body: object, param: str | None) -> None:
+    status, answer = post(f"{server.url}/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_metrics_parse_and_move(server: Server, client: openai.OpenAI) -> None:
+    before = metrics(server.url)
+    for _ in range(2):  # the second finds the first's prompt cached
+        client.completions.create(model=MODEL_NAME, prompt=[9] * 40, max_tokens=3, temperature=0)
+    after = metrics(server.url)
+    moved = {
+        "vllm:prompt_tokens_total": 80,
+        "vllm:generation_tokens_total": 6,
+        "vllm:request_success_total{finished_reason=length}": 2,
+        "vllm:time_to_first_token_seconds_count": 2,
+        "vllm:inter_token_latency_seconds_count": 4,
+        "vllm:e2e_request_latency_seconds_count": 2,
+        "vllm:request_prompt_tokens_count": 2,
+        "vllm:request_generation_tokens_sum": 6,
+        "vllm:prefix_cache_queries_total": 80,
+    }
+    for name, delta in moved.items():
+        assert after[name] - before.get(name, 0) == delta, name
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 32
+    for name in ("vllm:num_preemptions_total", "vllm:num_requests_waiting"):
+        assert name in after
+
+
+def test_health_and_reset_prefix_cache(server: Server) -> None:
+    with urllib.request.urlopen(f"{server.url}/health", timeout=60) as r:
+        assert r.status == 200
+    body = {"prompt": [8] * 40, "max_tokens": 1}
+    post(f"{server.url}/v1/completions", body)
+    assert post(f"{server.url}/reset_prefix_cache", b"")[0] == 200
+    status, answer = post(f"{server.url}/v1/completions", body)
+    assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def _sse_stream(url: str, body: dict) -> subprocess.Popen[bytes]:
+    """A long streaming request from another process (curl-like), so the test can act
+    while it runs; its stdout is the raw event stream."""
+    code = (
+        "import sys, urllib.request\n"
+        f"r = urllib.request.Request({url + '/v1/completions'!r}, {json.dumps(body).encode()!r},"
+        " {'Content-Type': 'application/json'})\n"
+        "with urllib.request.urlopen(r, timeout=600) as f:\n"
+        "    for line in f:\n"
+        "        sys.stdout.buffer.write(line); sys.stdout.flush()\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+
+def _first_event(stream: subprocess.Popen[bytes]) -> None:
+    assert stream.stdout is not None
+    while not stream.stdout.readline().startswith(b"data: {"):
+        pass
+
+
+def test_back_pressure_then_a_killed_worker_ends_streams_and_the_server(
+    tmp_path: Path,
+) -> None:
+    # One request runs at a time; one more may wait; a third is refused with 503.
+    server = start_server(
+        None, tmp_path / "s", "--max-num-seqs", "1", "--max-waiting-requests", "1"
+    )
+    children = children_of(server.proc.pid)
+    long = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    running = _sse_stream(server.url, long)
+    _first_event(running)
+    waiting = _sse_stream(server.url, long)
+    wait_for_metric(server.url, "vllm:num_requests_waiting", 1)
+    status, answer = post(f"{server.url}/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 503 and "--max-waiting-requests 1" in answer["error"]["message"]
+    (worker,) = [p for p in children if b"worker.main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    os.kill(worker, signal.SIGKILL)
+    for stream in (running, waiting):
+        out, _ = stream.communicate(timeout=300)
+        events = [line for line in out.splitlines() if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]"
+        error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+        assert "worker rank 0" in error["message"], error
+    assert server.proc.wait(timeout=60) == 1
+    stderr = server.watch.join()
+    assert "worker rank 0" in stderr and "Traceback" not in stderr, stderr
+    nothing_left(server, children)
+
+
+def test_sigterm_ends_open_streams_and_stops_everything(tmp_path: Path) -> None:
+    server = start_server(None, tmp_path / "s")
+    children = children_of(server.proc.pid)
+    stream = _sse_stream(
+        server.url, {"prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    )
+    _first_event(stream)
+    server.proc.send_signal(signal.SIGTERM)
+    out, _ = stream.communicate(timeout=300)
+    events = [line for line in out.splitlines() if line]
+    assert events[-1] == b"data: [DONE]"  # the stream was ended, not cut
+    assert b"the server is stopping" in events[-2]
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.watch.join()
+    nothing_left(server, children)
