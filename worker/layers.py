@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import gemm
 from worker.model_config import (
     SUPPORTED_ACTIVATIONS,
     LinearRopeScaling,
@@ -40,9 +41,22 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        # The weight in oneDNN's layout once loaded, on CPUs where that pays (worker.gemm).
+        self.packed: torch.Tensor | None = None
+
+    def pack_weight(self) -> None:
+        """From now on, products through oneDNN; the plain weight is released (a second
+        copy of every weight would double the model's memory)."""
+        self.packed = gemm.pack(self.weight)
+        self.weight = _empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return gemm.packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -82,8 +96,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.product(x, self.bias)
+        out = self.tp.all_reduce(self.product(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -118,8 +132,18 @@ class ParallelLMHead(_VocabRows):
     """Holds the output rows of vocabulary slice `vocab` (possibly the embedding's own
     Parameter when tied); returns the full float32 logits on every rank."""
 
+    packed: torch.Tensor | None = None  # oneDNN's copy (worker.gemm); the weight stays
+
+    def pack_weight(self) -> None:
+        # The weight stays: it may be the embedding's own (tied), and the LM head is one
+        # matrix, so the copy costs little next to the decoder layers.
+        self.packed = gemm.pack(self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        if self.packed is not None:
+            logits = gemm.packed_linear(hidden, self.packed, None).float()
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if self.tp.size == 1:
             return logits
         # Padding is cut only after the gather (each rank's slice has the same width),

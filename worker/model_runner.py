@@ -19,7 +19,9 @@ from protocol.engine import GREEDY_TEMPERATURE
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
+from worker.gemm import use_onednn
 from worker.input_batch import InputBatch
+from worker.layers import Linear, ParallelLMHead
 from worker.model_config import load_model_config
 from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
@@ -113,6 +115,11 @@ class ModelRunner:
         self.model = cls(self.model_config, self.dtype, self.device, self.tp)
         self.model.load_weights(iterate_weights(config.model))
         self.model.eval()
+        self.cpu_gemm = "onednn" if use_onednn(self.device, self.dtype) else "torch"
+        if self.cpu_gemm == "onednn":
+            for module in self.model.modules():
+                if isinstance(module, (Linear, ParallelLMHead)):
+                    module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.batch: InputBatch | None = None
         self.generators: dict[str, torch.Generator] = {}
@@ -121,12 +128,13 @@ class ModelRunner:
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
         log.warning(
-            "rank %d: %s on %s in %s; attention kernels: %s",
+            "rank %d: %s on %s in %s; attention kernels: %s%s",
             config.rank,
             self.model_config.architecture,
             self.device,
             self.dtype,
             ", ".join(sorted(kernels)),
+            "; products: oneDNN" if self.cpu_gemm == "onednn" else "",
         )
 
     # -- start-up ---------------------------------------------------------------------
