@@ -70,7 +70,9 @@ class OpenAIServer:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
-                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+                Route(
+                    "/reset_prefix_cache", self._guard(self.reset_prefix_cache), methods=["POST"]
+                ),
             ],
         )
 

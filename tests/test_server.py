@@ -12,12 +12,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,21 @@ def server(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     s = start_server(chat_model, tmp_path_factory.mktemp("server"))
     yield s
     s.stop()
+
+
+@pytest.fixture
+def builtin_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Starts a server on the built-in model (4096 positions: long requests) with flags;
+    whatever a failing test left running is stopped."""
+    started: list[Server] = []
+
+    def start(*flags: str) -> Server:
+        started.append(start_server(None, tmp_path / f"server{len(started)}", *flags))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture
@@ -334,12 +350,10 @@ def _first_event(stream: subprocess.Popen[bytes]) -> None:
 
 
 def test_back_pressure_then_a_killed_worker_ends_streams_and_the_server(
-    tmp_path: Path,
+    builtin_server: Callable[..., Server],
 ) -> None:
     # One request runs at a time; one more may wait; a third is refused with 503.
-    server = start_server(
-        None, tmp_path / "s", "--max-num-seqs", "1", "--max-waiting-requests", "1"
-    )
+    server = builtin_server("--max-num-seqs", "1", "--max-waiting-requests", "1")
     children = children_of(server.proc.pid)
     long = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
     running = _sse_stream(server.url, long)
@@ -362,13 +376,31 @@ def test_back_pressure_then_a_killed_worker_ends_streams_and_the_server(
     nothing_left(server, children)
 
 
-def test_sigterm_ends_open_streams_and_stops_everything(tmp_path: Path) -> None:
-    server = start_server(None, tmp_path / "s")
+def _leave_a_plain_request(url: str) -> None:
+    """Send a long request that is not streamed; hang up once the server has it open."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "b", "max_tokens": 4000, "ignore_eos": True})
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        wait_for_metric(url, "pagedserve:open_requests", 2)
+
+
+def test_sigterm_ends_open_streams_and_stops_everything(
+    builtin_server: Callable[..., Server],
+) -> None:
+    server = builtin_server()
     children = children_of(server.proc.pid)
     stream = _sse_stream(
         server.url, {"prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     )
     _first_event(stream)
+    # A client that leaves a plain (not streamed) request aborts it too: only the
+    # stream stays open (the request would otherwise run its 4000 tokens).
+    _leave_a_plain_request(server.url)
+    wait_for_metric(server.url, "pagedserve:open_requests", 1)
     server.proc.send_signal(signal.SIGTERM)
     out, _ = stream.communicate(timeout=300)
     events = [line for line in out.splitlines() if line]
