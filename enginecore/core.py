@@ -216,7 +216,9 @@ class EngineCore:
             elif isinstance(msg, ShutdownCore):
                 self._stop = True
         if errors or rejected:
-            self._send(EngineOutputs(errors, rejected=rejected))
+            # With the stats: an abort frees blocks now, and a client watching KV usage
+            # (the server's /metrics) must not wait for the next step to see it.
+            self._send(EngineOutputs(errors, scheduler.stats(), rejected))
 
     def _add(self, msg: AddRequest) -> list[RequestOutput]:
         scheduler = self.scheduler

@@ -61,6 +61,27 @@ def test_an_open_request_id_is_rejected_not_failed(llama_dir: Path) -> None:
     assert reason == "length" and len(tokens) == 60  # the live request never saw it
 
 
+def test_an_abort_reports_the_freed_blocks_at_once(llama_dir: Path) -> None:
+    """The abort's own reply carries the scheduler stats: KV usage back to 0 without
+    waiting for another step (an idle engine takes none)."""
+    long = SamplingParams(max_tokens=4000, ignore_eos=True)
+    with EngineProcesses(EngineArgs(model=str(llama_dir), device=CPU)) as engine:
+        engine.add_request("a", list(range(3, 60)), long)
+        deadline = time.monotonic() + 300  # only so that a broken engine cannot hang CI
+        running = False
+        while not running and time.monotonic() < deadline:
+            batch = engine.get_outputs()
+            running = batch is not None and any(o.new_token_ids for o in batch.outputs)
+        engine.abort(["a"])
+        final = None
+        while final is None and time.monotonic() < deadline:
+            batch = engine.get_outputs()
+            if batch is not None and any(o.finish_reason == "abort" for o in batch.outputs):
+                final = batch
+    assert final is not None and final.stats is not None
+    assert final.stats.kv_cache_usage == 0.0 and final.stats.num_running == 0
+
+
 def test_log_kv_prints_a_line_per_step(llama_dir: Path, tmp_path: Path) -> None:
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompt = list(range(3, 40))
