@@ -407,7 +407,8 @@ class Scheduler:
         finished: set[str] = set()
         eos = self.eos_token_ids
         max_len = self.config.max_model_len
-        for rid, token in zip(output.req_ids, output.sampled_token_ids):
+        logprobs = output.logprobs or None  # parallel to req_ids when some asked
+        for i, (rid, token) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -417,9 +418,11 @@ class Scheduler:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
             reason = None
-            if token in eos and not params.ignore_eos:
+            # Below min_tokens stop tokens do not end it (the worker masks them too).
+            may_stop = num_tokens - request.num_prompt_tokens > params.min_tokens
+            if may_stop and token in eos and not params.ignore_eos:
                 reason = "stop"
-            elif params.stop_token_ids and token in params.stop_token_ids:
+            elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
                 reason = "stop"
             elif num_tokens - request.num_prompt_tokens >= params.max_tokens or (
                 num_tokens >= max_len
@@ -429,7 +432,10 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 self._finish(request, reason)
                 finished.add(rid)
-            outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
+            lp = logprobs and logprobs[i]
+            outputs.append(
+                RequestOutput(rid, [token], reason, request.num_cached_tokens, None, lp and [lp])
+            )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
@@ -447,6 +453,8 @@ class Scheduler:
                 f"{len(output.req_ids)} requests and {len(tokens)} tokens in the output of "
                 f"step {so.step_id}, but {num_due} requests were due to sample"
             )
+        if output.logprobs and len(output.logprobs) != num_due:
+            raise ValueError(f"logprobs for {len(output.logprobs)} of {num_due} requests")
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
             raise ValueError(f"sampled token id {bad} is outside the vocabulary")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows
@@ -20,11 +22,27 @@ class SamplingDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 BUILTIN_SAMPLING_DEFAULTS = SamplingDefaults()
 
+# Limits checked at every boundary (SamplingParams.validate). OpenAI's API allows 4 stop
+# sequences and 20 top logprobs; n is capped so one request cannot fill the batch alone.
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick each next token. temperature 0 (or below GREEDY_TEMPERATURE) is
     greedy; top_k 0 and top_p 1 are off. temperature, top_p and top_k left unset (None)
-    take the model's defaults (SamplingDefaults) when the core admits the request."""
+    take the model's defaults (SamplingDefaults) when the core admits the request.
+
+    n and stop are the client's (launch/): it fans a request out into n core requests
+    (copy i seeded with seed + i) and matches stop strings on the detokenized text; the
+    core and workers ignore both. Penalties count generated tokens (presence, frequency:
+    OpenAI's) or prompt and generated tokens (repetition: divides positive logits,
+    multiplies negative ones). min_tokens: EOS and stop_token_ids cannot end the request
+    (nor stop strings match) before that many tokens. logprobs: how many top
+    alternatives to return with each token's log-probability (0: only the chosen one's).
+    """
 
     max_tokens: int = 16
     temperature: float | None = None
@@ -33,6 +51,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    n: int = 1
+    stop: list[str] = []
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
@@ -51,6 +84,25 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         for t in self.stop_token_ids:
             if not 0 <= t < limit:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {limit})")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(self.stop):  # "" would match before any text
+            raise ValueError("stop strings must not be empty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN too
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        r = self.repetition_penalty
+        if not (r > 0.0 and math.isfinite(r)):
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
         """Every field set: unset ones from defaults, a temperature below
@@ -91,11 +143,21 @@ class ShutdownCore(msgspec.Struct, frozen=True, tag="shutdown"):
 ClientMessage = AddRequest | AbortRequests | ResetPrefixCache | ShutdownCore
 
 
+class Logprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One sampled token's log-probabilities under the model's raw distribution (a
+    log-softmax of the logits before penalties, temperature, top-k/top-p and masks)."""
+
+    logprob: float  # of the sampled token
+    top_token_ids: list[int]  # the most likely tokens, most likely first
+    top_logprobs: list[float]  # their logprobs
+
+
 class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
     """New tokens of one request since its last output; finish_reason once, at the end.
 
     finish_reason: "length", "stop" (EOS or a stop token), "abort" or "error" (then
-    error says why; the request failed alone).
+    error says why; the request failed alone). logprobs: one per new token when the
+    request asked for them, else None.
     """
 
     request_id: str
@@ -103,6 +165,7 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[Logprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.engine import SamplingDefaults, SamplingParams
+from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -108,6 +108,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[int]
+    # Empty when no request of the step asked for logprobs (the common case costs one
+    # byte); else parallel to req_ids, None for the requests that did not ask.
+    logprobs: list[Logprobs | None] = []
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

@@ -70,6 +70,14 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
+        # The row uses penalties, min_tokens or logprobs: a step whose rows all say no
+        # skips that work after one check.
+        self.extras = np.zeros(max_num_reqs, dtype=bool)
         self._row_arrays = (
             self.num_tokens,
             self.num_computed_tokens,
@@ -78,6 +86,12 @@ class InputBatch:
             self.top_k,
             self.top_p,
             self.seeded,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.min_tokens,
+            self.num_logprobs,
+            self.extras,
         )
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, device)
 
@@ -294,6 +308,14 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.seeded[row] = params.seed is not None and params.temperature >= GREEDY_TEMPERATURE
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.min_tokens[row] = params.min_tokens
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.extras[row] = (
+            params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
+        )
         self.block_table.add_row(block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row
@@ -303,7 +325,7 @@ class InputBatch:
         self._row_to_req[row] = None
         for arr in self._row_arrays:
             arr[row] = 0
-        self.top_p[row] = 1.0
+        self._neutral(row)
         self.block_table.clear_row(row)
         heapq.heappush(self._holes, row)
 
@@ -315,11 +337,17 @@ class InputBatch:
         for arr in self._row_arrays:
             arr[dst] = arr[src]
             arr[src] = 0
-        self.top_p[src] = 1.0
+        self._neutral(src)
         self.block_table.move_row(src, dst)
         self._row_to_req[dst] = req_id
         self._row_to_req[src] = None
         self.req_id_to_row[req_id] = dst
+
+    def _neutral(self, row: int) -> None:
+        """The settings an empty row holds where 0 is not neutral."""
+        self.top_p[row] = 1.0
+        self.repetition_penalty[row] = 1.0
+        self.num_logprobs[row] = -1
 
     def _condense(self) -> None:
         """Fill each hole, lowest first, with the last live row."""

@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from protocol.config import WorkerConfig, available_host_memory
-from protocol.engine import GREEDY_TEMPERATURE
+from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
 from worker.gemm import use_onednn
+from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
 from worker.layers import Linear, ParallelLMHead
 from worker.model_config import load_model_config
 from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
-from worker.sampler import SamplingTensors, sample
+from worker.sampler import PenaltyTensors, SamplingTensors, compute_logprobs, sample
 from worker.weights import iterate_weights
 
 log = logging.getLogger("pagedserve.worker")
@@ -86,6 +87,12 @@ class StepInputs:
     sampling_rows: np.ndarray
     sampling: SamplingTensors
     generators: list[torch.Generator | None]
+    # Sampler positions of the requests that asked for logprobs (rank 0 only; None when
+    # none did) and how many top alternatives each wants.
+    logprob_rows: torch.Tensor | None = None
+    logprob_counts: list[int] = field(default_factory=list)
+    # Filled by run_step: parallel to sampling_req_ids, or empty when nobody asked.
+    logprobs: list[Logprobs | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -103,6 +110,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         # Config errors surface before the rendezvous, which would wait for all ranks.
         self.model_config = load_model_config(config.model)
+        # What min_tokens keeps from being sampled early (the core stops on the same ids).
+        extra_eos = load_generation_config(config.model, config.generation_config)[0]
+        self.eos_token_ids = tuple(dict.fromkeys((*self.model_config.eos_token_ids, *extra_eos)))
         self.tp = TPContext()
         if config.world_size > 1:
             self.tp = init_distributed(
@@ -336,7 +346,7 @@ class ModelRunner:
         step = self.prepare_step(so)
         tokens = self.run_step(step)
         batch.append_sampled(step.sampling_req_ids, tokens, step.sampling_rows)
-        return ModelRunnerOutput(so.step_id, step.sampling_req_ids, tokens)
+        return ModelRunnerOutput(so.step_id, step.sampling_req_ids, tokens, step.logprobs)
 
     def prepare_step(self, so: SchedulerOutput) -> StepInputs:
         """The host side of a step (after batch.apply): flat inputs, committed block
@@ -369,6 +379,9 @@ class ModelRunner:
             generators = [self._generator(rid) for rid in req_ids]
         else:
             generators = [None] * len(req_ids)
+        logprob_rows, logprob_counts = None, []
+        if batch.extras[sampling_rows].any():
+            logprob_rows, logprob_counts = self._sampling_extras(sampling, sampling_rows, req_ids)
         return StepInputs(
             input_ids=torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
             positions=torch.from_numpy(inputs.positions).to(device),
@@ -378,7 +391,60 @@ class ModelRunner:
             sampling_rows=sampling_rows,
             sampling=sampling,
             generators=generators,
+            logprob_rows=logprob_rows,
+            logprob_counts=logprob_counts,
         )
+
+    def _sampling_extras(
+        self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """Penalties and min_tokens masks into sampling; the logprob rows and counts.
+        Only for a step in which some row uses one of them."""
+        batch = self.batch
+        assert batch is not None
+        device = self.device
+        vocab = self.model_config.vocab_size
+        presence = batch.presence_penalty[rows]
+        frequency = batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        num_tokens = batch.num_tokens[rows]
+        num_prompt = batch.num_prompt_tokens[rows]
+        if presence.any() or frequency.any() or (repetition != 1.0).any():
+            sampling.penalties = PenaltyTensors.build(
+                batch.token_ids[rows, : int(num_tokens.max())],
+                num_prompt,
+                num_tokens,
+                presence,
+                frequency,
+                repetition,
+                vocab,
+                device,
+            )
+        early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)
+        if early.size:
+            # Below min_tokens nothing that would stop the request may be sampled.
+            ban_rows: list[int] = []
+            ban_tokens: list[int] = []
+            for i in early.tolist():
+                params = batch.requests[req_ids[i]].sampling_params
+                stops = list(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stops += self.eos_token_ids
+                stops = [t for t in stops if t < vocab]
+                ban_rows += [i] * len(stops)
+                ban_tokens += stops
+            if ban_rows:
+                sampling.banned = (
+                    torch.tensor(ban_rows, dtype=torch.int64, device=device),
+                    torch.tensor(ban_tokens, dtype=torch.int64, device=device),
+                )
+        if self.config.rank != 0:
+            return None, []  # only rank 0 answers the core
+        wanted = batch.num_logprobs[rows]
+        asking = np.flatnonzero(wanted >= 0)
+        if not asking.size:
+            return None, []
+        return torch.from_numpy(asking).to(device), wanted[asking].tolist()
 
     def run_step(self, step: StepInputs) -> list[int]:
         """The model over the paged KV cache, then the sampler: one token per sampler."""
@@ -386,7 +452,14 @@ class ModelRunner:
         if not step.sampling_req_ids:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-        return sample(logits, step.sampling, step.generators, self.default_generator).tolist()
+        tokens = sample(logits, step.sampling, step.generators, self.default_generator)
+        if step.logprob_rows is not None:
+            found = compute_logprobs(logits, step.logprob_rows, tokens, step.logprob_counts)
+            logprobs: list[Logprobs | None] = [None] * len(step.sampling_req_ids)
+            for i, lp in zip(step.logprob_rows.tolist(), found):
+                logprobs[i] = lp
+            step.logprobs = logprobs
+        return tokens.tolist()
 
     def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on

@@ -1,4 +1,5 @@
-"""Batched sampling: temperature, top-k, top-p and per-request seeds in one pass.
+"""Batched sampling: penalties, min-token masks, temperature, top-k, top-p and
+per-request seeds in one pass; logprobs for the rows that ask.
 
 Sampling uses the exponential race: with q_i ~ Exponential(1) independent,
 argmax_i(p_i / q_i) is distributed as Categorical(p). Its randomness is one row of
@@ -14,7 +15,67 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.engine import GREEDY_TEMPERATURE, SamplingParams
+from protocol.engine import GREEDY_TEMPERATURE, Logprobs, SamplingParams
+
+
+@dataclass
+class PenaltyTensors:
+    """Per-row penalties and the token counts they apply to (built only for a batch in
+    which some row uses a penalty; neutral rows come out bit-identical)."""
+
+    presence: torch.Tensor  # [N] float32; 0 = off
+    frequency: torch.Tensor  # [N] float32; 0 = off
+    repetition: torch.Tensor  # [N] float32; 1 = off
+    output_counts: torch.Tensor  # [N, V] float32: how often each token was generated
+    in_prompt: torch.Tensor  # [N, V] bool: the token occurs in the prompt
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: np.ndarray,
+        num_prompt_tokens: np.ndarray,
+        num_tokens: np.ndarray,
+        presence: np.ndarray,
+        frequency: np.ndarray,
+        repetition: np.ndarray,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> PenaltyTensors:
+        """token_ids [N, L] int32 holds each row's prompt then its generated tokens
+        (num_tokens of them, the first num_prompt_tokens the prompt; past them anything)."""
+        tokens = torch.from_numpy(token_ids).to(device, torch.int64)
+        n, length = tokens.shape
+        pos = torch.arange(length, device=device)[None, :]
+        prompt_len = torch.from_numpy(num_prompt_tokens).to(device, torch.int64)[:, None]
+        total = torch.from_numpy(num_tokens).to(device, torch.int64)[:, None]
+        # Positions that do not count go to an extra column, dropped after.
+        spill = torch.full_like(tokens, vocab_size)
+        generated = torch.where((pos >= prompt_len) & (pos < total), tokens, spill)
+        counts = torch.zeros((n, vocab_size + 1), dtype=torch.float32, device=device)
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=torch.float32))
+        prompt = torch.where(pos < prompt_len, tokens, spill)
+        in_prompt = torch.zeros((n, vocab_size + 1), dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, prompt, True)
+        return cls(
+            presence=torch.from_numpy(presence).to(device),
+            frequency=torch.from_numpy(frequency).to(device),
+            repetition=torch.from_numpy(repetition).to(device),
+            output_counts=counts[:, :vocab_size],
+            in_prompt=in_prompt[:, :vocab_size],
+        )
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
+    """A new [N, V] tensor: repetition (HF's: a seen token's logit divided by the penalty
+    when positive, multiplied when negative), then frequency and presence (OpenAI's:
+    minus frequency * count minus presence * [count > 0], over generated tokens)."""
+    generated = p.output_counts > 0
+    seen = p.in_prompt | generated
+    rep = p.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - p.frequency[:, None] * p.output_counts
+    return logits - p.presence[:, None] * generated
 
 
 @dataclass
@@ -29,6 +90,10 @@ class SamplingTensors:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    # Only for batches that need them (None costs nothing): penalties, and the (row,
+    # token) pairs that may not be sampled yet (EOS and stop tokens below min_tokens).
+    penalties: PenaltyTensors | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -90,7 +155,12 @@ def sample(
 
     generators[i] is row i's own generator (requests with a seed) or None (the row
     draws from shared_generator, or torch's default generator when that is None).
+    logits is left unchanged (logprobs are taken from it after).
     """
+    if tensors.penalties is not None:
+        logits = apply_penalties(logits, tensors.penalties)
+    if tensors.banned is not None:
+        logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_tokens = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return greedy_tokens
@@ -135,3 +205,21 @@ def _apply_top_k_top_p(logits: torch.Tensor, tensors: SamplingTensors) -> torch.
         drop = (mass_before >= tensors.top_p[:, None]) & (tensors.top_p < 1.0)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, num_top: list[int]
+) -> list[Logprobs]:
+    """Logprobs of the sampled tokens of rows (and each row's num_top most likely).
+
+    "Raw" logprobs, as vLLM returns by default: a log-softmax of the float32 logits the
+    sampler got, before penalties, masks and temperature, so they describe the model and
+    do not change with the sampling settings."""
+    logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, rows)[:, None])[:, 0].tolist()
+    k = max(num_top)
+    if k == 0:
+        return [Logprobs(c, [], []) for c in chosen]
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [Logprobs(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, values, num_top)]
