@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -43,7 +44,7 @@ from protocol.engine import (
 )
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import send_or_drop
-from protocol.worker import WorkerConfigure
+from protocol.worker import SchedulerOutput, WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
 
@@ -70,6 +71,11 @@ class EngineCore:
         self.kv_events: KVEventPublisher | None = None
         self._take_kv_events: Callable[[], list[KVCacheEvent]] = list  # bound at start
         self._stop = False
+        # Steps sent and not yet answered, oldest first. With async scheduling the next
+        # step is sent while one runs (at most two: the workers never idle between steps,
+        # and the core never plans further ahead than one step it has not seen).
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._max_in_flight = 2 if config.async_scheduling else 1
         # Debugging and tests: walk the KV invariants after every step, and require every
         # block back in the pool whenever no request is open.
         self._check = os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
@@ -169,8 +175,9 @@ class EngineCore:
         kv_events = self.kv_events
         if kv_events is not None and kv_events.replay is not None:
             poller.register(kv_events.replay, zmq.POLLIN)
+        in_flight = self._in_flight
         while not self._stop:
-            busy = scheduler.has_unfinished_requests()
+            busy = bool(in_flight) or scheduler.has_unfinished_requests()
             # Idle: block (waking twice a second to notice a vanished parent).
             events = dict(poller.poll(0 if busy else 500))
             self.executor.check_workers(events)
@@ -181,7 +188,7 @@ class EngineCore:
             if not parent_alive(self.config.parent_pid):
                 log.warning("engine core: the launcher went away; exiting")
                 return
-            if scheduler.has_unfinished_requests():
+            if in_flight or scheduler.has_unfinished_requests():
                 self._step()
             if kv_events is not None:
                 kv_events.publish(scheduler.take_kv_events())  # a prefix-cache reset
@@ -233,26 +240,38 @@ class EngineCore:
         return [error] if error is not None else []
 
     def _step(self) -> None:
+        """Send the next step if there is room in flight, then take the oldest step's
+        answer when the queue is full or nothing new could be sent. Serial scheduling is
+        the same with room for one step."""
         scheduler = self.scheduler
         assert scheduler is not None
-        so = scheduler.schedule()
-        if self.config.log_kv:
-            kv_log.info("%s", scheduler.describe_kv_step(so))
-        if so.total_num_scheduled_tokens == 0:
-            outputs = scheduler.fail_unschedulable()
-            if so.finished_req_ids or so.preempted_req_ids:
+        in_flight = self._in_flight
+        sent = False
+        if len(in_flight) < self._max_in_flight and scheduler.has_unfinished_requests():
+            so = scheduler.schedule()
+            if self.config.log_kv:
+                kv_log.info("%s", scheduler.describe_kv_step(so))
+            if so.total_num_scheduled_tokens:
                 self.executor.send(so)
-            if outputs:
-                self._send(EngineOutputs(outputs, scheduler.stats()))
-            return
-        result = self.executor.execute(so)
-        try:
-            outputs = scheduler.update_from_output(so, result)
-        except ValueError as e:
-            raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
-        if self._check:
-            scheduler.check_invariants()
-        self._send(EngineOutputs(outputs, scheduler.stats()))
+                in_flight.append(so)
+                sent = True
+            else:
+                if so.finished_req_ids or so.preempted_req_ids:
+                    self.executor.send(so)  # no rank answers it
+                # With a step in flight, its answer may free what the head request needs.
+                outputs = [] if in_flight else scheduler.fail_unschedulable()
+                if outputs:
+                    self._send(EngineOutputs(outputs, scheduler.stats()))
+        if in_flight and (len(in_flight) == self._max_in_flight or not sent):
+            so = in_flight.popleft()
+            result = self.executor.wait_output()
+            try:
+                outputs = scheduler.update_from_output(so, result)
+            except ValueError as e:
+                raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
+            if self._check:
+                scheduler.check_invariants()
+            self._send(EngineOutputs(outputs, scheduler.stats()))
 
     def _send(self, msg: object) -> None:
         if self.kv_events is not None:

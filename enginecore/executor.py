@@ -254,30 +254,18 @@ class Executor:
 
     # -- steps ------------------------------------------------------------------------
     def send(self, so: SchedulerOutput) -> None:
-        """A step that no rank answers (it schedules no tokens, only finishes/preempts)."""
+        """Send a step to every rank. Rank 0 answers it (wait_output) when it schedules
+        tokens; steps are answered in the order they were sent."""
         frame = self.to_worker.encode(so)
         if self.recorder is not None:
+            # Before sending: the step that brings a worker down is the one to keep.
             self.recorder.write(STEP, frame)
         self.broadcast(frame)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run a step on every rank; rank 0's answer."""
-        frame = self.to_worker.encode(so)
-        if self.recorder is not None:
-            return self._execute_recorded(frame)
-        self.broadcast(frame)
+        self.send(so)
         return self.wait_output()
-
-    def _execute_recorded(self, frame: bytes) -> ModelRunnerOutput:
-        recorder = self.recorder
-        assert recorder is not None
-        # Before sending: the step that brings a worker down is the one to keep.
-        recorder.write(STEP, frame)
-        self.broadcast(frame)
-        output = self.wait_output()
-        assert self.last_frame is not None
-        recorder.write(OUTPUT, self.last_frame.buffer)
-        return output
 
     def broadcast(self, frame: bytes) -> None:
         for rank, sock in enumerate(self.push):
@@ -307,9 +295,12 @@ class Executor:
                 f"worker rank 0 did not answer a step within {timeout:g} s (--step-timeout): "
                 "a rank is stopped, hung or stuck in a collective"
             )
-        if isinstance(msg, ModelRunnerOutput):
-            return msg
-        raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
+        if not isinstance(msg, ModelRunnerOutput):
+            raise WorkerDied(f"expected a model output, got {type(msg).__name__}")
+        if self.recorder is not None:
+            assert self.last_frame is not None
+            self.recorder.write(OUTPUT, self.last_frame.buffer)
+        return msg
 
     def dump_block_tables(self) -> list[BlockTables]:
         """Debugging (replay only): every rank's block-table rows after the steps sent so

@@ -132,7 +132,7 @@ class KVCacheManager:
                 bs = self._flat_block_size
                 if (
                     total <= len(blocks) * bs
-                    and total <= len(request.all_token_ids)
+                    and total <= len(request.all_token_ids) + request.num_pending_tokens
                     and total <= self.max_model_len
                 ):
                     # A block filled: publish it (unless its KV is still arriving).
@@ -252,9 +252,12 @@ class KVCacheManager:
             + num_external_computed_tokens
             + num_new_tokens
         )
-        if end > request.num_tokens:
+        # Pending tokens (a step in flight samples them) get slots before their ids arrive.
+        pending = request.num_pending_tokens
+        if end > request.num_tokens + pending:
             raise ValueError(
                 f"request {rid}: slots up to token {end} asked, but it has {request.num_tokens}"
+                + (f" (+{pending} pending)" if pending else "")
             )
         if end > self.max_model_len:
             raise ValueError(

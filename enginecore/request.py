@@ -50,6 +50,7 @@ class Request:
         "mm_placeholders",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "prompt_embeds_hash",
@@ -82,6 +83,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens a step in flight will sample that the core has not seen yet (at most one
+        # per step in flight): counted in its length when scheduling, not yet in its ids.
+        self.num_pending_tokens = 0
         self.num_preemptions = 0
         self.sampling_params = sampling_params or _DEFAULT_PARAMS
         self.status = RequestStatus.WAITING

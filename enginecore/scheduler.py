@@ -85,9 +85,9 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.step_id = 0
         self.num_preemptions = 0
-        # (step id, requests due to sample) of the last SchedulerOutput: its answer must
-        # name exactly those.
-        self._due = (0, 0)
+        # (step id, requests due to sample) of each step sent and not yet answered, oldest
+        # first (two with async scheduling): each answer must name exactly those.
+        self._due: deque[tuple[int, int]] = deque()
 
     # -- requests in and out ----------------------------------------------------------
     def add_request(self, request: Request) -> RequestOutput | None:
@@ -279,7 +279,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens
-            remaining = num_new = len(request.all_token_ids) - computed
+            pending = request.num_pending_tokens
+            remaining = num_new = len(request.all_token_ids) + pending - computed
+            if pending and self._ends_at_pending(request):
+                i += 1  # its token in flight ends it by length: running it on is waste
+                continue
             if num_new > budget:
                 num_new = budget
             if computed + num_new > max_len:
@@ -306,6 +310,7 @@ class Scheduler:
             cached_counts.append(num_new)
             if num_new == remaining:
                 num_due += 1
+                request.num_pending_tokens = pending + 1
             budget -= num_new
             i += 1
 
@@ -318,6 +323,8 @@ class Scheduler:
             if len(running) >= self.config.max_num_seqs:
                 break
             request = waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a step in flight: resume once its token is known
             hits, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget:
@@ -354,6 +361,7 @@ class Scheduler:
                 request.known_to_worker = True
             if num_hit + num_new == request.num_tokens:
                 num_due += 1
+                request.num_pending_tokens = 1
             budget -= num_new
 
         # Sliding windows freed leading blocks of some running requests: tell the worker.
@@ -373,7 +381,8 @@ class Scheduler:
             total += n
         finished, self._finished_req_ids = self._finished_req_ids, []
         self.step_id += 1
-        self._due = (self.step_id, num_due)
+        if total:  # workers answer only steps that run tokens
+            self._due.append((self.step_id, num_due))
         return SchedulerOutput(
             step_id=self.step_id,
             new_reqs=new_reqs,
@@ -384,6 +393,15 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+        )
+
+    def _ends_at_pending(self, request: Request) -> bool:
+        """Whether the request's tokens in flight finish it by length (max_tokens or
+        max_model_len), so that no further step is worth scheduling for it."""
+        n = len(request.all_token_ids) + request.num_pending_tokens
+        return (
+            n - request.num_prompt_tokens >= request.sampling_params.max_tokens
+            or n >= self.config.max_model_len
         )
 
     def _preempt(self, request: Request) -> None:
@@ -399,9 +417,13 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests.
 
-        ValueError if the output does not answer this step exactly (the wire is not
-        trusted: a wrong answer must stop the engine with a reason, not leave a request
-        waiting forever)."""
+        With async scheduling the next step may already be scheduled (and be running):
+        a request it ran on that finishes here is finished all the same; the extra token
+        that step samples for it is dropped when its answer comes.
+
+        ValueError if the output does not answer the oldest step in flight exactly (the
+        wire is not trusted: a wrong answer must stop the engine with a reason, not leave
+        a request waiting forever)."""
         self._check_output(scheduler_output, output)
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
@@ -410,11 +432,16 @@ class Scheduler:
         logprobs = output.logprobs or None  # parallel to req_ids when some asked
         for i, (rid, token) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            pending = request.num_pending_tokens - 1
+            if pending < 0:  # the engine stops: no undo
+                raise ValueError(f"a token for request {rid}, which was not due to sample")
+            request.num_pending_tokens = pending
             request.append_output_token_ids(token)
             num_tokens = len(request.all_token_ids)
-            if num_tokens != request.num_computed_tokens + 1:  # the engine stops: no undo
+            running = request.status == RequestStatus.RUNNING
+            if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
             reason = None
@@ -429,9 +456,12 @@ class Scheduler:
             ):
                 reason = "length"
             if reason is not None:
-                self.kv_cache_manager.free(request)
+                if running:
+                    self.kv_cache_manager.free(request)
+                    finished.add(rid)
+                else:  # preempted by a step scheduled while this one ran: blocks are free
+                    self.waiting.remove(request)
                 self._finish(request, reason)
-                finished.add(rid)
             lp = logprobs and logprobs[i]
             outputs.append(
                 RequestOutput(rid, [token], reason, request.num_cached_tokens, None, lp and [lp])
@@ -442,12 +472,13 @@ class Scheduler:
 
     def _check_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """The cheap whole-output checks: step, counts, token range (C loops)."""
-        if output.step_id != so.step_id or self._due[0] != so.step_id:
+        due = self._due
+        if output.step_id != so.step_id or not due or due[0][0] != so.step_id:
             raise ValueError(
                 f"model output of step {output.step_id} does not answer step {so.step_id}"
             )
+        num_due = due.popleft()[1]
         tokens = output.sampled_token_ids
-        num_due = self._due[1]
         if len(output.req_ids) != num_due or len(tokens) != num_due:
             raise ValueError(
                 f"{len(output.req_ids)} requests and {len(tokens)} tokens in the output of "

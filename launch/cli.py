@@ -160,6 +160,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="log one line per step: each request's prefix hits, blocks per group, new "
         "blocks, and the free blocks",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap scheduling with the model: the core sends each step while the "
+        "previous one runs (default); --no-async-scheduling runs one step at a time",
+    )
     p.add_argument("--log-level", default="WARNING", help="engine processes' log level")
     p.add_argument(
         "--record",
@@ -395,6 +402,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         log_kv=args.log_kv,
+        async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         external_workers=args.external_workers,
         worker_address=args.worker_address,

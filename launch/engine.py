@@ -113,6 +113,8 @@ class EngineArgs:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     log_kv: bool = False  # one core log line per step with each request's blocks
+    # The core sends step N+1 while the workers run step N (False: one step at a time).
+    async_scheduling: bool = True
     # Record every frame the core sends its workers, and rank 0's answers, into this new
     # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
     record_dir: str | None = None
@@ -236,6 +238,7 @@ class EngineProcesses:
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             log_kv=args.log_kv,
+            async_scheduling=args.async_scheduling,
             record_dir=None if args.record_dir is None else os.path.abspath(args.record_dir),
             # Without this launch's pid and rendezvous: replay gives its own.
             record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)

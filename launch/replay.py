@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +141,13 @@ def _split(recording: Recording) -> _Parts:
     """The recording's records, checked to come in the order the core writes them."""
     world_size = recording.manifest.world_size
     to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "recorded worker->core")
+    from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "recorded core->worker")
     hellos: list[WorkerHello] = []
     configure: bytes | None = None
     steps: list[tuple[bytes, bytes | None]] = []
+    # Steps that schedule tokens and await their answer, oldest first: with async
+    # scheduling the core sends a step before the previous one's answer is recorded.
+    unanswered: deque[int] = deque()
     for kind, payload in recording.records():
         if kind == HELLO and configure is None and len(hellos) < world_size:
             hello = to_core.decode(payload)
@@ -152,9 +157,13 @@ def _split(recording: Recording) -> _Parts:
         elif kind == CONFIGURE and configure is None and len(hellos) == world_size:
             configure = payload
         elif kind == STEP and configure is not None:
+            so = from_core.decode(payload)
+            if isinstance(so, SchedulerOutput) and so.total_num_scheduled_tokens > 0:
+                unanswered.append(len(steps))
             steps.append((payload, None))
-        elif kind == OUTPUT and steps and steps[-1][1] is None:
-            steps[-1] = (steps[-1][0], payload)
+        elif kind == OUTPUT and unanswered:
+            i = unanswered.popleft()
+            steps[i] = (steps[i][0], payload)
         else:
             raise RecordingError(
                 f"{recording.dir}: a {KIND_NAMES[kind]} record out of order (after "
@@ -187,16 +196,16 @@ def _play(executor: Executor, parts: _Parts) -> ReplaySummary:
     summary = ReplaySummary(world_size=executor.world_size)
     executor.configure_frame(parts.configure)
     requests: set[str] = set()
+    # The recorded run may have ended while waiting for its last steps' answers (two with
+    # async scheduling): those, and only those, may lack them.
+    answered_until = max((i + 1 for i, (_, out) in enumerate(parts.steps) if out), default=0)
     for i, (frame, recorded) in enumerate(parts.steps):
         so = from_core.decode(frame)
         if not isinstance(so, SchedulerOutput):
             raise RecordingError(f"a step record holds a {type(so).__name__}")
-        # Workers answer exactly the steps that schedule tokens. Only the last one may lack
-        # its answer: the recorded run ended while waiting for it.
+        # Workers answer exactly the steps that schedule tokens.
         answered = so.total_num_scheduled_tokens > 0
-        if answered != (recorded is not None) and (
-            recorded is not None or i < len(parts.steps) - 1
-        ):
+        if answered != (recorded is not None) and (recorded is not None or i < answered_until):
             raise RecordingError(
                 f"step {so.step_id} schedules {so.total_num_scheduled_tokens} tokens but has "
                 f"{'an' if recorded is not None else 'no'} output record"

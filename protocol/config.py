@@ -40,6 +40,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events_topic: str = ""
     # One log line per step: each scheduled request's hits, blocks per group, new blocks.
     log_kv: bool = False
+    # Send step N+1 before step N's answer arrives, so the workers never wait for the
+    # core's host path (False: strictly one step at a time).
+    async_scheduling: bool = True
     # Record every core<->worker frame here (enginecore/recording.py); None: off.
     record_dir: str | None = None
     # The settings the workers were started with (rank 0's), kept in the recording's
