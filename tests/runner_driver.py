@@ -13,7 +13,7 @@ preemption and resumption, requests arriving while others decode.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +71,9 @@ class RunRecord:
     prefix_hits: dict[str, int] = field(default_factory=dict)  # tokens found cached
     resumed: set[str] = field(default_factory=set)
     num_preemptions: int = 0
+    # Preemptions of a request whose last scheduled step had not been answered yet.
+    preempted_in_flight: int = 0
+    max_in_flight: int = 1
     decode_steps: int = 0  # steps in which some request computed exactly one new token
 
     def sequences(self) -> dict[str, list[int]]:
@@ -92,8 +95,14 @@ def make_runner(model_dir: str, rank: int = 0, world_size: int = 1) -> ModelRunn
     return ModelRunner(config)
 
 
-def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecord:
-    """Run workload() to completion through a real Scheduler and this runner."""
+def drive(
+    runner: ModelRunner, params: SamplingParams | None = None, max_in_flight: int = 2
+) -> RunRecord:
+    """Run workload() to completion through a real Scheduler and this runner.
+
+    max_in_flight 2 is async scheduling as the core does it: step N+1 is scheduled
+    before step N's answer is applied (the runner executes each step when it is sent,
+    in order, as a worker process would); 1 is the serial loop."""
     params = params or SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = runner.model_config.vocab_size
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
@@ -108,26 +117,39 @@ def drive(runner: ModelRunner, params: SamplingParams | None = None) -> RunRecor
     )
     codec = Codec(CoreToWorker, "core->worker")
     arrivals = workload(vocab)
-    record = RunRecord(prompts={rid: prompt for _, rid, prompt in arrivals})
+    record = RunRecord(
+        prompts={rid: prompt for _, rid, prompt in arrivals}, max_in_flight=max_in_flight
+    )
+    in_flight: deque[tuple[SchedulerOutput, object]] = deque()
     requests: dict[str, Request] = {}
     hidden: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda _m, _a, out: hidden.append(out))
     try:
         step = 0
-        while arrivals or scheduler.has_unfinished_requests():
+        while arrivals or scheduler.has_unfinished_requests() or in_flight:
             while arrivals and arrivals[0][0] <= step:
                 _, rid, prompt = arrivals.pop(0)
                 hasher = scheduler.kv_cache_manager.block_hasher
                 requests[rid] = Request(rid, prompt, hasher, sampling_params=params)
                 assert scheduler.add_request(requests[rid]) is None
             step += 1
-            so = scheduler.schedule()
-            hidden.clear()
-            out = runner.execute(codec.decode(codec.encode(so)))
-            if so.total_num_scheduled_tokens:
-                _record_logits(runner, so, hidden[0], requests, record)
-            if out is not None:
+            sent = False
+            if len(in_flight) < max_in_flight and scheduler.has_unfinished_requests():
+                so = scheduler.schedule()
+                record.preempted_in_flight += sum(
+                    requests[rid].num_pending_tokens > 0 for rid in so.preempted_req_ids
+                )
+                hidden.clear()
+                out = runner.execute(codec.decode(codec.encode(so)))
+                if so.total_num_scheduled_tokens:
+                    _record_logits(runner, so, hidden[0], requests, record)
+                    in_flight.append((so, out))
+                    sent = True
+            if in_flight and (len(in_flight) == max_in_flight or not sent):
+                so, out = in_flight.popleft()
+                assert out is not None
                 scheduler.update_from_output(so, out)
+            scheduler.check_invariants()
     finally:
         hook.remove()
     record.generated = {rid: r.all_token_ids[r.num_prompt_tokens :] for rid, r in requests.items()}

@@ -1,7 +1,8 @@
 """Logits through the real worker path, at every computed position, against transformers.
 
 The real Scheduler's SchedulerOutputs (prefill, chunked prefill, prefix hits, decode,
-preemption and resumption) go through the wire codec into the real ModelRunner; every
+preemption and resumption; serial, and async with the next step scheduled before the
+last one's answer) go through the wire codec into the real ModelRunner; every
 logit it computes must equal transformers' over the request's final sequence. Unlike
 test_model_vs_hf's hand-built harness, this checks InputBatch, prepare_inputs, BlockTable
 and slot mapping at logit level. TP 2 runs the same in two spawned ranks of a gloo group.
@@ -40,10 +41,16 @@ def _check(record: Any, hf_model: torch.nn.Module) -> None:
         assert record.generated[rid] == hf_greedy(hf_model, prompt, GEN_TOKENS), rid
 
 
+@pytest.mark.parametrize("max_in_flight", [1, 2], ids=["serial", "async"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_runner_logits_equal_transformers(name: str, checkpoints: dict) -> None:
+def test_runner_logits_equal_transformers(name: str, checkpoints: dict, max_in_flight: int) -> None:
     path, hf_model = checkpoints[name]
-    _check(drive(make_runner(path)), hf_model)
+    record = drive(make_runner(path), max_in_flight=max_in_flight)
+    _check(record, hf_model)
+    if max_in_flight > 1 and name in ("llama", "qwen2_interleaved"):
+        # This workload preempts a request whose step is still in flight (with and
+        # without sliding windows); the worker keeps the token that step samples.
+        assert record.preempted_in_flight, "no preemption of a request with a step in flight"
 
 
 def _tp2_rank(rank: int, init_method: str, path: str, out_dir: str) -> None:
