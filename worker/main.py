@@ -39,6 +39,7 @@ from protocol.worker import (
     WorkerRejected,
     WorkerToCore,
 )
+from worker.bench_clock import StepClock
 from worker.generation_config import load_generation_config
 
 log = logging.getLogger("pagedserve.worker")
@@ -71,6 +72,7 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         )
     )
     answers = config.rank == 0
+    clock = StepClock.from_env()  # benchmarks only
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     core_is_alive = functools.partial(core_alive, config, monitor)  # once, not per step
@@ -91,7 +93,12 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                 continue
             msg = from_core.decode(pull.recv(copy=False).buffer)
             if isinstance(msg, SchedulerOutput):
-                out = runner.execute(msg)
+                if clock is not None and msg.total_num_scheduled_tokens:
+                    clock.begin()
+                    out = runner.execute(msg)
+                    clock.end()
+                else:
+                    out = runner.execute(msg)
                 if (
                     out is not None
                     and answers
@@ -107,6 +114,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
             elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
                 push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))
     finally:
+        if clock is not None:
+            clock.write()
         # An open monitor socket would keep the context from terminating.
         pull.disable_monitor()
         monitor.close(linger=0)

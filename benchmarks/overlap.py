@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Serial vs async scheduling: steps/s and the worker's idle share, in one run.
+
+    python benchmarks/overlap.py [--requests 256] [--tokens 200] [--delay-ms auto] [--rounds 2]
+
+The whole engine as users run it (`LLM`: a core process and a worker process) steps
+--requests decode requests (short random prompts, greedy, ignore_eos, --tokens each) on
+a Llama with one tiny layer, so the worker's own step costs little, and the model step's
+length is set by the worker's benchmark delay (worker/bench_clock.py: a sleep per step,
+the CPU left free as while a GPU runs). --delay-ms auto first runs serial with no delay
+and takes the worker's idle time per step (the host path it waits for: the core's
+schedule and update, both IPC hops) as the delay, so that the model step is about as
+long as the host path, the case the overlap is for.
+
+Then serial and async alternate --rounds times (a load change on a shared machine
+weighs on both). The worker reports its steps, busy and idle seconds
+(PAGEDSERVE_BENCH_WORKER_TIMING): steps/s = steps / (busy + idle), idle share =
+idle / (busy + idle), from its first step to its last. Tokens are checked equal between
+the modes. Progress on stderr; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from launch.builtin_model import write_llama_checkpoint  # noqa: E402
+from launch.llm import LLM  # noqa: E402
+from protocol.engine import SamplingParams  # noqa: E402
+from worker.bench_clock import DELAY_ENV, TIMING_ENV  # noqa: E402
+
+VOCAB = 512
+
+
+def write_model(directory: Path, max_positions: int) -> None:
+    """A Llama with one tiny layer: the worker's compute stays far below the host path."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
+    write_llama_checkpoint(directory, config, seed=0)
+
+
+def run(
+    model: Path, prompts: list[list[int]], tokens: int, delay_ms: float, async_on: bool, tmp: Path
+) -> dict[str, Any]:
+    timing = tmp / f"timing-{time.monotonic_ns()}.json"
+    os.environ[DELAY_ENV] = f"{delay_ms:g}"
+    os.environ[TIMING_ENV] = str(timing)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    with LLM(
+        str(model),
+        device="cpu",
+        async_scheduling=async_on,
+        max_num_seqs=len(prompts),
+        max_model_len=64 + tokens,
+    ) as llm:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    stats = json.loads(timing.read_text())  # written when the worker exits
+    span = stats["busy_s"] + stats["idle_s"]
+    return {
+        "mode": "async" if async_on else "serial",
+        "steps": stats["steps"],
+        "steps_per_s": round(stats["steps"] / span, 1),
+        "worker_idle_share": round(stats["idle_s"] / span, 4),
+        "worker_busy_ms_per_step": round(stats["busy_s"] / stats["steps"] * 1e3, 3),
+        "worker_idle_ms_per_step": round(stats["idle_s"] / stats["steps"] * 1e3, 3),
+        "generate_s": round(wall, 3),
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=200, help="output tokens per request")
+    p.add_argument(
+        "--delay-ms",
+        default="auto",
+        help="model step length added in the worker (ms), or auto: the host path's length",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="serial/async pairs")
+    a = p.parse_args()
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(3, VOCAB) for _ in range(rng.randint(8, 32))] for _ in range(a.requests)
+    ]
+    with tempfile.TemporaryDirectory(prefix="overlap-") as d:
+        tmp = Path(d)
+        model = tmp / "model"
+        write_model(model, 64 + a.tokens)
+        if a.delay_ms == "auto":
+            probe = run(model, prompts, a.tokens, 0, False, tmp)
+            delay = max(0.0, probe["worker_idle_ms_per_step"] - probe["worker_busy_ms_per_step"])
+            print(
+                f"host path {probe['worker_idle_ms_per_step']:.3f} ms/step, worker "
+                f"{probe['worker_busy_ms_per_step']:.3f} ms: delay {delay:.3f} ms",
+                file=sys.stderr,
+            )
+        else:
+            delay = float(a.delay_ms)
+        runs: list[dict[str, Any]] = []
+        for i in range(a.rounds):
+            for async_on in (False, True):
+                r = run(model, prompts, a.tokens, delay, async_on, tmp)
+                print(
+                    f"round {i + 1} {r['mode']}: {r['steps_per_s']} steps/s, worker idle "
+                    f"{r['worker_idle_share']:.1%}",
+                    file=sys.stderr,
+                )
+                runs.append(r)
+    tokens_equal = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
+    by_mode: dict[str, dict[str, float]] = {}
+    for mode in ("serial", "async"):
+        mine = [r for r in runs if r["mode"] == mode]
+        by_mode[mode] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in (
+                "steps_per_s",
+                "worker_idle_share",
+                "worker_busy_ms_per_step",
+                "worker_idle_ms_per_step",
+            )
+        }
+    speedup = by_mode["async"]["steps_per_s"] / by_mode["serial"]["steps_per_s"]
+    result = {
+        "benchmark": "overlap",
+        "requests": a.requests,
+        "tokens": a.tokens,
+        "delay_ms": round(delay, 3),
+        "serial": by_mode["serial"],
+        "async": by_mode["async"],
+        "async_speedup": round(speedup, 3),
+        "tokens_equal": tokens_equal,
+        "goals": {
+            "speedup_at_least_1.6": speedup >= 1.6,
+            "async_worker_idle_under_10pct": by_mode["async"]["worker_idle_share"] < 0.10,
+        },
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
