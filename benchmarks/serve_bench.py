@@ -255,16 +255,25 @@ def _get(url: str) -> bytes:
         return r.read()
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """(queries, hits) in tokens, from the server's /metrics."""
+COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+)
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's /metrics counters this benchmark reads: prefix-cache queries and
+    hits in tokens, and TTFT as the server measures it (from a request's arrival)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    got = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    got = dict.fromkeys(COUNTERS, 0.0)
     for family in text_string_to_metric_families(_get(f"{url}/metrics").decode()):
         for s in family.samples:
             if s.name in got:
                 got[s.name] += s.value
-    return got["vllm:prefix_cache_queries_total"], got["vllm:prefix_cache_hits_total"]
+    return got
 
 
 def reset_server_cache(url: str) -> None:
@@ -419,6 +428,23 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """Pids of pid's direct children (a server's engine processes)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid:
+                    out.append(int(entry))
+    return out
+
+
+def total_cpu(pids: list[int]) -> float | None:
+    times = [cpu_seconds(p) for p in pids]
+    return sum(t for t in times if t is not None) if pids else None
+
+
 def _us_per_token(cpu0: float | None, cpu1: float | None, ntok: int) -> float | None:
     return round((cpu1 - cpu0) / ntok * 1e6, 1) if cpu0 is not None and cpu1 and ntok else None
 
@@ -430,13 +456,15 @@ def server_run(
     a: argparse.Namespace,
     concurrency: int,
     pid: int | None = None,
+    engine_pids: list[int] | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     reset_server_cache(url)
-    q0, h0 = prefix_counters(url)
-    s0, c0 = cpu_seconds(pid), time.process_time()
+    m0 = server_counters(url)
+    s0, c0, e0 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
     results, seconds = asyncio.run(_drive(url, model, w.prompts, a, concurrency))
-    s1, c1 = cpu_seconds(pid), time.process_time()
-    q1, h1 = prefix_counters(url)
+    s1, c1, e1 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
+    m1 = server_counters(url)
+    q, h, ttft_s, n = (m1[k] - m0[k] for k in COUNTERS)
     done = [r for r in results if r.error is None and r.finish_reason is not None]
     ntok = sum(len(r.token_ids) for r in results)
     tpot = [
@@ -458,11 +486,14 @@ def server_run(
         # this client: less noisy than wall time on a shared machine.
         "server_cpu_us_per_token": _us_per_token(s0, s1, ntok),
         "client_cpu_us_per_token": _us_per_token(c0, c1, ntok),
+        "engine_cpu_us_per_token": _us_per_token(e0, e1, ntok),
         "ttft_ms": percentiles([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles([x for r in done for x in r.itl]),
         "e2e_ms": percentiles([r.latency for r in done]),
-        "prefix_hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0,
+        # The server's own view: arrival to first token, without the client's part.
+        "server_ttft_mean_ms": round(ttft_s / n * 1e3, 3) if n else None,
+        "prefix_hit_rate": round(h / q, 4) if q else 0.0,
         "cached_token_rate": round(sum(r.cached_tokens for r in results) / prompt_tokens, 4)
         if prompt_tokens
         else 0.0,
@@ -476,12 +507,13 @@ def llm_run(
     llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
     outs = []
-    c0 = time.process_time()
+    engine_pids = [p.pid for p in llm.engine.procs.values()]
+    c0, e0 = time.process_time(), total_cpu(engine_pids)
     start = time.perf_counter()
     for k in range(0, len(w.prompts), concurrency):
         outs += llm.generate(w.prompts[k : k + concurrency], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    c1 = time.process_time()
+    c1, e1 = time.process_time(), total_cpu(engine_pids)
     ntok = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in w.prompts)
     return {
@@ -492,6 +524,7 @@ def llm_run(
         "output_tok_s": round(ntok / seconds, 1),
         "request_s": round(len(outs) / seconds, 3),
         "client_cpu_us_per_token": _us_per_token(c0, c1, ntok),
+        "engine_cpu_us_per_token": _us_per_token(e0, e1, ntok),
         "cached_token_rate": round(sum(o.num_cached_tokens for o in outs) / prompt_tokens, 4),
     }, [o.token_ids for o in outs]
 
@@ -553,11 +586,14 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ratio": _median(rows, "ratio"),
                 "ratios": [r["ratio"] for r in rows],
                 "ttft_p50_ms": _median(rows, "server", "ttft_ms", "p50"),
+                "server_ttft_mean_ms": _median(rows, "server", "server_ttft_mean_ms"),
                 "tpot_p50_ms": _median(rows, "server", "tpot_ms", "p50"),
                 "itl_p50_ms": _median(rows, "server", "itl_ms", "p50"),
                 "server_cpu_us_per_token": _median(rows, "server", "server_cpu_us_per_token"),
                 "client_cpu_us_per_token": _median(rows, "server", "client_cpu_us_per_token"),
                 "llm_client_cpu_us_per_token": _median(rows, "llm", "client_cpu_us_per_token"),
+                "engine_cpu_us_per_token": _median(rows, "server", "engine_cpu_us_per_token"),
+                "llm_engine_cpu_us_per_token": _median(rows, "llm", "engine_cpu_us_per_token"),
                 "prefix_hit_rate": _median(rows, "server", "prefix_hit_rate"),
                 "engine_first_token_p50_ms": _median(rows, "engine", "first_token_ms", "p50"),
                 "engine_decode_step_p50_ms": _median(rows, "engine", "decode_step_ms", "p50"),
@@ -587,8 +623,8 @@ def goals(summary: list[dict[str, Any]]) -> dict[str, Any]:
         over = [round(s["ttft_p50_ms"] - s["engine_first_token_p50_ms"], 3) for s in low]
         out["ttft_over_engine_first_token_ms"] = over
         out["ttft_over_engine_first_token_max_ms"] = max(over)
-        out["engine_decode_step_p50_ms"] = statistics.median(
-            s["engine_decode_step_p50_ms"] for s in low
+        out["engine_decode_step_p50_ms"] = round(
+            statistics.median(s["engine_decode_step_p50_ms"] for s in low), 3
         )
         out["ttft_met"] = max(over) <= 5.0
     return out
@@ -614,6 +650,7 @@ def run_setting(
     stack.callback(llm.close)
     url = a.url or (server.wait_ready(a.startup_timeout) if server else "")
     pid = server.proc.pid if server is not None else None
+    engine_pids = children(pid) if pid is not None else []
     model = json.loads(_get(f"{url}/v1/models"))["data"][0]["id"]
     warm = next(iter(workloads.values()))
     # First runs pay for lazy start-up work (allocator, caches): not part of any cell.
@@ -634,7 +671,7 @@ def run_setting(
             ids: dict[str, list[list[int]]] = {}
             for variant in order:
                 if variant == "server":
-                    row["server"], ids["server"] = server_run(url, model, w, a, c, pid)
+                    row["server"], ids["server"] = server_run(url, model, w, a, c, pid, engine_pids)
                 else:
                     row["llm"], ids["llm"] = llm_run(llm, w, a, c)
             if step is not None:
