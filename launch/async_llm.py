@@ -42,10 +42,17 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from launch.detokenizer import IncrementalDetokenizer
 from launch.engine import CORE_REPORT_TIMEOUT_S, EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
-from protocol.engine import EngineDead, EngineOutputs, RequestOutput, SamplingParams, SchedulerStats
+from launch.sequence import SequenceState, fan_out
+from protocol.engine import (
+    EngineDead,
+    EngineOutputs,
+    Logprobs,
+    RequestOutput,
+    SamplingParams,
+    SchedulerStats,
+)
 
 log = logging.getLogger("pagedserve.launch")
 T = TypeVar("T")
@@ -57,9 +64,10 @@ WATCH_INTERVAL_MS = 500
 
 @dataclass(slots=True)
 class StreamOutput:
-    """What one engine step added to a request. text is the decoded delta (never part of
-    a character; "" when the model has no tokenizer); finish_reason is set once, on the
-    last output ("length", "stop", "abort" or "error", with error saying why)."""
+    """What one engine step added to one sequence of a request (index: which of its n).
+    text is the decoded delta (never part of a character, never text a stop string will
+    cut; "" when the model has no tokenizer); finish_reason is set once per sequence, on
+    its last output ("length", "stop", "abort" or "error", with error saying why)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -68,23 +76,31 @@ class StreamOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at finish)
     error: str | None = None
+    index: int = 0
+    logprobs: list[Logprobs] | None = None  # one per new token, when asked for
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class RequestStream:
-    """An open request: iterate it for StreamOutputs. Closing it, or dropping it before
-    the end, aborts the request in the core."""
+    """An open request: iterate it for StreamOutputs (of its n sequences, interleaved;
+    it ends when all have finished). Closing it, or dropping it before the end, aborts
+    the request in the core."""
 
     def __init__(
-        self, engine: AsyncLLM, request_id: str, prompt_token_ids: list[int], text: bool
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sequences: dict[str, SequenceState],
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._detok = (
-            IncrementalDetokenizer(engine.tokenizer) if text and engine.tokenizer else None
-        )
-        self._num_output_tokens = 0
+        # Core request id -> its sequence, in index order.
+        self._sequences = sequences
+        self._index = {core_id: i for i, core_id in enumerate(sequences)}
+        self._open = len(sequences)
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -105,30 +121,33 @@ class RequestStream:
         return self._output(item)
 
     def _output(self, o: RequestOutput) -> StreamOutput:
-        self._num_output_tokens += len(o.new_token_ids)
-        text = ""
-        if self._detok is not None:
-            text = self._detok.step(o.new_token_ids)
-            if o.finish_reason is not None:
-                text += self._detok.flush()
-        if o.finish_reason is not None:
-            self.finished = True
-            self._engine._forget(self.request_id)
+        seq = self._sequences[o.request_id]
+        out = seq.process(o)
+        if seq.stopped:  # a stop string: the core stops now, its later tokens are dropped
+            self._engine._abort([o.request_id])
+        elif seq.finished:
+            self._engine._forget(o.request_id)
+        if seq.finished:
+            self._open -= 1
+            self.finished = self._open == 0
         return StreamOutput(
             self.request_id,
-            o.new_token_ids,
-            text,
-            self._num_output_tokens,
-            o.finish_reason,
+            out.new_token_ids,
+            out.text,
+            out.num_output_tokens,
+            out.finish_reason,
             o.num_cached_tokens,
             o.error,
+            self._index[o.request_id],
+            out.logprobs,
+            out.stop_reason,
         )
 
     def close(self) -> None:
         """Abort the request if it is still running (idempotent, never blocks)."""
         if not self.finished:
             self.finished = True
-            self._engine._abort(self.request_id)
+            self._engine._abort([r for r, s in self._sequences.items() if not s.finished])
 
     async def aclose(self) -> None:
         self.close()
@@ -187,7 +206,9 @@ class AsyncLLM:
     ) -> RequestStream:
         """Start a request and return its stream of outputs. prompt: text, token ids, a
         chat conversation ([{"role", "content"}, ...]) or a Prompt. request_id must not
-        be open already (default: a fresh one). text False skips detokenizing.
+        be open already (default: a fresh one). text False skips detokenizing. With
+        n > 1 the core runs n requests "{request_id}-{i}" (sharing the prompt's blocks
+        through the prefix cache) and each output's index says which.
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
         self._check_running()
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -202,9 +223,17 @@ class AsyncLLM:
         params = SamplingParams() if params is None else params
         params = checked_params(params, f"request {rid}", self.vocab_size)
         ids = self.inputs.token_ids(p, self.vocab_size)
-        stream = RequestStream(self, rid, ids, text)
-        self._queues[rid] = stream._queue
-        self.engine.add_request(rid, ids, params, cache_salt or p.cache_salt)
+        copies = fan_out(params)
+        core_ids = [rid] if len(copies) == 1 else [f"{rid}-{i}" for i in range(len(copies))]
+        for core_id in core_ids:
+            if core_id in self._queues:
+                raise ValueError(f"request id {core_id!r} is already open")
+        sequences = {c: SequenceState(self.tokenizer, params, text) for c in core_ids}
+        stream = RequestStream(self, rid, ids, sequences)
+        salt = cache_salt or p.cache_salt
+        for core_id, copy in zip(core_ids, copies):
+            self._queues[core_id] = stream._queue
+            self.engine.add_request(core_id, ids, copy, salt)
         return stream
 
     def prompt_token_ids(
@@ -228,9 +257,12 @@ class AsyncLLM:
         self._check_running()
         self.engine.reset_prefix_cache()
 
-    def _abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None and self._can_send():
-            self.engine.abort([request_id])
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort the core requests still open among request_ids (their later outputs are
+        dropped)."""
+        ids = [r for r in request_ids if self._queues.pop(r, None) is not None]
+        if ids and self._can_send():
+            self.engine.abort(ids)
 
     def _can_send(self) -> bool:
         return not self._closing and self.dead_reason is None and not self.engine.closed

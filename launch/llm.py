@@ -11,8 +11,9 @@ from typing import Any
 from launch.chat import ChatTemplate
 from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
+from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
-from protocol.engine import SamplingParams, SchedulerStats
+from protocol.engine import Logprobs, SamplingParams, SchedulerStats
 
 
 @dataclass
@@ -24,6 +25,11 @@ class CompletionOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[Logprobs] | None = None  # one per token, when asked for
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # When a stop string ended it: the text before it (the tokens run to the one that
+    # completed the match).
+    _stop_text: list[str] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -77,13 +83,15 @@ class LLM:
         prompts: one prompt (text or token ids) or a list of them. sampling_params: one for
         all, or one per prompt. on_finish is called with each output as its request ends
         (in finish order), e.g. to save results as they come. Malformed arguments raise
-        TypeError or ValueError before anything is sent."""
+        TypeError or ValueError before anything is sent. A stop string ends a request's
+        text before it (its token ids run to the token that completed the match). n > 1
+        is for AsyncLLM and the server: here, give the prompt n times (seeds differing)."""
         if self._closed:
             raise EngineDeadError("this LLM was closed; create a new one")
         items = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(items), self.vocab_size)
         results: list[CompletionOutput] = []
-        pending: dict[str, int] = {}
+        pending: dict[str, tuple[int, SequenceState]] = {}
         summary = RunSummary(requests=len(items))
         start = time.perf_counter()
         finish = on_finish or (lambda _out: None)
@@ -99,6 +107,9 @@ class LLM:
                     request_params = checked_params(
                         p.sampling_params, f"prompt {index}", self.vocab_size
                     )
+                if request_params.n != 1:
+                    raise ValueError("n > 1 needs AsyncLLM or the server (or repeat the prompt)")
+                seq = SequenceState(self.tokenizer, request_params, text=bool(request_params.stop))
             except (TypeError, ValueError) as e:
                 out.finish_reason, out.error = "error", f"prompt {index}: {e}"
                 finish(out)
@@ -108,8 +119,12 @@ class LLM:
             summary.prompt_tokens += len(ids)
             rid = f"req-{self._next_id}"
             self._next_id += 1
-            pending[rid] = index
-            self.engine.add_request(rid, ids, request_params, p.cache_salt)
+            pending[rid] = (index, seq)
+            if request_params.logprobs is not None:
+                out.logprobs = []
+            if request_params.stop:
+                out._stop_text = []
+            self.engine.add_request(rid, ids, fan_out(request_params)[0], p.cache_salt)
         try:
             while pending:
                 batch = self.engine.get_outputs()
@@ -118,14 +133,23 @@ class LLM:
                 if batch.stats is not None:
                     summary.stats = batch.stats
                 for o in batch.outputs:
-                    index = pending.get(o.request_id)
-                    if index is None:
+                    entry = pending.get(o.request_id)
+                    if entry is None:
                         continue
+                    index, seq = entry
                     out = results[index]
+                    step = seq.process(o)
                     out.token_ids.extend(o.new_token_ids)
+                    if out.logprobs is not None and o.logprobs:
+                        out.logprobs.extend(o.logprobs)
+                    if out._stop_text is not None:
+                        out._stop_text.append(step.text)
                     summary.output_tokens += len(o.new_token_ids)
-                    if o.finish_reason is not None:
-                        out.finish_reason = o.finish_reason
+                    if seq.stopped:  # by a stop string: the core stops now
+                        self.engine.abort([o.request_id])
+                    if step.finish_reason is not None:
+                        out.finish_reason = step.finish_reason
+                        out.stop_reason = step.stop_reason
                         out.num_cached_tokens = o.num_cached_tokens
                         # The core names its request id; the caller knows the prompt index.
                         out.error = o.error and o.error.replace(
@@ -141,7 +165,7 @@ class LLM:
             # The core fails the requests it knows of before it stops; any it never read
             # fail here with the same reason, so every input still gets its answer.
             self.dead_reason = str(e)
-            for index in pending.values():
+            for index, _ in pending.values():
                 results[index].finish_reason, results[index].error = "error", str(e)
                 self._finished(results[index], finish)
         finally:
@@ -194,7 +218,9 @@ class LLM:
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
 
     def _finished(self, out: CompletionOutput, finish: Callable[[CompletionOutput], None]) -> None:
-        if self.tokenizer is not None:
+        if out._stop_text is not None:
+            out.text = "".join(out._stop_text)
+        elif self.tokenizer is not None:
             out.text = self.tokenizer.decode(out.token_ids)
         finish(out)
 

@@ -2,20 +2,25 @@
 
 Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
 engine does not implement is a 400 naming the field, never silently ignored. Options the
-engine does not support yet (logprobs, penalties, stop strings, n > 1...) are accepted
-only at their neutral values. Extensions beyond OpenAI's API: top_k, stop_token_ids,
-ignore_eos, cache_salt, return_token_ids (the token ids of prompt and completion in the
-response), and for chat add_generation_prompt and chat_template_kwargs.
+engine does not support yet (logit_bias, prompt_logprobs, echo, suffix, best_of, tools,
+response_format) are accepted only at their neutral values. Sampling options are checked
+by SamplingParams.validate: n in [1, 16], at most 4 non-empty stop strings, presence and
+frequency penalties in [-2, 2], repetition_penalty > 0, min_tokens in [0, max_tokens],
+logprobs / top_logprobs in [0, 20], seed in [0, 2**63). Extensions beyond OpenAI's API
+(vLLM's): top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, cache_salt,
+return_token_ids (the token ids of prompt and completion in the response), and for chat
+add_generation_prompt and chat_template_kwargs.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from protocol.engine import SamplingParams
+from protocol.engine import Logprobs, SamplingParams
 
 # OpenAI's legacy completions default; chat completions default to the context left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -73,33 +78,34 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_salt: str | None = None
     return_token_ids: bool = False
     user: str | None = None  # accepted, unused
-    # Not supported yet: accepted only at their neutral values (unsupported()).
     n: int = 1
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # Not supported yet: accepted only at their neutral values (unsupported()).
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
         bad = []
-        if self.n != 1:
-            bad.append("n")
-        if self.stop:  # null, "" and [] mean no stop strings
-            bad.append("stop")
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_tokens", 0),
-        ):
-            if getattr(self, name) != neutral:
-                bad.append(name)
         if self.logit_bias:
             bad.append("logit_bias")
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs")
         return bad
+
+    def stop_strings(self) -> list[str]:
+        """null and [] mean none; a lone "" too (OpenAI's clients send it for none)."""
+        if self.stop is None or self.stop == "":
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each token comes with; None: no logprobs at all."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -115,8 +121,6 @@ class CompletionRequest(_Request, kw_only=True):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.echo:
             bad.append("echo")
         if self.best_of not in (None, 1):
@@ -124,6 +128,9 @@ class CompletionRequest(_Request, kw_only=True):
         if self.suffix:
             bad.append("suffix")
         return bad
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt: text or token ids (a list of one of them is that one)."""
@@ -162,10 +169,6 @@ class ChatCompletionRequest(_Request, kw_only=True):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
         if self.tools:
             bad.append("tools")
         if self.tool_choice not in (None, "none"):
@@ -173,6 +176,17 @@ class ChatCompletionRequest(_Request, kw_only=True):
         if self.response_format not in (None, {"type": "text"}):
             bad.append("response_format")
         return bad
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:  # OpenAI refuses it too
+                raise APIError(
+                    "top_logprobs needs logprobs: true",
+                    param="top_logprobs",
+                    code="invalid_value",
+                )
+            return None
+        return self.top_logprobs or 0
 
 
 def decode_body(raw: bytes, kind: type[_Request]) -> Any:
@@ -234,11 +248,21 @@ def sampling_params(
         seed=body.seed,
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
+        n=body.n,
+        stop=body.stop_strings(),
+        min_tokens=body.min_tokens,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=body.num_logprobs(),
     )
     try:
         params.validate(vocab_size)
     except ValueError as e:
-        raise APIError(str(e), param=str(e).split()[0], code="invalid_value") from None
+        param = str(e).split()[0]
+        if param == "logprobs" and isinstance(body, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise APIError(str(e), param=param, code="invalid_value") from None
     return params
 
 
@@ -249,3 +273,51 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[Logprobs],
+    token_text: Callable[[int], str],
+    text_offset: int,
+) -> dict[str, Any]:
+    """The legacy completions shape for some tokens of a choice; text_offset is where the
+    first starts in the choice's text (offsets add up each token's own text)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for t, lp in zip(token_ids, logprobs):
+        text = token_text(t)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        top: dict[str, float] = {}
+        # Tokens whose texts coincide keep the likeliest's logprob; the chosen token is
+        # always listed (as vLLM does).
+        for i, v in zip(lp.top_token_ids, lp.top_logprobs):
+            top.setdefault(token_text(i), v)
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[Logprobs], token_text: Callable[[int], str]
+) -> dict[str, Any]:
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+
+    def entry(t: int, logprob: float) -> dict[str, Any]:
+        text = token_text(t)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for t, lp in zip(token_ids, logprobs):
+        item = entry(t, lp.logprob)
+        item["top_logprobs"] = [entry(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)]
+        content.append(item)
+    return {"content": content}

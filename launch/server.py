@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from launch.async_llm import AsyncLLM, RequestStream
+from launch.async_llm import AsyncLLM, RequestStream, StreamOutput
 from launch.chat import ChatTemplateError
 from launch.engine import EngineDeadError
 from launch.inputs import Prompt
@@ -30,10 +30,13 @@ from launch.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
     decode_body,
     sampling_params,
     usage,
 )
+from protocol.engine import Logprobs, SamplingParams
 
 _json = msgspec.json.Encoder()
 
@@ -170,12 +173,35 @@ class OpenAIServer:
             )
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = engine.generate(ids, params, request_id, cache_salt=body.cache_salt)
-        call = _Call(self, body, stream, request_id, chat)
+        call = _Call(self, body, stream, request_id, chat, params)
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
             return StreamingResponse(call.events(), media_type="text/event-stream")
         return await _until_disconnect(request, call.complete())
+
+
+class _Choice:
+    """One of a request's n sequences, as its answer grows."""
+
+    __slots__ = ("finish", "ids", "logprobs", "offset", "sent", "stop_reason", "texts")
+
+    def __init__(self, logprobs: bool) -> None:
+        self.ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[Logprobs] | None = [] if logprobs else None
+        self.finish: str | None = None
+        self.stop_reason: str | int | None = None
+        self.sent = 0  # tokens already streamed
+        self.offset = 0  # text streamed so far, in characters (completions' text_offset)
+
+    def add(self, out: StreamOutput) -> None:
+        self.ids += out.new_token_ids
+        self.texts.append(out.text)
+        if self.logprobs is not None and out.logprobs:
+            self.logprobs += out.logprobs
+        if out.finish_reason is not None:
+            self.finish, self.stop_reason = out.finish_reason, out.stop_reason
 
 
 class _Call:
@@ -188,6 +214,7 @@ class _Call:
         stream: RequestStream,
         request_id: str,
         chat: bool,
+        params: SamplingParams,
     ) -> None:
         self.server = server
         self.body = body
@@ -198,6 +225,7 @@ class _Call:
         self.object = "chat.completion" if chat else "text_completion"
         self.timer: RequestTimer = server.metrics.request(len(stream.prompt_token_ids))
         self.num_cached = 0
+        self.choices = [_Choice(params.logprobs is not None) for _ in range(params.n)]
         self._waiting = True
         server.num_waiting += 1
 
@@ -206,20 +234,23 @@ class _Call:
             self._waiting = False
             self.server.num_waiting -= 1
 
-    async def _outputs(self) -> AsyncIterator[tuple[list[int], str, str | None]]:
-        """(new token ids, text, finish reason) per output; APIError for a failure."""
+    async def _outputs(self) -> AsyncIterator[StreamOutput]:
+        """Each sequence's outputs, added to its choice; APIError for a failure."""
         try:
             async for out in self.stream:
                 self._started()
                 self.timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:
-                    self.timer.finish(out.finish_reason)
-                    self.num_cached = out.num_cached_tokens
+                    if out.index == 0:
+                        self.num_cached = out.num_cached_tokens
                     if out.finish_reason == "error":
                         raise APIError(out.error or "the request failed", 500)
                     if out.finish_reason == "abort":
                         raise APIError("the request was aborted: the server is stopping", 503)
-                yield out.new_token_ids, out.text, out.finish_reason
+                    if self.stream.finished:
+                        self.timer.finish(out.finish_reason)
+                self.choices[out.index].add(out)
+                yield out
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
         finally:
@@ -230,27 +261,41 @@ class _Call:
         n = len(self.stream.prompt_token_ids)
         return usage(n, self.timer.num_tokens, self.num_cached)
 
+    def _token_text(self, token_id: int) -> str:
+        tok = self.server.engine.tokenizer
+        return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+
+    def _logprobs(self, c: _Choice, start: int, offset: int) -> dict[str, Any] | None:
+        """The logprobs of c's tokens from start on, in the endpoint's shape."""
+        if c.logprobs is None:
+            return None
+        ids, lps = c.ids[start:], c.logprobs[start:]
+        if self.chat:
+            return chat_logprobs(ids, lps, self._token_text)
+        return completion_logprobs(ids, lps, self._token_text, offset)
+
     async def complete(self) -> Response:
-        token_ids: list[int] = []
-        texts: list[str] = []
-        finish: str | None = None
         try:
-            async for new, text, reason in self._outputs():
-                token_ids.extend(new)
-                texts.append(text)
-                finish = reason
+            async for _ in self._outputs():
+                pass
         except APIError as e:
             return error_response(e)
-        text = "".join(texts)
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish)
-        answer = self._envelope([choice], self._usage())
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.texts)
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(
+                logprobs=self._logprobs(c, 0, 0), finish_reason=c.finish, stop_reason=c.stop_reason
+            )
+            if self.body.return_token_ids:
+                choice["token_ids"] = c.ids
+            choices.append(choice)
+        answer = self._envelope(choices, self._usage())
         if self.body.return_token_ids:
-            choice["token_ids"] = token_ids
             answer["prompt_token_ids"] = self.stream.prompt_token_ids
         return json_response(answer)
 
@@ -269,15 +314,25 @@ class _Call:
         ids_too = self.body.return_token_ids
         try:
             if self.chat:
-                first = {"role": "assistant", "content": ""}
-                yield self._event(self._envelope([self._chunk(first, None, None)], None))
-            async for new, text, finish in self._outputs():
-                if not (text or finish or (ids_too and new)):
-                    continue  # a character still unfinished: nothing to say yet
+                for i in range(len(self.choices)):
+                    first = {"role": "assistant", "content": ""}
+                    yield self._event(self._envelope([self._chunk(i, first, None, None)], None))
+            async for out in self._outputs():
+                c = self.choices[out.index]
+                text, finish = out.text, out.finish_reason
+                if not (text or finish or (ids_too and out.new_token_ids)):
+                    # A character unfinished or text held back for a stop string: its
+                    # tokens (and logprobs) go with the next chunk of this choice.
+                    continue
                 delta: Any = (
                     ({"content": text} if text or not finish else {}) if self.chat else text
                 )
-                choice = self._chunk(delta, finish, new if ids_too else None)
+                choice = self._chunk(out.index, delta, finish, c.ids[c.sent :] if ids_too else None)
+                choice["logprobs"] = self._logprobs(c, c.sent, c.offset)
+                if finish is not None:
+                    choice["stop_reason"] = c.stop_reason
+                c.sent = len(c.ids)
+                c.offset += len(text)
                 yield self._event(self._envelope([choice], None))
             if self.body.include_usage:
                 yield self._event(self._envelope([], self._usage()))
@@ -285,8 +340,10 @@ class _Call:
             yield self._event(e.body())
         yield b"data: [DONE]\n\n"
 
-    def _chunk(self, delta: Any, finish: str | None, ids: list[int] | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(
+        self, index: int, delta: Any, finish: str | None, ids: list[int] | None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         choice["delta" if self.chat else "text"] = delta
         choice.update(logprobs=None, finish_reason=finish)
         if ids is not None:

@@ -254,14 +254,11 @@ BAD_BODIES = {
     "token outside the vocabulary": ({"prompt": [10**6]}, "prompt", "invalid_value"),
     "unknown model": ({"prompt": "x", "model": "gpt-4"}, "model", "model_not_found"),
     "unknown field": ({"prompt": "x", "bogus": 1}, "bogus", "unknown_parameter"),
-    "logprobs": ({"prompt": "x", "logprobs": 2}, "logprobs", "unsupported_parameter"),
-    "n > 1": ({"prompt": "x", "n": 2}, "n", "unsupported_parameter"),
-    "stop strings": ({"prompt": "x", "stop": ["."]}, "stop", "unsupported_parameter"),
-    "penalty": (
-        {"prompt": "x", "presence_penalty": 0.5},
-        "presence_penalty",
-        "unsupported_parameter",
-    ),
+    "logprobs > 20": ({"prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),
+    "n too large": ({"prompt": "x", "n": 17}, "n", "invalid_value"),
+    "5 stop strings": ({"prompt": "x", "stop": list("abcde")}, "stop", "invalid_value"),
+    "penalty": ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    "logit_bias": ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
     "top_p": ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
 }
 

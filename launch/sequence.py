@@ -1,0 +1,86 @@
+"""One core request as a client sees it: token ids, text deltas, stop strings, logprobs.
+
+Shared by `LLM` and `AsyncLLM`, so a stop string ends a request the same way through
+every door: the text stops before it, finish_reason is "stop", stop_reason names it, and
+the caller aborts the core request at once (its blocks free; later tokens are dropped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from launch.detokenizer import IncrementalDetokenizer
+from launch.stop_strings import StopStringMatcher
+from launch.tokenizer import Tokenizer
+from protocol.engine import Logprobs, RequestOutput, SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    new_token_ids: list[int]
+    text: str  # "" when not detokenizing
+    num_output_tokens: int  # so far, these included
+    finish_reason: str | None
+    logprobs: list[Logprobs] | None  # one per new token, when asked for
+    stop_reason: str | int | None  # the stop string or stop token id that ended it
+
+
+class SequenceState:
+    """Turns a core request's outputs into SequenceOutputs. `stopped` turns True when a
+    stop string ended it here: the core does not know yet, so the caller aborts it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams, text: bool) -> None:
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer (this model has none)")
+        self.params = params
+        self._detok = (
+            IncrementalDetokenizer(tokenizer) if tokenizer and (text or params.stop) else None
+        )
+        self._text = text
+        self._stop = StopStringMatcher(params.stop, params.min_tokens) if params.stop else None
+        self.num_output_tokens = 0
+        self.stopped = False
+        self.finished = False
+
+    def process(self, o: RequestOutput) -> SequenceOutput:
+        self.num_output_tokens += len(o.new_token_ids)
+        finish = o.finish_reason
+        text = ""
+        if self._detok is not None:
+            text = self._detok.step(o.new_token_ids)
+            if finish is not None:
+                text += self._detok.flush()
+        stop_reason: str | int | None = None
+        if self._stop is not None:
+            text = self._stop.step(text, self.num_output_tokens)
+            if self._stop.matched is not None:
+                finish, stop_reason = "stop", self._stop.matched
+                self.stopped = o.finish_reason is None  # the core still runs it
+            elif finish is not None:
+                text += self._stop.flush()
+        if finish == "stop" and stop_reason is None and o.new_token_ids:
+            last = o.new_token_ids[-1]
+            if last in self.params.stop_token_ids:
+                stop_reason = last  # as vLLM reports it (EOS gives None)
+        self.finished = finish is not None
+        return SequenceOutput(
+            o.new_token_ids,
+            text if self._text else "",
+            self.num_output_tokens,
+            finish,
+            o.logprobs,
+            stop_reason,
+        )
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The core requests of one client request: n copies of it (n 1 each, stop strings
+    left to the client); with a seed, copy i gets seed + i so that the copies differ."""
+    one = msgspec.structs.replace(params, n=1, stop=[])
+    if params.n == 1:
+        return [one]
+    if params.seed is None:
+        return [one] * params.n
+    return [msgspec.structs.replace(one, seed=(params.seed + i) % 2**63) for i in range(params.n)]

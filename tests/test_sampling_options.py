@@ -1,0 +1,451 @@
+"""The sampling options clients send, end to end: stop strings, logprobs, penalties,
+min_tokens, n and seeds, through LLM, AsyncLLM and the OpenAI server (real processes).
+
+Oracles are independent: transformers' logits of the same random checkpoint with the
+penalties and masks written out here in plain torch, a log-softmax of those logits for
+logprobs, and plain string search for stop strings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import transformers
+from cli_helpers import CPU
+from hf_checkpoints import MIN_GREEDY_MARGIN
+from test_model_files import copy_model, word_tokenizer
+from test_server import MODEL_NAME, Server, post, start_server
+
+from launch import LLM, AsyncLLM, SamplingParams
+from launch.async_llm import run
+from launch.detokenizer import IncrementalDetokenizer
+from launch.stop_strings import StopStringMatcher
+from launch.tokenizer import ByteTokenizer, HFTokenizer
+from worker.sampler import PenaltyTensors, apply_penalties
+
+os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+STEPS = 12
+
+
+# -- references -------------------------------------------------------------------
+def penalized(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams):
+    """The penalties as their definitions read, one token at a time."""
+    logits = logits.clone()
+    for t in set(prompt) | set(out):  # repetition (HF): prompt and generated tokens
+        v = float(logits[t])
+        logits[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t in set(out):  # OpenAI: generated tokens only
+        logits[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return logits
+
+
+class HFReference:
+    """transformers' next-token logits of the checkpoint, and greedy runs over them."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation="eager", torch_dtype=torch.float32
+        ).eval()
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0, -1].float()
+
+    def greedy(self, prompt: list[int], params: SamplingParams, banned: list[int] = ()) -> list:
+        """Greedy tokens with penalties, and `banned` masked below min_tokens."""
+        out: list[int] = []
+        for _ in range(params.max_tokens):
+            logits = penalized(self.logits(prompt + out), prompt, out, params)
+            if len(out) < params.min_tokens:
+                logits[list(banned)] = float("-inf")
+            top2 = logits.topk(2).values
+            assert top2[0] - top2[1] >= MIN_GREEDY_MARGIN, "oracle too close to call"
+            out.append(int(logits.argmax()))
+        return out
+
+
+@pytest.fixture(scope="module")
+def hf(llama_dir: Path) -> HFReference:
+    return HFReference(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> Iterator[LLM]:
+    with LLM(str(llama_dir), device=CPU) as engine:
+        yield engine
+
+
+# -- stop strings, on text alone ------------------------------------------------------
+def _stream(detok: IncrementalDetokenizer, matcher: StopStringMatcher, ids: list[int]) -> str:
+    """What a client sees, one token per output, until a stop string matches."""
+    shown = []
+    for n, t in enumerate(ids, 1):
+        delta = matcher.step(detok.step([t]), n)
+        assert "\ufffd" not in delta
+        shown.append(delta)
+        if matcher.matched:
+            return "".join(shown)
+    return "".join(shown) + matcher.step(detok.flush(), len(ids)) + matcher.flush()
+
+
+def test_a_stop_string_inside_a_multibyte_character_s_bytes() -> None:
+    text = "añ€😀 ok €!"
+    ids = list(text.encode())  # one token per byte: "€" is three tokens, "😀" four
+    for stop, want in (("€", "añ"), ("😀 o", "añ€"), ("€!", "añ€😀 ok "), ("zz", text)):
+        matcher = StopStringMatcher([stop])
+        got = _stream(IncrementalDetokenizer(ByteTokenizer()), matcher, ids)
+        assert got == want, stop
+        assert matcher.matched == (None if stop == "zz" else stop)
+
+
+def test_a_stop_string_over_byte_fallback_tokens(tmp_path: Path) -> None:
+    # A SentencePiece-style BPE: characters outside its vocabulary become <0xNN> tokens.
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"a": 256, "b": 257, "▁": 258}
+    tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True, unk_token=None))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf_tok = HFTokenizer(tmp_path / "tokenizer.json")
+    ids = hf_tok.encode("ab€aé€b", add_special_tokens=False)
+    assert len(ids) == 12  # € and é fell back to their bytes
+    matcher = StopStringMatcher(["é€", "bb"])
+    assert _stream(IncrementalDetokenizer(hf_tok), matcher, ids) == "ab€a"
+    assert matcher.matched == "é€"
+
+
+def test_held_back_text_is_released_when_it_cannot_start_a_stop_string() -> None:
+    matcher = StopStringMatcher(["abc", "xyz"])
+    assert matcher.step("12a", 1) == "12"  # "a" may start "abc"
+    assert matcher.step("b", 2) == ""
+    assert matcher.step("d", 3) == "abd"
+    assert matcher.step("x", 4) == ""
+    assert matcher.flush() == "x"  # the end: nothing can match any more
+    # Below min_tokens nothing matches and nothing is held back.
+    early = StopStringMatcher(["abc"], min_tokens=2)
+    assert early.step("abc", 1) == "abc"
+    assert early.step("xab", 2) == "xab"
+    # "ab" came from those first tokens, so "ab" + "c" is no match; "ab" may start one.
+    assert early.step("cab", 3) == "c" and early.matched is None
+
+
+# -- the engine -------------------------------------------------------------------------
+def test_logprobs_are_a_log_softmax_of_the_model_s_logits(llm: LLM, hf: HFReference) -> None:
+    # Sampled with a temperature and penalties: logprobs stay the model's raw ones.
+    params = SamplingParams(
+        max_tokens=STEPS, temperature=0.8, seed=3, presence_penalty=1.0, logprobs=5
+    )
+    (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == STEPS
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        want = torch.log_softmax(hf.logits(PROMPT + out.token_ids[:i]), -1)
+        assert lp.logprob == pytest.approx(float(want[token]), abs=1e-4)
+        assert lp.top_logprobs == pytest.approx(want.topk(5).values.tolist(), abs=1e-4)
+        assert lp.top_token_ids == want.topk(5).indices.tolist()
+    # logprobs=0: the chosen token's only; not asked: none, in the same batch.
+    chosen, plain = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(max_tokens=3, temperature=0, logprobs=0), SamplingParams(max_tokens=3)],
+        use_tqdm=False,
+    )
+    assert [lp.top_token_ids for lp in chosen.logprobs or []] == [[], [], []]
+    assert plain.logprobs is None
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        {"presence_penalty": 1.5},
+        {"presence_penalty": -0.7},
+        {"frequency_penalty": 0.9},
+        {"repetition_penalty": 1.8},
+        {"repetition_penalty": 0.6},
+        {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    ],
+    ids=["presence", "negative-presence", "frequency", "repetition", "rep-below-1", "all"],
+)
+def test_penalties_equal_a_reference(llm: LLM, hf: HFReference, penalty: dict) -> None:
+    params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, **penalty)
+    plain = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    # A neighbour without penalties shares the batch and keeps its plain greedy tokens.
+    got, neighbour = llm.generate([PROMPT, PROMPT[:4]], [params, plain], use_tqdm=False)
+    assert got.token_ids == hf.greedy(PROMPT, params)
+    assert neighbour.token_ids == hf.greedy(PROMPT[:4], plain)
+    assert got.token_ids != hf.greedy(PROMPT, plain)  # the penalty did something
+
+
+def test_batched_penalties_equal_the_definitions() -> None:
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 30, 5
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    prompts = [[1, 2, 2, 3], [4], [5, 5, 6, 7, 8], [9, 1], [2]]
+    outs = [[3, 3, 10, 11, 3], [], [5, 12], [13, 13, 13], [2, 2]]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5),
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(frequency_penalty=-1.0),
+        SamplingParams(),  # a neutral row comes out bit-identical
+        SamplingParams(presence_penalty=2.0, repetition_penalty=0.5),
+    ]
+    width = max(len(p) + len(o) for p, o in zip(prompts, outs)) + 2
+    tokens = np.full((rows, width), 29, dtype=np.int32)  # garbage past each row's end
+    for r, (p, o) in enumerate(zip(prompts, outs)):
+        tokens[r, : len(p) + len(o)] = p + o
+    penalties = PenaltyTensors.build(
+        tokens,
+        np.array([len(p) for p in prompts], dtype=np.int32),
+        np.array([len(p) + len(o) for p, o in zip(prompts, outs)], dtype=np.int32),
+        np.array([p.presence_penalty for p in params], dtype=np.float32),
+        np.array([p.frequency_penalty for p in params], dtype=np.float32),
+        np.array([p.repetition_penalty for p in params], dtype=np.float32),
+        vocab,
+        "cpu",
+    )
+    got = apply_penalties(logits, penalties)
+    for r in range(rows):
+        want = penalized(logits[r], prompts[r], outs[r], params[r])
+        assert torch.allclose(got[r], want, atol=1e-6), r
+    assert torch.equal(got[3], logits[3])
+
+
+@pytest.fixture(scope="module")
+def eos_first(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, hf: HFReference):
+    """A copy of the checkpoint whose EOS is the token greedy decoding picks first."""
+    first = hf.greedy(PROMPT, SamplingParams(max_tokens=1, temperature=0))[0]
+    model = copy_model(llama_dir, tmp_path_factory.mktemp("eos") / "m", {"eos_token_id": first})
+    return model, first
+
+
+def test_min_tokens_keeps_eos_back(eos_first: tuple[Path, int], hf: HFReference) -> None:
+    model, eos = eos_first
+    with LLM(str(model), device=CPU) as llm:
+        assert eos in llm.eos_token_ids
+        params = [
+            SamplingParams(max_tokens=STEPS, temperature=0),
+            SamplingParams(max_tokens=STEPS, temperature=0, min_tokens=6),
+            SamplingParams(max_tokens=STEPS, temperature=0, min_tokens=6, stop_token_ids=[3]),
+        ]
+        at_once, held, with_stop = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert (at_once.token_ids, at_once.finish_reason) == ([eos], "stop")
+    # The worker masks EOS (and stop tokens) below min_tokens, so the tokens equal the
+    # reference's, and the core stops on them only from there on.
+    for out, stops in ((held, [eos]), (with_stop, [eos, 3])):
+        want = hf.greedy(PROMPT, params[1], banned=stops)
+        ends = [i for i, t in enumerate(want) if t in stops and i >= 6]
+        if ends:
+            assert (out.token_ids, out.finish_reason) == (want[: ends[0] + 1], "stop")
+        else:
+            assert (out.token_ids, out.finish_reason) == (want, "length")
+    assert eos in held.token_ids  # the case really arises
+
+
+def msgspec_replace(params: SamplingParams, **changes: object) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)
+
+
+def test_seeded_sampling_is_reproducible_and_ignores_its_neighbours(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=STEPS, temperature=1.0, seed=42, ignore_eos=True)
+    (alone,) = llm.generate([PROMPT], seeded, use_tqdm=False)
+    noisy = SamplingParams(max_tokens=STEPS, temperature=1.0, ignore_eos=True)
+    crowd = llm.generate(
+        [[5, 6]] * 3 + [PROMPT] + [[7]] * 3, [noisy] * 3 + [seeded] + [noisy] * 3, use_tqdm=False
+    )
+    assert crowd[3].token_ids == alone.token_ids
+    other = msgspec_replace(seeded, seed=43)
+    assert llm.generate([PROMPT], other, use_tqdm=False)[0].token_ids != alone.token_ids
+
+
+# -- AsyncLLM: n copies and stop strings on a word tokenizer ----------------------------------
+@pytest.fixture(scope="module")
+def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = copy_model(llama_dir, tmp_path_factory.mktemp("opts") / "model")
+    word_tokenizer(model)
+    return model
+
+
+def test_n_copies_share_the_prompt_s_blocks_and_seeds_differ(chat_model: Path) -> None:
+    prompt = list(range(11, 11 + 40))  # 2 full blocks of 16 and 8 tokens
+
+    async def main() -> None:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            params = SamplingParams(max_tokens=STEPS, temperature=1.0, seed=7, n=4, ignore_eos=True)
+            tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+            cached: dict[int, int] = {}
+            async for out in engine.generate(prompt, params, "fan"):
+                tokens[out.index] += out.new_token_ids
+                if out.finish_reason is not None:
+                    cached[out.index] = out.num_cached_tokens
+            assert engine.num_open_requests == 0
+            # All four were admitted together; three found the first's prompt blocks.
+            assert sorted(cached.values()) == [0, 32, 32, 32]
+            assert len({tuple(t) for t in tokens.values()}) == 4  # seeds 7..10 differ
+            for i in (0, 3):  # copy i is the request with seed 7 + i
+                one = msgspec_replace(params, n=1, seed=7 + i)
+                alone = [t async for out in engine.generate(prompt, one) for t in out.new_token_ids]
+                assert alone == tokens[i]
+        finally:
+            await engine.aclose()
+
+    run(main())
+
+
+def test_stop_strings_through_async_llm_end_the_request(chat_model: Path) -> None:
+    async def text_of(engine: AsyncLLM, params: SamplingParams) -> tuple[str, list, object]:
+        text, ids, last = "", [], None
+        async for out in engine.generate("What is 2 + 2 ?", params):
+            text += out.text
+            ids += out.new_token_ids
+            last = out
+        return text, ids, last
+
+    async def main() -> None:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            base = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+            full, full_ids, _ = await text_of(engine, base)
+            words = full.split(" ")
+            # A stop string over two tokens, found after a few words.
+            stop = f"{words[3]} {words[4]}"
+            want = full[: full.index(stop)]
+            text, ids, last = await text_of(engine, msgspec_replace(base, stop=["zzz", stop]))
+            assert text == want and last.finish_reason == "stop" and last.stop_reason == stop
+            assert ids == full_ids[: len(ids)] and len(ids) < len(full_ids)
+            # The abort reached the core: a later request's steps see an empty pool.
+            await text_of(engine, msgspec_replace(base, max_tokens=2))
+            assert engine.stats is not None and engine.stats.kv_cache_usage == 0.0
+            with pytest.raises(ValueError, match="at most 4"):
+                engine.generate("x", msgspec_replace(base, stop=["a", "b", "c", "d", "e"]))
+        finally:
+            await engine.aclose()
+
+    run(main())
+
+
+# -- the OpenAI server ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(chat_model, tmp_path_factory.mktemp("server"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_openai_client_stop_logprobs_and_n(client: openai.OpenAI, chat_model: Path) -> None:
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kw = dict(model=MODEL_NAME, prompt="What is 2 + 2 ?", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw, extra_body=extra).choices[0]
+    stop = " ".join(full.text.split(" ")[2:4])
+    cut = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+    assert cut.text == full.text[: full.text.index(stop)] and cut.finish_reason == "stop"
+    assert cut.model_extra["stop_reason"] == stop
+    streamed = client.completions.create(**kw, stop=stop, stream=True, extra_body=extra)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == cut.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # Logprobs equal LLM.generate's (the engine's own, checked against transformers above).
+    with LLM(str(chat_model), device=CPU) as llm:
+        (ref,) = llm.generate(
+            ["What is 2 + 2 ?"],
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3),
+            use_tqdm=False,
+        )
+    assert ref.logprobs is not None
+    lp = client.completions.create(**{**kw, "max_tokens": 5}, logprobs=3, extra_body=extra)
+    got = lp.choices[0].logprobs
+    assert lp.choices[0].model_extra["token_ids"] == ref.token_ids
+    assert got.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    # Keyed by token text (OpenAI's shape): ids outside the word vocabulary share "".
+    for top, want in zip(got.top_logprobs, ref.logprobs):
+        assert max(top.values()) == pytest.approx(want.top_logprobs[0], abs=1e-5)
+        assert 1 <= len(top) <= 4
+    assert got.text_offset[0] == 0 and len(got.tokens) == 5
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is 2 + 2 ?"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob for c in content)
+    events = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is 2 + 2 ?"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    streamed_lps = [
+        c for e in events for ch in e.choices if ch.logprobs for c in ch.logprobs.content
+    ]
+    assert [c.logprob for c in streamed_lps] == pytest.approx([c.logprob for c in content])
+
+    # n: four choices, seeded copies differing, the prompt counted once.
+    many = client.completions.create(**{**kw, "temperature": 1.0}, n=4, seed=5, extra_body=extra)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
+    assert len({tuple(c.model_extra["token_ids"]) for c in many.choices}) == 4
+    assert many.usage.completion_tokens == 4 * 20
+    again = client.completions.create(**{**kw, "temperature": 1.0}, n=4, seed=5, extra_body=extra)
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]
+    stream_n = client.completions.create(**{**kw, "max_tokens": 3}, n=3, stream=True)
+    per_index: dict[int, str] = {}
+    for chunk in stream_n:
+        for c in chunk.choices:
+            per_index[c.index] = per_index.get(c.index, "") + c.text
+    assert sorted(per_index) == [0, 1, 2] and len(set(per_index.values())) == 1  # greedy
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"seed": -1}, "seed"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+    ],
+    ids=lambda v: json.dumps(v) if isinstance(v, dict) else v,
+)
+def test_bad_sampling_options_are_400s(server: Server, extra: dict, param: str) -> None:
+    body = {"model": MODEL_NAME, "prompt": "What", "max_tokens": 8, **extra}
+    status, answer = post(f"{server.url}/v1/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+
+
+def test_chat_top_logprobs_need_logprobs(server: Server) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "What"}]}
+    status, answer = post(f"{server.url}/v1/chat/completions", {**body, "top_logprobs": 2})
+    assert status == 400 and answer["error"]["param"] == "top_logprobs", answer
+    body = {**body, "logprobs": True, "top_logprobs": 21, "max_tokens": 2}
+    status, answer = post(f"{server.url}/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == "top_logprobs", answer
