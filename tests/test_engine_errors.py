@@ -86,10 +86,12 @@ def test_missing_weights_fail_at_start(llama_dir: Path, tmp_path: Path) -> None:
     assert "worker rank 0" in proc.stderr and "safetensors" in proc.stderr, proc.stderr
 
 
-def test_killed_worker_fails_open_requests_and_names_the_rank() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["serial", "async"])
+def test_killed_worker_fails_open_requests_and_names_the_rank(async_scheduling: bool) -> None:
     # The built-in model (4096 positions: long runs); 299 usable blocks hold one request
-    # of 4096 tokens, not four of 3000.
-    llm = LLM(num_gpu_blocks=300, device=CPU)
+    # of 4096 tokens, not four of 3000. Async, the core keeps two steps queued while the
+    # requests decode, so the kill lands with both in flight.
+    llm = LLM(num_gpu_blocks=300, device=CPU, async_scheduling=async_scheduling)
     procs = dict(llm.engine.procs)
     params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
