@@ -248,6 +248,27 @@ def test_min_tokens_keeps_eos_back(eos_first: tuple[Path, int], hf: HFReference)
     assert eos in held.token_ids  # the case really arises
 
 
+def test_the_core_stops_on_eos_only_after_min_tokens() -> None:
+    # The core's own rule, fed tokens directly: it holds even if a worker let EOS through.
+    from enginecore.kv_cache_config import make_kv_cache_config
+    from enginecore.request import Request
+    from enginecore.scheduler import Scheduler, SchedulerConfig
+    from protocol.kv_cache import FullAttentionSpec
+    from protocol.worker import ModelRunnerOutput
+
+    config = make_kv_cache_config({"l0": FullAttentionSpec(16, 1, 8, "float32")}, 1 << 20)
+    sched = Scheduler(SchedulerConfig(max_model_len=64), config, 100, [2])
+    params = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[9])
+    req = Request("r", [5, 6, 7], sched.kv_cache_manager.block_hasher, sampling_params=params)
+    assert sched.add_request(req) is None
+    reasons = []
+    for token in (2, 9, 2):
+        so = sched.schedule()
+        (out,) = sched.update_from_output(so, ModelRunnerOutput(so.step_id, ["r"], [token]))
+        reasons.append(out.finish_reason)
+    assert reasons == [None, None, "stop"]  # tokens 1 and 2 may not stop it; token 3 does
+
+
 def msgspec_replace(params: SamplingParams, **changes: object) -> SamplingParams:
     import msgspec
 
