@@ -28,7 +28,7 @@ from enginecore.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, Recor
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
-from protocol.sockets import send_or_drop
+from protocol.sockets import send_or_drop, spin_for_message
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -289,6 +289,7 @@ class Executor:
 
     def wait_output(self) -> ModelRunnerOutput:
         timeout = self.config.step_timeout_s
+        spin_for_message(self.results)  # a short step's answer, without the wake-up
         msg = self._recv(time.monotonic() + timeout, "model output")
         if msg is None:
             raise WorkerDied(

@@ -22,7 +22,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
-from protocol.sockets import send_or_drop
+from protocol.sockets import send_or_drop, spin_for_message
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -79,9 +79,13 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
+    answered = False  # the last step was answered: the next one is due soon
+    ready = {pull: zmq.POLLIN}
     try:
         while True:
-            events = dict(poller.poll(500))
+            # Right after a step, its successor is due: catch it without a wake-up.
+            events = ready if answered and spin_for_message(pull) else dict(poller.poll(500))
+            answered = False
             if monitor in events and pull not in events and not pull.poll(100):
                 # The core closed its end (its shutdown message, if any, came first).
                 log.warning("worker rank %d: the engine core went away; exiting", config.rank)
@@ -106,6 +110,7 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                 ):
                     log.warning("worker rank %d: the engine core went away", config.rank)
                     return
+                answered = out is not None
             elif isinstance(msg, WorkerConfigure):
                 runner.initialize(msg)
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
