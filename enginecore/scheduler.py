@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 
 from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
@@ -429,8 +430,9 @@ class Scheduler:
         finished: set[str] = set()
         eos = self.eos_token_ids
         max_len = self.config.max_model_len
-        logprobs = output.logprobs or None  # parallel to req_ids when some asked
-        for i, (rid, token) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
+        # Parallel to req_ids when some request asked; else one shared None per token.
+        logprobs = output.logprobs or repeat(None)
+        for rid, token, lp in zip(output.req_ids, output.sampled_token_ids, logprobs):
             request = self.requests.get(rid)
             if request is None:
                 continue  # finished or aborted while the step ran
@@ -445,11 +447,11 @@ class Scheduler:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
             reason = None
-            # Below min_tokens stop tokens do not end it (the worker masks them too).
-            may_stop = num_tokens - request.num_prompt_tokens > params.min_tokens
-            if may_stop and token in eos and not params.ignore_eos:
-                reason = "stop"
-            elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
+            if (
+                (token in eos and not params.ignore_eos)
+                or (params.stop_token_ids and token in params.stop_token_ids)
+            ) and num_tokens - request.num_prompt_tokens > params.min_tokens:
+                # Not below min_tokens (where the worker does not sample them either).
                 reason = "stop"
             elif num_tokens - request.num_prompt_tokens >= params.max_tokens or (
                 num_tokens >= max_len
@@ -462,10 +464,12 @@ class Scheduler:
                 else:  # preempted by a step scheduled while this one ran: blocks are free
                     self.waiting.remove(request)
                 self._finish(request, reason)
-            lp = logprobs and logprobs[i]
-            outputs.append(
-                RequestOutput(rid, [token], reason, request.num_cached_tokens, None, lp and [lp])
-            )
+            if lp is None:
+                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
+            else:
+                outputs.append(
+                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
+                )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return outputs

@@ -78,6 +78,7 @@ class InputBatch:
         # The row uses penalties, min_tokens or logprobs: a step whose rows all say no
         # skips that work after one check.
         self.extras = np.zeros(max_num_reqs, dtype=bool)
+        self.num_extras = 0  # rows with extras set: 0 skips even that check
         self._row_arrays = (
             self.num_tokens,
             self.num_computed_tokens,
@@ -313,9 +314,9 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self.extras[row] = (
-            params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
-        )
+        extras = params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
+        self.extras[row] = extras
+        self.num_extras += extras
         self.block_table.add_row(block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row
@@ -323,6 +324,7 @@ class InputBatch:
     def _remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id)
         self._row_to_req[row] = None
+        self.num_extras -= bool(self.extras[row])
         for arr in self._row_arrays:
             arr[row] = 0
         self._neutral(row)

@@ -380,7 +380,7 @@ class ModelRunner:
         else:
             generators = [None] * len(req_ids)
         logprob_rows, logprob_counts = None, []
-        if batch.extras[sampling_rows].any():
+        if batch.num_extras and batch.extras[sampling_rows].any():
             logprob_rows, logprob_counts = self._sampling_extras(sampling, sampling_rows, req_ids)
         return StepInputs(
             input_ids=torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
