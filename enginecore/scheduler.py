@@ -35,6 +35,36 @@ from protocol.worker import (
 )
 
 
+class _StepPlan:
+    """What one schedule() call decided, in wire order, built up while deciding (running
+    requests, then admissions) and encoded once by _build_output."""
+
+    __slots__ = (
+        "budget",
+        "cached_blocks",
+        "cached_computed",
+        "cached_counts",
+        "cached_ids",
+        "cached_resumed",
+        "new_counts",
+        "new_reqs",
+        "num_due",
+        "preempted",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens left this step
+        self.num_due = 0  # requests whose tokens this step completes: each samples one
+        self.preempted: list[str] = []
+        self.cached_ids: list[str] = []
+        self.cached_blocks: list[list[list[int]] | None] = []
+        self.cached_computed: list[int] = []
+        self.cached_resumed: list[bool] = []
+        self.cached_counts: list[int] = []
+        self.new_reqs: list[NewRequestData] = []
+        self.new_counts: list[int] = []
+
+
 class DuplicateRequestId(ValueError):
     """A new request named an open request's id."""
 
@@ -262,20 +292,26 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        budget = self.config.max_num_batched_tokens
-        max_len = self.config.max_model_len
-        preempted: list[str] = []
-        cached_ids: list[str] = []
-        cached_blocks: list[list[list[int]] | None] = []
-        cached_computed: list[int] = []
-        cached_resumed: list[bool] = []
-        cached_counts: list[int] = []
+        """Decide the next step (running requests first, then waiting ones in FCFS order,
+        none if a running one had to be preempted) and encode it as a delta."""
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
 
-        num_due = 0  # requests whose tokens this step completes: each samples one
-        # 1. Running requests: decodes and unfinished prefill chunks.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Decodes and unfinished prefill chunks; preempt the latest-arrived running
+        request while a block is short."""
+        kv = self.kv_cache_manager
+        max_len = self.config.max_model_len
         empty = kv.empty_blocks
         running = self.running
+        # Local appends: this loop runs once per running request.
+        ids, blocks, computeds = plan.cached_ids, plan.cached_blocks, plan.cached_computed
+        resumed, counts, preempted = plan.cached_resumed, plan.cached_counts, plan.preempted
+        budget = plan.budget
+        num_due = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -303,24 +339,26 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            cached_ids.append(request.request_id)
+            ids.append(request.request_id)
             # The common decode step got no block: skip building an empty id list.
-            cached_blocks.append(None if new_blocks is empty else _block_ids(new_blocks))
-            cached_computed.append(computed)
-            cached_resumed.append(False)
-            cached_counts.append(num_new)
+            blocks.append(None if new_blocks is empty else _block_ids(new_blocks))
+            computeds.append(computed)
+            resumed.append(False)
+            counts.append(num_new)
             if num_new == remaining:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
             budget -= num_new
             i += 1
+        plan.budget = budget
+        plan.num_due += num_due
 
-        # 2. Waiting requests, FCFS, unless this step already had to preempt.
-        new_reqs: list[NewRequestData] = []
-        new_counts: list[int] = []
-        admitted: list[Request] = []
-        waiting = self.waiting
-        while waiting and not preempted and budget > 0:
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in FCFS order after a prefix-cache lookup, while the
+        budget, max_num_seqs and the pool allow."""
+        kv = self.kv_cache_manager
+        running, waiting = self.running, self.waiting
+        while waiting and plan.budget > 0:
             if len(running) >= self.config.max_num_seqs:
                 break
             request = waiting[0]
@@ -328,14 +366,13 @@ class Scheduler:
                 break  # preempted with a step in flight: resume once its token is known
             hits, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if num_new > budget:
-                num_new = budget
+            if num_new > plan.budget:
+                num_new = plan.budget
             new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
             running.append(request)
-            admitted.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -343,13 +380,13 @@ class Scheduler:
             table = kv.get_block_ids(request.request_id)
             if request.known_to_worker:
                 # Resumed after preemption: the worker kept its tokens; the table is new.
-                cached_ids.append(request.request_id)
-                cached_blocks.append(table)
-                cached_computed.append(num_hit)
-                cached_resumed.append(True)
-                cached_counts.append(num_new)
+                plan.cached_ids.append(request.request_id)
+                plan.cached_blocks.append(table)
+                plan.cached_computed.append(num_hit)
+                plan.cached_resumed.append(True)
+                plan.cached_counts.append(num_new)
             else:
-                new_reqs.append(
+                plan.new_reqs.append(
                     NewRequestData(
                         request.request_id,
                         request.all_token_ids[: request.num_tokens],
@@ -358,42 +395,46 @@ class Scheduler:
                         num_hit,
                     )
                 )
-                new_counts.append(num_new)
+                plan.new_counts.append(num_new)
                 request.known_to_worker = True
             if num_hit + num_new == request.num_tokens:
-                num_due += 1
+                plan.num_due += 1
                 request.num_pending_tokens = 1
-            budget -= num_new
+            plan.budget -= num_new
 
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Count the step's progress and encode it: the delta the workers apply."""
+        kv = self.kv_cache_manager
         # Sliding windows freed leading blocks of some running requests: tell the worker.
         skipped = kv.take_skipped_blocks() if kv.has_sliding_window else {}
+        cached_ids, cached_resumed = plan.cached_ids, plan.cached_resumed
         cached_skipped = [
             None if resumed else skipped.get(rid)
             for rid, resumed in zip(cached_ids, cached_resumed)
         ]
-
         # Progress is counted at schedule time; the next step's allocation relies on it.
+        requests = self.requests
         total = 0
-        for rid, n in zip(cached_ids, cached_counts):
-            self.requests[rid].num_computed_tokens += n
+        for rid, n in zip(cached_ids, plan.cached_counts):
+            requests[rid].num_computed_tokens += n
             total += n
-        for data, n in zip(new_reqs, new_counts):
-            self.requests[data.req_id].num_computed_tokens += n
+        for data, n in zip(plan.new_reqs, plan.new_counts):
+            requests[data.req_id].num_computed_tokens += n
             total += n
         finished, self._finished_req_ids = self._finished_req_ids, []
         self.step_id += 1
         if total:  # workers answer only steps that run tokens
-            self._due.append((self.step_id, num_due))
+            self._due.append((self.step_id, plan.num_due))
         return SchedulerOutput(
             step_id=self.step_id,
-            new_reqs=new_reqs,
+            new_reqs=plan.new_reqs,
             cached_reqs=CachedRequestData(
-                cached_ids, cached_blocks, cached_computed, cached_resumed, cached_skipped
+                cached_ids, plan.cached_blocks, plan.cached_computed, cached_resumed, cached_skipped
             ),
-            num_scheduled_tokens=new_counts + cached_counts,
+            num_scheduled_tokens=plan.new_counts + plan.cached_counts,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
-            preempted_req_ids=preempted,
+            preempted_req_ids=plan.preempted,
         )
 
     def _ends_at_pending(self, request: Request) -> bool:
