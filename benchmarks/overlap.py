@@ -2,6 +2,7 @@
 """Serial vs async scheduling: steps/s and the worker's idle share, in one run.
 
     python benchmarks/overlap.py [--requests 256] [--tokens 200] [--delay-ms auto] [--rounds 2]
+                                 [--model tiny|builtin] [--device cpu|cuda]
 
 The whole engine as users run it (`LLM`: a core process and a worker process) steps
 --requests decode requests (short random prompts, greedy, ignore_eos, --tokens each) on
@@ -17,6 +18,10 @@ weighs on both). The worker reports its steps, busy and idle seconds
 (PAGEDSERVE_BENCH_WORKER_TIMING): steps/s = steps / (busy + idle), idle share =
 idle / (busy + idle), from its first step to its last. Tokens are checked equal between
 the modes. Progress on stderr; the last line of stdout is one JSON object.
+
+--model builtin runs the built-in model (4 layers) instead, and --device cuda runs on a
+GPU (its default dtype), where the model step is the device's and no delay is needed
+(--delay-ms 0): the overlap then hides the host path behind real GPU work.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch.builtin_model import write_llama_checkpoint  # noqa: E402
+from launch.builtin_model import builtin_model_dir, write_llama_checkpoint  # noqa: E402
 from launch.llm import LLM  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from worker.bench_clock import DELAY_ENV, TIMING_ENV  # noqa: E402
@@ -67,7 +72,13 @@ def write_model(directory: Path, max_positions: int) -> None:
 
 
 def run(
-    model: Path, prompts: list[list[int]], tokens: int, delay_ms: float, async_on: bool, tmp: Path
+    model: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    delay_ms: float,
+    async_on: bool,
+    tmp: Path,
+    device: str,
 ) -> dict[str, Any]:
     timing = tmp / f"timing-{time.monotonic_ns()}.json"
     os.environ[DELAY_ENV] = f"{delay_ms:g}"
@@ -75,7 +86,7 @@ def run(
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     with LLM(
         str(model),
-        device="cpu",
+        device=device,
         async_scheduling=async_on,
         max_num_seqs=len(prompts),
         max_model_len=64 + tokens,
@@ -107,17 +118,24 @@ def main() -> None:
         help="model step length added in the worker (ms), or auto: the host path's length",
     )
     p.add_argument("--rounds", type=int, default=2, help="serial/async pairs")
+    p.add_argument("--model", choices=("tiny", "builtin"), default="tiny")
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     rng = random.Random(0)
     prompts = [
-        [rng.randrange(3, VOCAB) for _ in range(rng.randint(8, 32))] for _ in range(a.requests)
+        # Byte ids: valid in both vocabularies.
+        [rng.randrange(3, 250) for _ in range(rng.randint(8, 32))]
+        for _ in range(a.requests)
     ]
     with tempfile.TemporaryDirectory(prefix="overlap-") as d:
         tmp = Path(d)
-        model = tmp / "model"
-        write_model(model, 64 + a.tokens)
+        if a.model == "tiny":
+            model = tmp / "model"
+            write_model(model, 64 + a.tokens)
+        else:
+            model = builtin_model_dir()
         if a.delay_ms == "auto":
-            probe = run(model, prompts, a.tokens, 0, False, tmp)
+            probe = run(model, prompts, a.tokens, 0, False, tmp, a.device)
             delay = max(0.0, probe["worker_idle_ms_per_step"] - probe["worker_busy_ms_per_step"])
             print(
                 f"host path {probe['worker_idle_ms_per_step']:.3f} ms/step, worker "
@@ -129,7 +147,7 @@ def main() -> None:
         runs: list[dict[str, Any]] = []
         for i in range(a.rounds):
             for async_on in (False, True):
-                r = run(model, prompts, a.tokens, delay, async_on, tmp)
+                r = run(model, prompts, a.tokens, delay, async_on, tmp, a.device)
                 print(
                     f"round {i + 1} {r['mode']}: {r['steps_per_s']} steps/s, worker idle "
                     f"{r['worker_idle_share']:.1%}",
@@ -152,6 +170,8 @@ def main() -> None:
     speedup = by_mode["async"]["steps_per_s"] / by_mode["serial"]["steps_per_s"]
     result = {
         "benchmark": "overlap",
+        "model": a.model,
+        "device": a.device,
         "requests": a.requests,
         "tokens": a.tokens,
         "delay_ms": round(delay, 3),
