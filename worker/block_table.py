@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from protocol.kv_cache import NULL_BLOCK_ID
+from worker.staging import StagedBuffer
 
 PAD_SLOT = -1  # kernels skip tokens whose slot is negative
 
@@ -40,17 +41,12 @@ class BlockTable:
         shape = (max_num_reqs, max_num_blocks_per_req)
         self.table = np.zeros(shape, dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        # Allocated once: kernels and CUDA graphs may hold on to its address.
-        self.device_table = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self._staging: torch.Tensor | None = None
-        self._staging_np: np.ndarray | None = None
-        self._copy_done: torch.cuda.Event | None = None
-        if self.device.type == "cuda":
-            # A pinned staging buffer makes the host->device copy asynchronous. It is
-            # separate from `table` so the CPU can edit the next step's rows while the
-            # copy is still in flight.
-            self._staging = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
-            self._staging_np = self._staging.numpy()
+        # Persistent: kernels and CUDA graphs may hold on to its address. On a GPU its
+        # pinned staging copy is separate from `table`, so the CPU can edit the next
+        # step's rows while the copy is still in flight.
+        self._device = StagedBuffer(shape, torch.int32, self.device, persistent=True)
+        assert self._device.tensor is not None
+        self.device_table = self._device.tensor
 
     # -- row edits ---------------------------------------------------------------
 
@@ -158,19 +154,7 @@ class BlockTable:
         on the same stream see the new rows."""
         if not 0 <= num_rows <= self.max_num_reqs:
             raise ValueError(f"commit: num_rows={num_rows} outside [0, {self.max_num_reqs}]")
-        dst = self.device_table[:num_rows]
-        if self._staging is None:
-            dst.copy_(torch.from_numpy(self.table[:num_rows]))
-            return dst
-        assert self._staging_np is not None
-        if self._copy_done is not None:
-            # The previous copy may still read the staging buffer we are about to edit.
-            self._copy_done.synchronize()
-        self._staging_np[:num_rows] = self.table[:num_rows]
-        dst.copy_(self._staging[:num_rows], non_blocking=True)
-        self._copy_done = torch.cuda.Event()
-        self._copy_done.record()
-        return dst
+        return self._device.upload(self.table[:num_rows])
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_reqs:

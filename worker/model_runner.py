@@ -28,6 +28,7 @@ from worker.model_inputs import prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
 from worker.sampler import PenaltyTensors, SamplingTensors, compute_logprobs, sample
+from worker.staging import StepBuffers
 from worker.weights import iterate_weights
 
 log = logging.getLogger("pagedserve.worker")
@@ -132,6 +133,7 @@ class ModelRunner:
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.batch: InputBatch | None = None
+        self.buffers: StepBuffers | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
@@ -325,6 +327,9 @@ class ModelRunner:
         self.kv_caches = [caches[name] for name in layers]
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
+        self.buffers = StepBuffers(
+            msg.max_num_batched_tokens, msg.max_num_reqs, len(block_sizes), self.device
+        )
 
     def block_tables(self) -> dict[str, list[list[int]]]:
         """Debugging (replay): each request in the batch -> its block-table rows per group."""
@@ -355,16 +360,20 @@ class ModelRunner:
         assert batch is not None
         inputs = prepare_inputs(batch, so)
         device = self.device
+        buffers = self.buffers
+        assert buffers is not None
         tables = batch.block_table.commit(batch.num_reqs)
-        rows = torch.from_numpy(inputs.block_table_rows.astype(np.int64)).to(device)
+        rows = buffers.block_table_rows.upload(inputs.block_table_rows)
         # Only the columns this step reaches: the CUDA planner sizes its key splits by the
         # table's width, and the gather copies less.
         widths = [-(-inputs.max_seq_len // t.block_size) for t in batch.block_table.tables]
         attn = AttentionMetadata(
-            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(device),
-            seq_lens=torch.from_numpy(inputs.seq_lens).to(device),
+            query_start_loc=buffers.query_start_loc.upload(inputs.query_start_loc),
+            seq_lens=buffers.seq_lens.upload(inputs.seq_lens),
             block_tables=[t[:, :w].index_select(0, rows) for t, w in zip(tables, widths)],
-            slot_mappings=[torch.from_numpy(s).to(device) for s in inputs.slot_mappings],
+            slot_mappings=[
+                b.upload(s) for b, s in zip(buffers.slot_mappings, inputs.slot_mappings)
+            ],
         )
         req_ids = inputs.sampling_req_ids
         sampling_rows = inputs.sampling_rows
@@ -374,6 +383,7 @@ class ModelRunner:
             batch.top_k[sampling_rows],
             batch.top_p[sampling_rows],
             device,
+            buffers.sampling,
         )
         if batch.seeded[sampling_rows].any():
             generators = [self._generator(rid) for rid in req_ids]
@@ -383,10 +393,10 @@ class ModelRunner:
         if batch.num_extras and batch.extras[sampling_rows].any():
             logprob_rows, logprob_counts = self._sampling_extras(sampling, sampling_rows, req_ids)
         return StepInputs(
-            input_ids=torch.from_numpy(inputs.input_ids.astype(np.int64)).to(device),
-            positions=torch.from_numpy(inputs.positions).to(device),
+            input_ids=buffers.input_ids.upload(inputs.input_ids),
+            positions=buffers.positions.upload(inputs.positions),
             attn=attn,
-            logits_indices=torch.from_numpy(inputs.logits_indices).to(device),
+            logits_indices=buffers.logits_indices.upload(inputs.logits_indices),
             sampling_req_ids=req_ids,
             sampling_rows=sampling_rows,
             sampling=sampling,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs, SamplingParams
+from worker.staging import StagedBuffer
 
 
 @dataclass
@@ -123,15 +124,22 @@ class SamplingTensors:
         top_k: np.ndarray,
         top_p: np.ndarray,
         device: torch.device | str,
+        staged: Sequence[StagedBuffer] | None = None,
     ) -> SamplingTensors:
-        """The same from per-row numpy arrays (the persistent batch keeps them)."""
+        """The same from per-row numpy arrays (the persistent batch keeps them); staged:
+        the step's persistent buffers for temperature, top_k, top_p and greedy."""
         greedy = temperature < GREEDY_TEMPERATURE
         sampled = ~greedy
+        arrays = (temperature, top_k, top_p, greedy)
+        if staged is None:
+            tensors = [torch.from_numpy(a).to(device) for a in arrays]
+        else:
+            tensors = [b.upload(a) for b, a in zip(staged, arrays, strict=True)]
         return cls(
-            temperature=torch.from_numpy(temperature).to(device),
-            top_k=torch.from_numpy(top_k).to(device),
-            top_p=torch.from_numpy(top_p).to(device),
-            greedy=torch.from_numpy(greedy).to(device),
+            temperature=tensors[0],
+            top_k=tensors[1],
+            top_p=tensors[2],
+            greedy=tensors[3],
             all_greedy=bool(greedy.all()),
             any_top_k=bool((top_k[sampled] > 0).any()),
             any_top_p=bool((top_p[sampled] < 1.0).any()),
