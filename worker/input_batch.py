@@ -140,6 +140,14 @@ class InputBatch:
         if len(set(scheduled)) != len(scheduled):
             dup = next(r for r in scheduled if scheduled.count(r) > 1)
             raise ValueError(f"step {so.step_id}: request {dup!r} is scheduled twice")
+        self._apply_finished(so)
+        self._apply_preempted(so)
+        self._apply_new(so)
+        self._apply_cached(so)
+        self._condense()
+
+    def _apply_finished(self, so: SchedulerOutput) -> None:
+        """Drop every trace of the finished requests."""
         for req_id in so.finished_req_ids:
             if req_id not in self.requests:
                 raise ValueError(f"finished request {req_id!r} is unknown to the worker")
@@ -147,6 +155,8 @@ class InputBatch:
                 self._remove(req_id)
             del self.requests[req_id]
 
+    def _apply_preempted(self, so: SchedulerOutput) -> None:
+        """Take preempted requests out of the batch; their tokens stay."""
         for req_id in so.preempted_req_ids:
             if req_id not in self.requests:
                 raise ValueError(f"preempted request {req_id!r} is unknown to the worker")
@@ -156,6 +166,8 @@ class InputBatch:
             # stay for the recompute on resume.
             self._remove(req_id)
 
+    def _apply_new(self, so: SchedulerOutput) -> None:
+        """Give each new request its state and a row holding its prompt and table."""
         for new in so.new_reqs:
             if new.req_id in self.requests:
                 raise ValueError(f"new request {new.req_id!r} already exists in the worker")
@@ -176,6 +188,9 @@ class InputBatch:
             self._admit(state, new.block_ids)
             self.requests[new.req_id] = state
 
+    def _apply_cached(self, so: SchedulerOutput) -> None:
+        """Running requests: new blocks, windows' skipped blocks, progress; resumed ones
+        come back with their whole table."""
         cached = so.cached_reqs
         n = len(cached.req_ids)
         if not (
@@ -237,8 +252,6 @@ class InputBatch:
                 rid = [q for q, r in zip(cached.req_ids, cached.resumed) if not r][i]
                 self._check_computed(rid, int(computed[i]), int(self.num_tokens[row_arr[i]]))
             self.num_computed_tokens[row_arr] = computed
-
-        self._condense()
 
     @staticmethod
     def _check_computed(req_id: str, num_computed: int, num_tokens: int) -> None:
