@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from launch.engine import EngineArgs
 from protocol.engine import SamplingParams
 
 
@@ -68,14 +69,20 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generation-config",
         choices=("auto", "none"),
-        default="auto",
+        default=EngineArgs.generation_config,
         help="auto: the model's generation_config.json adds its EOS ids and gives the "
         "defaults of temperature, top-p and top-k; none: ignore that file",
     )
-    p.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
-    p.add_argument("--block-size", type=_positive("--block-size"), default=16)
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument(
+        "--seed", type=int, default=EngineArgs.seed, help="engine seed (unseeded requests)"
+    )
+    p.add_argument("--block-size", type=_positive("--block-size"), default=EngineArgs.block_size)
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default=EngineArgs.dtype,
+    )
+    p.add_argument("--device", default=EngineArgs.device, help="auto, cpu or cuda")
     p.add_argument(
         "--kv-cache-memory",
         type=_positive("--kv-cache-memory"),
@@ -85,13 +92,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=_positive("--max-num-batched-tokens"),
-        default=8192,
+        default=EngineArgs.max_num_batched_tokens,
         help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
     )
     p.add_argument(
         "--max-num-seqs",
         type=_positive("--max-num-seqs"),
-        default=256,
+        default=EngineArgs.max_num_seqs,
         help="requests per step",
     )
 
@@ -105,14 +112,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=_positive("--max-model-len"))
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
+    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default=EngineArgs.hash_algo)
     p.add_argument(
         "--prefix-cache-hash-seed",
         help="secret root of the prefix-cache block hashes (default: random at each start; "
         "replicas behind one KV-aware router need the same)",
     )
     p.add_argument(
-        "--tensor-parallel-size", "--tp", type=_positive("--tensor-parallel-size"), default=1
+        "--tensor-parallel-size",
+        "--tp",
+        type=_positive("--tensor-parallel-size"),
+        default=EngineArgs.tensor_parallel_size,
     )
     p.add_argument(
         "--external-workers",
@@ -134,13 +144,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--worker-timeout",
         type=float,
-        default=300.0,
+        default=EngineArgs.startup_timeout_s,
         help="seconds to wait for every worker to report at start-up",
     )
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=300.0,
+        default=EngineArgs.step_timeout_s,
         help="seconds a step may take before the run fails naming the rank (a stopped or "
         "stuck worker)",
     )
@@ -163,7 +173,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=EngineArgs.async_scheduling,
         help="overlap scheduling with the model: the core sends each step while the "
         "previous one runs (default); --no-async-scheduling runs one step at a time",
     )
