@@ -249,7 +249,8 @@ class EngineCore:
         sent = False
         if len(in_flight) < self._max_in_flight and scheduler.has_unfinished_requests():
             so = scheduler.schedule()
-            if self.config.log_kv:
+            # An empty schedule while a step runs is a wait for its answer, not a step.
+            if self.config.log_kv and (so.total_num_scheduled_tokens or not in_flight):
                 kv_log.info("%s", scheduler.describe_kv_step(so))
             if so.total_num_scheduled_tokens:
                 self.executor.send(so)
