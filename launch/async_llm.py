@@ -35,7 +35,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -44,7 +45,7 @@ import zmq.asyncio
 
 from launch.engine import CORE_REPORT_TIMEOUT_S, EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
-from launch.sequence import SequenceState, fan_out
+from launch.sequence import SequenceOutput, SequenceState, fan_out, merge
 from protocol.engine import (
     EngineDead,
     EngineOutputs,
@@ -81,22 +82,50 @@ class StreamOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
+class _Inbox:
+    """A request's outputs as the reader hands them over. Unlike asyncio.Queue, which
+    wakes its getter once per put, the consumer wakes once however many outputs arrive
+    before it runs, and finds them all (RequestStream merges them into one output)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():  # a consumer cancelled while waiting leaves it cancelled
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+
+
 class RequestStream:
-    """An open request: iterate it for StreamOutputs (of its n sequences, interleaved;
-    it ends when all have finished). Closing it, or dropping it before the end, aborts
-    the request in the core."""
+    """An open request: iterate it for StreamOutputs (of its sequences, interleaved; it
+    ends when all have finished). A consumer slower than the engine gets, per sequence,
+    everything that arrived meanwhile as one output (token ids, text, logprobs in order),
+    so falling behind costs one wake-up for several tokens. Closing the stream, or
+    dropping it before the end, aborts the request in the core."""
 
     def __init__(
         self,
         engine: AsyncLLM,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompts: list[list[int]],
         sequences: dict[str, SequenceState],
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
+        self.prompt_token_ids = prompts[0]
+        self.prompts = prompts  # each prompt's token ids (several with generate_many)
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._inbox = _Inbox()
         # Core request id -> its sequence, in index order.
         self._sequences = sequences
         self._index = {core_id: i for i, core_id in enumerate(sequences)}
@@ -107,21 +136,62 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            # Cancelled while waiting (a client went away): the core stops at once.
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        return self._output(item)
+        items = self._inbox.items
+        while not self.finished:
+            if not items:
+                try:
+                    await self._inbox.wait()
+                except BaseException:
+                    # Cancelled while waiting (a client went away): the core stops at once.
+                    self.close()
+                    raise
+            out = self._next(items)
+            if out is not None:
+                return out
+        raise StopAsyncIteration
 
-    def _output(self, o: RequestOutput) -> StreamOutput:
-        seq = self._sequences[o.request_id]
+    def _next(self, items: deque[RequestOutput | BaseException]) -> StreamOutput | None:
+        """The first queued output merged with its sequence's later ones; None when it
+        belongs to a sequence already ended (the core ran on before it heard of a stop)."""
+        o = items.popleft()
+        if isinstance(o, BaseException):
+            self.finished = True
+            raise o
+        core_id = o.request_id
+        seq = self._sequences[core_id]
+        if seq.finished:
+            return None
+        out = self._process(seq, o)
+        last = o
+        if items and not seq.finished:
+            # Take this sequence's later outputs; keep the others' (and an error) in order.
+            others: list[RequestOutput | BaseException] = []
+            while items:
+                nxt = items.popleft()
+                if isinstance(nxt, RequestOutput) and nxt.request_id == core_id:
+                    if not seq.finished:
+                        merge(out, self._process(seq, nxt))
+                        last = nxt
+                    continue
+                others.append(nxt)
+                if isinstance(nxt, BaseException):
+                    others.extend(items)
+                    items.clear()
+            items.extend(others)
+        return StreamOutput(
+            self.request_id,
+            out.new_token_ids,
+            out.text,
+            out.num_output_tokens,
+            out.finish_reason,
+            last.num_cached_tokens,
+            last.error,
+            self._index[core_id],
+            out.logprobs,
+            out.stop_reason,
+        )
+
+    def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:
         out = seq.process(o)
         if seq.stopped:  # a stop string: the core stops now, its later tokens are dropped
             self._engine._abort([o.request_id])
@@ -130,18 +200,7 @@ class RequestStream:
         if seq.finished:
             self._open -= 1
             self.finished = self._open == 0
-        return StreamOutput(
-            self.request_id,
-            out.new_token_ids,
-            out.text,
-            out.num_output_tokens,
-            out.finish_reason,
-            o.num_cached_tokens,
-            o.error,
-            self._index[o.request_id],
-            out.logprobs,
-            out.stop_reason,
-        )
+        return out
 
     def close(self) -> None:
         """Abort the request if it is still running (idempotent, never blocks)."""
@@ -179,7 +238,7 @@ class AsyncLLM:
         self.on_stats: Callable[[SchedulerStats], None] | None = None
         # Open requests' queues, not their streams: a stream the caller drops is collected
         # at once (its __del__ aborts the request).
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._queues: dict[str, _Inbox] = {}
         self._ids = itertools.count()
         self._reader: asyncio.Task[None] | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -211,28 +270,76 @@ class AsyncLLM:
         through the prefix cache) and each output's index says which.
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
         self._check_running()
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            prompt = Prompt(messages=prompt)
-        p = to_prompt(prompt)
+        rid = self._request_id(request_id)
+        p = _as_prompt(prompt)
+        params = sampling_params if sampling_params is not None else p.sampling_params
+        params = SamplingParams() if params is None else params
+        params = checked_params(params, f"request {rid}", self.vocab_size)
+        ids = self.inputs.token_ids(p, self.vocab_size)
+        return self._open(rid, [(ids, params, cache_salt or p.cache_salt)], text)
+
+    def generate_many(
+        self,
+        prompts: Sequence[str | list[int] | list[dict[str, Any]] | Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        text: bool = True,
+    ) -> RequestStream:
+        """One request of several prompts (sampling_params: one for all, or one per
+        prompt): one stream whose outputs' index is prompt-major, the sum of the earlier
+        prompts' n plus the copy (prompt_i * n + copy_j when n is the same). Every prompt
+        is checked before any is sent; closing the stream aborts them all."""
+        self._check_running()
+        rid = self._request_id(request_id)
+        if isinstance(prompts, (str, Prompt)) or not prompts:
+            raise TypeError("prompts must be a non-empty list of prompts")
+        items = [_as_prompt(q) for q in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params] * len(items)
+        else:
+            per_prompt = list(sampling_params)
+            if len(per_prompt) != len(items):
+                raise ValueError(f"{len(per_prompt)} sampling params for {len(items)} prompts")
+        checked = []
+        for i, (p, params) in enumerate(zip(items, per_prompt)):
+            params = params if params is not None else p.sampling_params
+            params = SamplingParams() if params is None else params
+            params = checked_params(params, f"request {rid} prompt {i}", self.vocab_size)
+            ids = self.inputs.token_ids(p, self.vocab_size)
+            checked.append((ids, params, cache_salt or p.cache_salt))
+        return self._open(rid, checked, text)
+
+    def _request_id(self, request_id: str | None) -> str:
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already open")
-        params = sampling_params if sampling_params is not None else p.sampling_params
-        params = SamplingParams() if params is None else params
-        params = checked_params(params, f"request {rid}", self.vocab_size)
-        ids = self.inputs.token_ids(p, self.vocab_size)
-        copies = fan_out(params)
-        core_ids = [rid] if len(copies) == 1 else [f"{rid}-{i}" for i in range(len(copies))]
-        for core_id in core_ids:
-            if core_id in self._queues:
-                raise ValueError(f"request id {core_id!r} is already open")
-        sequences = {c: SequenceState(self.tokenizer, params, text) for c in core_ids}
-        stream = RequestStream(self, rid, ids, sequences)
-        salt = cache_salt or p.cache_salt
-        for core_id, copy in zip(core_ids, copies):
-            self._queues[core_id] = stream._queue
+        return rid
+
+    def _open(
+        self,
+        rid: str,
+        prompts: list[tuple[list[int], SamplingParams, str | None]],
+        text: bool,
+    ) -> RequestStream:
+        """Send the core requests of prompts (token ids, checked params, cache salt); the
+        stream of them all. One prompt's copies are named as fan_out names them after
+        rid; prompt k of several, after "{rid}-{k}"."""
+        requests = []
+        for k, (ids, params, salt) in enumerate(prompts):
+            base = rid if len(prompts) == 1 else f"{rid}-{k}"
+            for core_id, copy in fan_out(base, params):
+                if core_id in self._queues:
+                    raise ValueError(f"request id {core_id!r} is already open")
+                seq = SequenceState(self.tokenizer, params, text)
+                requests.append((core_id, ids, copy, salt, seq))
+        sequences = {core_id: seq for core_id, _, _, _, seq in requests}
+        stream = RequestStream(self, rid, [ids for ids, _, _ in prompts], sequences)
+        for core_id, ids, copy, salt, _ in requests:
+            self._queues[core_id] = stream._inbox
             self.engine.add_request(core_id, ids, copy, salt)
         return stream
 
@@ -240,9 +347,7 @@ class AsyncLLM:
         self, prompt: str | list[int] | list[dict[str, Any]] | Prompt
     ) -> list[int]:
         """The token ids generate() would send for prompt (raises as it would)."""
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            prompt = Prompt(messages=prompt)
-        return self.inputs.token_ids(to_prompt(prompt), self.vocab_size)
+        return self.inputs.token_ids(_as_prompt(prompt), self.vocab_size)
 
     @property
     def num_open_requests(self) -> int:
@@ -340,9 +445,9 @@ class AsyncLLM:
                 self.on_stats(batch.stats)
         queues = self._queues
         for o in batch.outputs:
-            queue = queues.get(o.request_id)
-            if queue is not None:
-                queue.put_nowait(o)
+            inbox = queues.get(o.request_id)
+            if inbox is not None:
+                inbox.put(o)
         for r in batch.rejected:  # generate() refuses open ids, so only a bug gets here
             log.error("the engine refused request %s: %s", r.request_id, r.reason)
 
@@ -353,8 +458,8 @@ class AsyncLLM:
         self._dead.set()
 
     def _end_streams(self, error: EngineDeadError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for inbox in self._queues.values():
+            inbox.put(error)
         self._queues.clear()
 
     def _release_socket(self) -> None:
@@ -387,6 +492,13 @@ class AsyncLLM:
         self._closing = True
         self._release_socket()
         self.engine.shutdown()
+
+
+def _as_prompt(prompt: object) -> Prompt:
+    """A conversation ([{"role", "content"}, ...]) or what to_prompt takes, as a Prompt."""
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return Prompt(messages=prompt)
+    return to_prompt(prompt)  # type: ignore[arg-type]
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

@@ -18,6 +18,9 @@ from protocol.engine import Logprobs, SamplingParams, SchedulerStats
 
 @dataclass
 class CompletionOutput:
+    """One sequence generated for one prompt: index is the prompt's position in the
+    input, seq_index which of its n sequences (0 when n is 1)."""
+
     index: int
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -27,6 +30,7 @@ class CompletionOutput:
     error: str | None = None
     logprobs: list[Logprobs] | None = None  # one per token, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    seq_index: int = 0
     # When a stop string ended it: the text before it (the tokens run to the one that
     # completed the match).
     _stop_text: list[str] | None = field(default=None, repr=False)
@@ -78,28 +82,29 @@ class LLM:
         use_tqdm: bool = True,
         on_finish: Callable[[CompletionOutput], None] | None = None,
     ) -> list[CompletionOutput]:
-        """Outputs in input order; a bad prompt fails alone (finish_reason "error").
+        """Outputs in input order, n per prompt (SamplingParams.n, 1 by default): a
+        prompt's n sequences are consecutive, with the prompt's index and seq_index 0..n-1;
+        a bad prompt fails alone with one output (finish_reason "error"), so group by
+        index when n > 1. The copies share the prompt's blocks through the prefix cache
+        (num_cached_tokens); with a seed, copy i samples with seed + i.
 
         prompts: one prompt (text or token ids) or a list of them. sampling_params: one for
         all, or one per prompt. on_finish is called with each output as its request ends
         (in finish order), e.g. to save results as they come. Malformed arguments raise
         TypeError or ValueError before anything is sent. A stop string ends a request's
-        text before it (its token ids run to the token that completed the match). n > 1
-        is for AsyncLLM and the server: here, give the prompt n times (seeds differing)."""
+        text before it (its token ids run to the token that completed the match)."""
         if self._closed:
             raise EngineDeadError("this LLM was closed; create a new one")
         items = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(items), self.vocab_size)
         results: list[CompletionOutput] = []
         pending: dict[str, tuple[int, SequenceState]] = {}
-        summary = RunSummary(requests=len(items))
+        summary = RunSummary()
         start = time.perf_counter()
         finish = on_finish or (lambda _out: None)
         bar = _progress(len(items), use_tqdm)
         for index, (item, default) in enumerate(zip(items, params)):
             p = to_prompt(item)
-            out = CompletionOutput(index=index, prompt_token_ids=[])
-            results.append(out)
             try:
                 ids = self.inputs.token_ids(p, self.vocab_size)
                 request_params = default
@@ -107,24 +112,34 @@ class LLM:
                     request_params = checked_params(
                         p.sampling_params, f"prompt {index}", self.vocab_size
                     )
-                if request_params.n != 1:
-                    raise ValueError("n > 1 needs AsyncLLM or the server (or repeat the prompt)")
-                seq = SequenceState(self.tokenizer, request_params, text=bool(request_params.stop))
+                # Text only for stop strings: the whole text is decoded once at the end.
+                text = bool(request_params.stop)
+                copies = [
+                    (core_id, copy, SequenceState(self.tokenizer, request_params, text))
+                    for core_id, copy in fan_out(f"req-{self._next_id}", request_params)
+                ]
             except (TypeError, ValueError) as e:
+                out = CompletionOutput(index=index, prompt_token_ids=[])
                 out.finish_reason, out.error = "error", f"prompt {index}: {e}"
+                results.append(out)
                 finish(out)
                 bar.update(1)
                 continue
-            out.prompt_token_ids = ids
-            summary.prompt_tokens += len(ids)
-            rid = f"req-{self._next_id}"
             self._next_id += 1
-            pending[rid] = (index, seq)
-            if request_params.logprobs is not None:
-                out.logprobs = []
-            if request_params.stop:
-                out._stop_text = []
-            self.engine.add_request(rid, ids, fan_out(request_params)[0], p.cache_salt)
+            summary.prompt_tokens += len(ids)
+            for j, (core_id, copy, seq) in enumerate(copies):
+                out = CompletionOutput(index=index, prompt_token_ids=ids, seq_index=j)
+                if request_params.logprobs is not None:
+                    out.logprobs = []
+                if request_params.stop:
+                    out._stop_text = []
+                pending[core_id] = (len(results), seq)
+                results.append(out)
+                self.engine.add_request(core_id, ids, copy, p.cache_salt)
+        summary.requests = len(results)
+        if len(results) != len(items):
+            bar.total = len(results)
+            bar.refresh()
         try:
             while pending:
                 batch = self.engine.get_outputs()
@@ -136,8 +151,8 @@ class LLM:
                     entry = pending.get(o.request_id)
                     if entry is None:
                         continue
-                    index, seq = entry
-                    out = results[index]
+                    at, seq = entry
+                    out = results[at]
                     step = seq.process(o)
                     out.token_ids.extend(o.new_token_ids)
                     if out.logprobs is not None and o.logprobs:
@@ -153,7 +168,7 @@ class LLM:
                         out.num_cached_tokens = o.num_cached_tokens
                         # The core names its request id; the caller knows the prompt index.
                         out.error = o.error and o.error.replace(
-                            f"request {o.request_id}", f"prompt {index}"
+                            f"request {o.request_id}", f"prompt {out.index}"
                         )
                         del pending[o.request_id]
                         self._finished(out, finish)
@@ -165,9 +180,9 @@ class LLM:
             # The core fails the requests it knows of before it stops; any it never read
             # fail here with the same reason, so every input still gets its answer.
             self.dead_reason = str(e)
-            for index, _ in pending.values():
-                results[index].finish_reason, results[index].error = "error", str(e)
-                self._finished(results[index], finish)
+            for at, _ in pending.values():
+                results[at].finish_reason, results[at].error = "error", str(e)
+                self._finished(results[at], finish)
         finally:
             bar.close()
         summary.seconds = time.perf_counter() - start

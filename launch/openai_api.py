@@ -24,6 +24,10 @@ from protocol.engine import Logprobs, SamplingParams
 
 # OpenAI's legacy completions default; chat completions default to the context left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Prompts in one completions request (a list of texts or token-id lists): each is its own
+# engine request (n of them with n > 1), all checked before any is sent. Bounded so one
+# body cannot queue an unbounded batch behind a single admission check.
+MAX_PROMPTS_PER_REQUEST = 128
 
 
 class APIError(Exception):
@@ -132,28 +136,40 @@ class CompletionRequest(_Request, kw_only=True):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt: text or token ids (a list of one of them is that one)."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or a list of them (at most
+        MAX_PROMPTS_PER_REQUEST), each checked for its shape here."""
         p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]
         if isinstance(p, str):
-            return p
+            return [p]
         if not p:
             raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        if all(isinstance(x, (str, list)) for x in p):
+        if _is_token_ids(p):
+            return [p]
+        if len(p) > MAX_PROMPTS_PER_REQUEST:
             raise APIError(
-                "several prompts in one request are not supported yet: send one request per prompt",
+                f"{len(p)} prompts in one request; at most {MAX_PROMPTS_PER_REQUEST}: "
+                "split them over several requests",
                 param="prompt",
-                code="unsupported_parameter",
+                code="invalid_value",
             )
-        raise APIError(
-            "prompt must be a string or a list of token ids",
-            param="prompt",
-            code="invalid_type",
-        )
+        for i, x in enumerate(p):
+            if isinstance(x, list) and not x:
+                raise APIError(
+                    f"prompt {i} must not be empty", param="prompt", code="invalid_value"
+                )
+            if not (isinstance(x, str) or (isinstance(x, list) and _is_token_ids(x))):
+                raise APIError(
+                    "prompt must be a string, a list of token ids, or a list of either "
+                    f"(prompt {i} is neither)",
+                    param="prompt",
+                    code="invalid_type",
+                )
+        return p
+
+
+def _is_token_ids(x: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 class ChatCompletionRequest(_Request, kw_only=True):
@@ -220,12 +236,14 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    which: str = "the prompt",
 ) -> SamplingParams:
-    """The engine's SamplingParams for body, checked; max_tokens None: default."""
+    """The engine's SamplingParams for body, checked; max_tokens None: default. which
+    names the prompt in errors ("prompt 3" of several)."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(
-            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+            f"{which} has {num_prompt_tokens} tokens; this model's context is "
             f"{max_model_len} tokens, leaving none to generate",
             param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
@@ -236,7 +254,7 @@ def sampling_params(
     elif max_tokens > room and max_tokens >= 1:
         raise APIError(
             f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
-            f"(prompt) + {max_tokens} (max_tokens) were asked for",
+            f"({which}) + {max_tokens} (max_tokens) were asked for",
             param="max_tokens",
             code="context_length_exceeded",
         )

@@ -75,12 +75,28 @@ class SequenceState:
         )
 
 
-def fan_out(params: SamplingParams) -> list[SamplingParams]:
-    """The core requests of one client request: n copies of it (n 1 each, stop strings
-    left to the client); with a seed, copy i gets seed + i so that the copies differ."""
+def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The core requests of one prompt's client request, as (core request id, params): n
+    copies (n 1 each, stop strings left to the client) named request_id when n is 1, else
+    "{request_id}-{i}"; with a seed, copy i gets seed + i so that the copies differ.
+    Sent back to back, the copies share the prompt's full blocks through the prefix cache."""
     one = msgspec.structs.replace(params, n=1, stop=[])
     if params.n == 1:
-        return [one]
+        return [(request_id, one)]
     if params.seed is None:
-        return [one] * params.n
-    return [msgspec.structs.replace(one, seed=(params.seed + i) % 2**63) for i in range(params.n)]
+        return [(f"{request_id}-{i}", one) for i in range(params.n)]
+    replace = msgspec.structs.replace
+    return [
+        (f"{request_id}-{i}", replace(one, seed=(params.seed + i) % 2**63)) for i in range(params.n)
+    ]
+
+
+def merge(first: SequenceOutput, later: SequenceOutput) -> None:
+    """Fold later (the same sequence's next output) into first: what both added at once."""
+    first.new_token_ids = first.new_token_ids + later.new_token_ids
+    first.text += later.text
+    first.num_output_tokens = later.num_output_tokens
+    first.finish_reason = later.finish_reason
+    first.stop_reason = later.stop_reason
+    if later.logprobs:
+        first.logprobs = (first.logprobs or []) + later.logprobs

@@ -116,11 +116,15 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
         self._check_model(body.model)
-        prompt = body.prompt_input()
-        try:
-            ids = self.engine.prompt_token_ids(prompt)
-        except (TypeError, ValueError) as e:
-            raise APIError(str(e), param="prompt", code="invalid_value") from None
+        prompts = body.prompt_inputs()
+        several = len(prompts) > 1
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self.engine.prompt_token_ids(prompt))
+            except (TypeError, ValueError) as e:
+                message = f"prompt {i}: {e}" if several else str(e)
+                raise APIError(message, param="prompt", code="invalid_value") from None
         return await self._generate(request, body, ids, body.max_tokens, "cmpl", chat=False)
 
     async def chat(self, request: Request) -> Response:
@@ -140,7 +144,7 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        return await self._generate(request, body, ids, max_tokens, "chatcmpl", chat=True)
+        return await self._generate(request, body, [ids], max_tokens, "chatcmpl", chat=True)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -155,15 +159,24 @@ class OpenAIServer:
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
-        ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         prefix: str,
         chat: bool,
     ) -> Response:
+        """Check every prompt's parameters, then send them all as one stream."""
         engine = self.engine
-        params = sampling_params(
-            body, max_tokens, len(ids), engine.max_model_len, engine.vocab_size
-        )
+        params = [
+            sampling_params(
+                body,
+                max_tokens,
+                len(ids),
+                engine.max_model_len,
+                engine.vocab_size,
+                f"prompt {i}" if len(prompts) > 1 else "the prompt",
+            )
+            for i, ids in enumerate(prompts)
+        ]
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise APIError(
                 f"{self.num_waiting} requests are already waiting (--max-waiting-requests "
@@ -172,8 +185,8 @@ class OpenAIServer:
                 code="too_many_waiting_requests",
             )
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = engine.generate(ids, params, request_id, cache_salt=body.cache_salt)
-        call = _Call(self, body, stream, request_id, chat, params)
+        stream = engine.generate_many(prompts, params, request_id, cache_salt=body.cache_salt)
+        call = _Call(self, body, stream, request_id, chat, params[0])
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
@@ -182,11 +195,23 @@ class OpenAIServer:
 
 
 class _Choice:
-    """One of a request's n sequences, as its answer grows."""
+    """One sequence of a request (choice index = prompt_i * n + copy_j), as it grows."""
 
-    __slots__ = ("finish", "ids", "logprobs", "offset", "sent", "stop_reason", "texts")
+    __slots__ = (
+        "finish",
+        "ids",
+        "logprobs",
+        "num_cached",
+        "offset",
+        "prompt",
+        "sent",
+        "stop_reason",
+        "texts",
+    )
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, prompt: int, logprobs: bool) -> None:
+        self.prompt = prompt  # which prompt it answers
+        self.num_cached = 0  # its prompt tokens served from the prefix cache (at finish)
         self.ids: list[int] = []
         self.texts: list[str] = []
         self.logprobs: list[Logprobs] | None = [] if logprobs else None
@@ -202,6 +227,7 @@ class _Choice:
             self.logprobs += out.logprobs
         if out.finish_reason is not None:
             self.finish, self.stop_reason = out.finish_reason, out.stop_reason
+            self.num_cached = out.num_cached_tokens
 
 
 class _Call:
@@ -223,9 +249,12 @@ class _Call:
         self.chat = chat
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.timer: RequestTimer = server.metrics.request(len(stream.prompt_token_ids))
-        self.num_cached = 0
-        self.choices = [_Choice(params.logprobs is not None) for _ in range(params.n)]
+        self.num_prompt_tokens = sum(len(ids) for ids in stream.prompts)
+        self.timer: RequestTimer = server.metrics.request(self.num_prompt_tokens)
+        # Every prompt has the same n (one body): choice i answers prompt i // n.
+        self.n = params.n
+        lp = params.logprobs is not None
+        self.choices = [_Choice(i // params.n, lp) for i in range(len(stream.prompts) * params.n)]
         self._waiting = True
         server.num_waiting += 1
 
@@ -241,8 +270,6 @@ class _Call:
                 self._started()
                 self.timer.tokens(len(out.new_token_ids))
                 if out.finish_reason is not None:
-                    if out.index == 0:
-                        self.num_cached = out.num_cached_tokens
                     if out.finish_reason == "error":
                         raise APIError(out.error or "the request failed", 500)
                     if out.finish_reason == "abort":
@@ -258,8 +285,10 @@ class _Call:
             self.stream.close()
 
     def _usage(self) -> dict[str, Any]:
-        n = len(self.stream.prompt_token_ids)
-        return usage(n, self.timer.num_tokens, self.num_cached)
+        """Each prompt counted once (its first copy's cache hits: later copies hit what
+        the first brought in), completion tokens of every choice."""
+        cached = sum(c.num_cached for c in self.choices[:: self.n])
+        return usage(self.num_prompt_tokens, self.timer.num_tokens, cached)
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
@@ -293,9 +322,10 @@ class _Call:
             )
             if self.body.return_token_ids:
                 choice["token_ids"] = c.ids
+                choice["prompt_token_ids"] = self.stream.prompts[c.prompt]
             choices.append(choice)
         answer = self._envelope(choices, self._usage())
-        if self.body.return_token_ids:
+        if self.body.return_token_ids and len(self.stream.prompts) == 1:
             answer["prompt_token_ids"] = self.stream.prompt_token_ids
         return json_response(answer)
 

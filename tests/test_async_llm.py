@@ -13,7 +13,7 @@ from cli_helpers import CPU
 from test_model_files import CONVERSATION, copy_model, word_tokenizer
 
 from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from launch.async_llm import run
+from launch.async_llm import RequestStream, run
 from launch.detokenizer import IncrementalDetokenizer
 from launch.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -127,3 +127,39 @@ def test_a_dead_worker_ends_every_open_stream_naming_it() -> None:
         assert all(p.poll() is not None for p in engine.engine.procs.values())
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_every_token_once_in_fewer_outputs(
+    chat_model: Path,
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+    async def until_queued_to_the_end(stream: RequestStream) -> None:
+        """Wait (for an event, not a time) until the request's last output is queued."""
+        inbox = stream._inbox
+        while not any(getattr(o, "finish_reason", None) for o in inbox.items):
+            inbox.waiter = asyncio.get_running_loop().create_future()
+            await inbox.waiter  # the reader's next put
+
+    async def main() -> None:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            fast = [o async for o in engine.generate("What is 2 + 2 ?", params)]
+            slow_stream = engine.generate("What is 2 + 2 ?", params)
+            await asyncio.wait_for(until_queued_to_the_end(slow_stream), 300)
+            slow = [o async for o in slow_stream]
+        finally:
+            await engine.aclose()
+        assert len(fast) == 24 and len(slow) < len(fast)  # the engine ran ahead: merged
+        assert [t for o in slow for t in o.new_token_ids] == [
+            t for o in fast for t in o.new_token_ids
+        ]
+        assert "".join(o.text for o in slow) == "".join(o.text for o in fast)
+        slow_lps = [lp for o in slow for lp in o.logprobs or []]
+        fast_lps = [lp for o in fast for lp in o.logprobs or []]
+        assert [lp.top_token_ids for lp in slow_lps] == [lp.top_token_ids for lp in fast_lps]
+        assert [lp.logprob for lp in slow_lps] == pytest.approx([lp.logprob for lp in fast_lps])
+        assert [o.finish_reason for o in slow][-1] == "length" == fast[-1].finish_reason
+        assert slow[-1].num_output_tokens == 24
+
+    run(main())

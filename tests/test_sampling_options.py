@@ -287,6 +287,23 @@ def test_seeded_sampling_is_reproducible_and_ignores_its_neighbours(llm: LLM) ->
     assert llm.generate([PROMPT], other, use_tqdm=False)[0].token_ids != alone.token_ids
 
 
+def test_llm_generate_n_gives_n_outputs_per_prompt_sharing_its_blocks(llm: LLM) -> None:
+    prompt = list(range(11, 11 + 40))  # 2 full blocks of 16 and 8 tokens
+    params = SamplingParams(max_tokens=STEPS, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    one = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    llm.reset_prefix_cache()
+    outs = llm.generate([prompt, [5, 6]], [params, one], use_tqdm=False)
+    # Prompt-major: the first prompt's three sequences, then the second's one.
+    assert [(o.index, o.seq_index) for o in outs] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert all(o.prompt_token_ids == prompt and len(o.token_ids) == STEPS for o in outs[:3])
+    assert sorted(o.num_cached_tokens for o in outs[:3]) == [0, 32, 32]
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3  # seeds 7, 8, 9 differ
+    again = llm.generate([prompt], params, use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:3]]
+    (copy_2,) = llm.generate([prompt], msgspec_replace(params, n=1, seed=9), use_tqdm=False)
+    assert copy_2.token_ids == outs[2].token_ids  # copy i is the request seeded 7 + i
+
+
 # -- AsyncLLM: n copies and stop strings on a word tokenizer ----------------------------------
 @pytest.fixture(scope="module")
 def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:

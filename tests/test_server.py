@@ -192,6 +192,45 @@ def test_completions_and_chat_equal_llm_generate(
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
 
 
+def test_several_prompts_in_one_request_are_answered_prompt_major(
+    server: Server, client: openai.OpenAI, reference: dict[str, list[int]]
+) -> None:
+    args = dict(model=MODEL_NAME, max_tokens=N, temperature=0, extra_body=EXTRA)
+    c = client.completions.create(prompt=[PROMPT_TEXT, PROMPT_IDS], **args)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert [ch.token_ids for ch in c.choices] == [reference["text"], reference["ids"]]  # type: ignore[attr-defined]
+    prompts = [ch.prompt_token_ids for ch in c.choices]  # type: ignore[attr-defined]
+    assert prompts[1] == PROMPT_IDS
+    assert c.usage is not None and c.usage.completion_tokens == 2 * N
+    assert c.usage.prompt_tokens == sum(map(len, prompts))
+    # Streamed with n=2: choice index = prompt * 2 + copy, usage summed at the end.
+    stream = client.completions.create(
+        prompt=[PROMPT_TEXT, PROMPT_IDS],
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **args,  # type: ignore[arg-type]
+    )
+    ids: dict[int, list[int]] = {i: [] for i in range(4)}
+    finished = set()
+    for chunk in stream:
+        for ch in chunk.choices:
+            ids[ch.index] += ch.token_ids  # type: ignore[attr-defined]
+            if ch.finish_reason is not None:
+                finished.add(ch.index)
+        usage = chunk.usage
+    want = [reference["text"]] * 2 + [reference["ids"]] * 2
+    assert [ids[i] for i in range(4)] == want and finished == {0, 1, 2, 3}
+    assert usage is not None and usage.completion_tokens == 4 * N
+    assert usage.prompt_tokens == sum(map(len, prompts))  # each prompt once, not n times
+    # Cached tokens add up over the prompts: 2 full blocks of 16 each, the second time.
+    long = [list(range(20, 60)), list(range(60, 100))]
+    first, again = (client.completions.create(prompt=long, **args) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens_details.cached_tokens == 64  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens == 80  # type: ignore[union-attr]
+
+
 async def _stream_text(client: openai.AsyncOpenAI, prompt: list[int]) -> list[int]:
     stream = await client.completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=N, temperature=0, stream=True, extra_body=EXTRA
@@ -199,12 +238,12 @@ async def _stream_text(client: openai.AsyncOpenAI, prompt: list[int]) -> list[in
     return [t async for chunk in stream for t in chunk.choices[0].token_ids]  # type: ignore
 
 
-async def _disconnect_mid_stream(url: str) -> None:
+async def _disconnect_mid_stream(url: str, prompt: object = PROMPT_IDS) -> None:
     """A raw HTTP client that reads two events of a long stream, then hangs up."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps(
-        {"prompt": PROMPT_IDS, "max_tokens": 240, "stream": True, "ignore_eos": True}
+        {"prompt": prompt, "max_tokens": 240, "stream": True, "ignore_eos": True}
     ).encode()
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -227,6 +266,8 @@ def test_concurrent_streams_finish_and_disconnects_free_every_block(
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         jobs = [_stream_text(client, PROMPT_IDS) for _ in range(64)]
         jobs += [_disconnect_mid_stream(server.url) for _ in range(16)]  # type: ignore[misc]
+        several = [PROMPT_IDS, PROMPT_TEXT, [7, 8]]  # a hang-up aborts all three
+        jobs += [_disconnect_mid_stream(server.url, several) for _ in range(4)]  # type: ignore[misc]
         results = await asyncio.gather(*jobs)
         await client.close()
         return results[:64]  # type: ignore[return-value]
@@ -260,6 +301,16 @@ BAD_BODIES = {
     "penalty": ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
     "logit_bias": ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
     "top_p": ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+    # Several prompts: one bad one refuses the whole request before any is sent.
+    "a bad token among prompts": ({"prompt": ["x", [10**6]]}, "prompt", "invalid_value"),
+    "a prompt too long among prompts": (
+        {"prompt": [[7] * 2, [7] * 300]},
+        "prompt",
+        "context_length_exceeded",
+    ),
+    "an empty prompt among prompts": ({"prompt": ["x", []]}, "prompt", "invalid_value"),
+    "a number among text prompts": ({"prompt": ["x", 5]}, "prompt", "invalid_type"),
+    "too many prompts": ({"prompt": ["x"] * 129}, "prompt", "invalid_value"),
 }
 
 
