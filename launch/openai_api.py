@@ -1,5 +1,9 @@
 """The OpenAI-compatible request bodies: decoded and checked once, at the boundary.
 
+A completions `prompt` is a text, a list of token ids, or a list of up to
+MAX_PROMPTS_PER_REQUEST of either (each its own engine request, answered as choices
+prompt-major); every prompt is checked before any is sent.
+
 Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
 engine does not implement is a 400 naming the field, never silently ignored. Options the
 engine does not support yet (logit_bias, prompt_logprobs, echo, suffix, best_of, tools,

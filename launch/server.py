@@ -4,7 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
-streaming or not, aborts its request in the engine at once.
+streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
+Each request is one RequestStream, so a stream that falls behind writes one chunk per
+choice for all the tokens that arrived meanwhile.
 """
 
 from __future__ import annotations
