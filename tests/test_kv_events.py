@@ -12,13 +12,13 @@ import msgspec
 import pytest
 import zmq
 from cli_helpers import CPU
-from kv_helpers import check_stored_hashes, full, make_manager, window
+from kv_helpers import admit, check_stored_hashes, full, make_manager, tokens, window
 
 from enginecore import KVCacheManager, Request
 from enginecore.block_hash import BlockHasher
-from enginecore.kv_event_publisher import KVEventPublisher
+from enginecore.kv_event_publisher import DEFAULT_HWM, KVEventPublisher
 from launch import LLM, SamplingParams
-from protocol.kv_events import END_OF_REPLAY
+from protocol.kv_events import END_OF_REPLAY, BlockRemoved, BlockStored
 
 # -- a subscriber written against vLLM's published event layout, not our structs -------
 
@@ -208,6 +208,38 @@ def _cleared():
     return AllBlocksCleared()
 
 
+def test_content_evicted_and_stored_again_in_one_step_is_removed_first() -> None:
+    """A hash evicted and then cached again within one step is announced removed before
+    it is stored: a subscriber applying the batch in order ends with the core's cached
+    hashes."""
+    m = make_manager(9, enable_kv_events=True)
+    a = Request("a", [*tokens("ABCDEFGH"), 1], m.block_hasher)
+    admit(m, a)
+    m.free(a)  # two cached blocks, tail first in line for eviction
+    cached: set[bytes] = set(m.take_events()[0].block_hashes)  # type: ignore[union-attr]
+    # One step: d's allocation evicts a's second block; c (a's prompt again, no prefix
+    # lookup) caches that content anew.
+    d = Request("d", list(range(500, 527)), m.block_hasher)
+    assert m.allocate_slots(d, d.num_tokens) is not None
+    m.free(d)
+    c = Request("c", [*tokens("ABCDEFGH"), 2], m.block_hasher)
+    assert m.allocate_slots(c, c.num_tokens) is not None
+    events = m.take_events()
+    evicted = a.block_hashes[1]
+    order = [
+        type(e).__name__
+        for e in events
+        if isinstance(e, BlockStored | BlockRemoved) and evicted in e.block_hashes
+    ]
+    assert order == ["BlockRemoved", "BlockStored"]
+    for e in events:
+        if isinstance(e, BlockStored):
+            cached.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            cached.difference_update(e.block_hashes)
+    assert cached == set(m.block_pool.cached_block_hash_to_block[0])
+
+
 def test_memory_stays_bounded_without_subscribers() -> None:
     ctx = zmq.Context()
     manager = make_manager(16, enable_kv_events=True)
@@ -216,6 +248,8 @@ def test_memory_stays_bounded_without_subscribers() -> None:
         churn(manager, publisher, 300, seed=3)
         assert publisher.next_seq > 100
         assert len(publisher._buffer) == 16
+        # What the socket may queue is bounded too (PUB drops past it, it never blocks).
+        assert publisher.pub.getsockopt(zmq.SNDHWM) == DEFAULT_HWM
         assert not manager.block_pool._events  # drained each step
         req = ctx.socket(zmq.DEALER)
         req.connect(publisher.replay_endpoint)
