@@ -28,7 +28,7 @@ from enginecore.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, Recor
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
-from protocol.sockets import send_or_drop, spin_for_message
+from protocol.sockets import send_or_drop, spin_budget, spin_for_message
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -78,6 +78,7 @@ class Executor:
         self._rank_alive = [
             functools.partial(self._is_rank_alive, r) for r in range(self.world_size)
         ]
+        self._spin = spin_budget(config.world_size)
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:
@@ -289,7 +290,7 @@ class Executor:
 
     def wait_output(self) -> ModelRunnerOutput:
         timeout = self.config.step_timeout_s
-        spin_for_message(self.results)  # a short step's answer, without the wake-up
+        spin_for_message(self.results, self._spin)  # a short step's answer: no wake-up
         msg = self._recv(time.monotonic() + timeout, "model output")
         if msg is None:
             raise WorkerDied(

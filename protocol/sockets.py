@@ -18,12 +18,28 @@ import zmq
 SEND_RETRY_MS = 200
 
 # Waking a process blocked in poll() costs from ~20 us to over 1 ms depending on the
-# machine (1.18 ms for a 2.8 KB ping-pong here, 0.15 ms when both sides poll instead).
-# The core waiting for a step's answer and a worker waiting for its next step therefore
-# poll without blocking for up to this long first, then block. Bounded so that on a
-# 2-core machine a spinning process takes little from the one doing the work; only used
-# where an answer is due soon (never by an idle engine). PAGEDSERVE_SPIN_US=0 turns it off.
-SPIN_S = float(os.environ.get("PAGEDSERVE_SPIN_US", "200")) / 1e6
+# machine. The core waiting for a step's answer and a worker waiting for its next step
+# can therefore poll without blocking for a while first (never when idle: only where an
+# answer is due). But every frame also crosses each process's ZeroMQ I/O thread, which
+# needs a CPU to move it: a spinning main thread starves its own and the peer's I/O
+# threads unless each process has two CPUs. On this 2-core machine (256-request serial
+# steps, benchmarks/step_overhead.py, alternating runs) the IPC round trip was 467-541 us
+# without polling, 612-617 us polling 200 us and 1330-1390 us polling 1 ms. So it is on
+# only when every process of the group (core and workers) has two CPUs of its own.
+# PAGEDSERVE_SPIN_US overrides it (0: off).
+DEFAULT_SPIN_S = 0.0002
+
+
+def spin_budget(world_size: int) -> float:
+    """Seconds the core and each of world_size workers poll before blocking."""
+    env = os.environ.get("PAGEDSERVE_SPIN_US")
+    if env is not None:
+        try:
+            return max(0.0, float(env) / 1e6)
+        except ValueError:
+            raise ValueError(f"PAGEDSERVE_SPIN_US must be a number, got {env!r}") from None
+    cpus = len(os.sched_getaffinity(0))
+    return DEFAULT_SPIN_S if cpus >= 2 * (world_size + 1) else 0.0
 
 
 def send_or_drop(
@@ -41,7 +57,7 @@ def send_or_drop(
             sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
 
 
-def spin_for_message(sock: zmq.Socket, spin_s: float = SPIN_S) -> bool:
+def spin_for_message(sock: zmq.Socket, spin_s: float) -> bool:
     """Poll sock without blocking for up to spin_s seconds: True as soon as a message
     waits, False when the time is up (the caller then blocks as usual)."""
     if spin_s <= 0:

@@ -22,7 +22,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
-from protocol.sockets import send_or_drop, spin_for_message
+from protocol.sockets import send_or_drop, spin_budget, spin_for_message
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -79,12 +79,13 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
+    spin = spin_budget(config.world_size)
     answered = False  # the last step was answered: the next one is due soon
     ready = {pull: zmq.POLLIN}
     try:
         while True:
             # Right after a step, its successor is due: catch it without a wake-up.
-            events = ready if answered and spin_for_message(pull) else dict(poller.poll(500))
+            events = ready if answered and spin_for_message(pull, spin) else dict(poller.poll(500))
             answered = False
             if monitor in events and pull not in events and not pull.poll(100):
                 # The core closed its end (its shutdown message, if any, came first).

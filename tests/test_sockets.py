@@ -1,0 +1,41 @@
+"""protocol/sockets.py: polling before blocking, and when it is allowed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import zmq
+
+from protocol.sockets import DEFAULT_SPIN_S, spin_budget, spin_for_message
+
+
+def test_spin_budget_only_when_every_process_has_two_cpus(monkeypatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_SPIN_US", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    for world_size in (1, 2, 4):
+        want = DEFAULT_SPIN_S if cpus >= 2 * (world_size + 1) else 0.0
+        assert spin_budget(world_size) == want
+    assert spin_budget(cpus) == 0.0  # more processes than CPUs: never
+    monkeypatch.setenv("PAGEDSERVE_SPIN_US", "50")
+    assert spin_budget(cpus) == pytest.approx(50e-6)
+    monkeypatch.setenv("PAGEDSERVE_SPIN_US", "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_SPIN_US must be a number"):
+        spin_budget(1)
+
+
+def test_spin_for_message_sees_a_waiting_frame_and_gives_up_without_one() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://spin")
+        b.connect("inproc://spin")
+        assert not spin_for_message(b, 0.0)  # off: no look at all
+        assert not spin_for_message(b, 0.001)  # nothing sent: the budget runs out
+        a.send(b"step")
+        assert spin_for_message(b, 5.0)  # returns as soon as it is there
+        assert b.recv() == b"step"
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
