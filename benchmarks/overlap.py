@@ -40,35 +40,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch.builtin_model import builtin_model_dir, write_llama_checkpoint  # noqa: E402
+from launch.builtin_model import builtin_model_dir  # noqa: E402
 from launch.llm import LLM  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from worker.bench_clock import DELAY_ENV, TIMING_ENV  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+# The one-tiny-layer Llama of the step-overhead benchmark: the worker's compute stays
+# far below the host path.
+from step_overhead import write_model_dir  # noqa: E402
+
 VOCAB = 512
-
-
-def write_model(directory: Path, max_positions: int) -> None:
-    """A Llama with one tiny layer: the worker's compute stays far below the host path."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 1,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "torch_dtype": "float32",
-    }
-    write_llama_checkpoint(directory, config, seed=0)
 
 
 def run(
@@ -131,7 +113,7 @@ def main() -> None:
         tmp = Path(d)
         if a.model == "tiny":
             model = tmp / "model"
-            write_model(model, 64 + a.tokens)
+            write_model_dir(model, VOCAB, 64 + a.tokens)
         else:
             model = builtin_model_dir()
         if a.delay_ms == "auto":
