@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from enginecore.request import Request
 from protocol.kv_cache import NULL_BLOCK_ID
@@ -138,7 +139,7 @@ class BlockPool:
                 for undo in ordered_blocks[: i + 1]:
                     if undo is not null:
                         undo.ref_cnt += 1
-                raise ValueError(f"block {block.block_id} freed more often than referenced")
+                raise InvariantViolation(f"block {block.block_id} freed more often than referenced")
         front: list[KVCacheBlock] = []
         back: list[KVCacheBlock] = []
         for block in ordered_blocks:
@@ -267,7 +268,9 @@ class BlockPool:
         blocks = list(blocks)
         for block in blocks:
             if block.ref_cnt > 0 or block is self.null_block:
-                raise ValueError(f"block {block.block_id} is in use; only free blocks evict")
+                raise InvariantViolation(
+                    f"block {block.block_id} is in use; only free blocks evict"
+                )
         for block in blocks:
             if block.block_hash is not None:
                 self._evict(block)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from enginecore.errors import ConfigError
+from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
@@ -268,6 +268,8 @@ class EngineCore:
             result = self.executor.wait_output()
             try:
                 outputs = scheduler.update_from_output(so, result)
+            except InvariantViolation:
+                raise  # the core's own bug: not the worker's answer
             except ValueError as e:
                 raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
             if self._check:

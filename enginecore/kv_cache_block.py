@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from enginecore.errors import InvariantViolation
+
 
 class KVCacheBlock:
     """Metadata of one physical KV block (the K/V themselves live on the workers)."""
@@ -64,7 +66,7 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
         if block is self._tail:
-            raise ValueError("no free KV cache blocks")
+            raise InvariantViolation("no free KV cache blocks")
         nxt = block.next_free
         self._head.next_free = nxt
         nxt.prev_free = self._head
@@ -74,7 +76,9 @@ class FreeKVCacheBlockQueue:
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free KV cache blocks, only {self.num_free_blocks}")
+            raise InvariantViolation(
+                f"asked for {n} free KV cache blocks, only {self.num_free_blocks}"
+            )
         out = []
         block = self._head.next_free
         for _ in range(n):
@@ -90,7 +94,7 @@ class FreeKVCacheBlockQueue:
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
+            raise InvariantViolation(f"block {block.block_id} is not in the free queue")
         prev.next_free = nxt
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
@@ -114,7 +118,7 @@ class FreeKVCacheBlockQueue:
         n = 0
         for block in blocks:
             if block.prev_free is not None:
-                raise ValueError(f"block {block.block_id} is already in the free queue")
+                raise InvariantViolation(f"block {block.block_id} is already in the free queue")
             block.prev_free = prev
             prev.next_free = block
             prev = block

@@ -7,6 +7,7 @@ from math import gcd
 
 from enginecore.block_hash import BlockHasher, HashAlgo
 from enginecore.block_pool import BlockPool
+from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.request import Request
 from protocol.kv_cache import KVCacheConfig
@@ -168,7 +169,7 @@ class KVCacheManager:
         rid = request.request_id
         known = self.requests.get(rid)
         if known is not None and known is not request:
-            raise ValueError(f"duplicate request id {rid!r}: another request holds blocks")
+            raise InvariantViolation(f"duplicate request id {rid!r}: another request holds blocks")
         self._check_allocation(
             request,
             known is None,
@@ -285,7 +286,7 @@ class KVCacheManager:
         if known is None:
             raise KeyError(f"unknown request id {rid!r}: it holds no KV cache blocks")
         if known is not request:
-            raise ValueError(f"request id {rid!r} belongs to another request object")
+            raise InvariantViolation(f"request id {rid!r} belongs to another request object")
 
     # -- whole cache ------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

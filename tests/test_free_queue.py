@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from enginecore import FreeKVCacheBlockQueue, KVCacheBlock
+from enginecore.errors import InvariantViolation
 
 _OPS = st.lists(
     st.tuples(
@@ -53,12 +54,12 @@ def test_queue_matches_a_list(ops: list[tuple[str, int]]) -> None:
 def test_misuse_is_refused() -> None:
     blocks = [KVCacheBlock(i) for i in range(3)]
     q = FreeKVCacheBlockQueue(blocks)
-    with pytest.raises(ValueError, match="already in the free queue"):
+    with pytest.raises(InvariantViolation, match="already in the free queue"):
         q.append(blocks[0])
     q.popleft_n(3)
-    with pytest.raises(ValueError, match="no free KV cache blocks"):
+    with pytest.raises(InvariantViolation, match="no free KV cache blocks"):
         q.popleft()
-    with pytest.raises(ValueError, match="not in the free queue"):
+    with pytest.raises(InvariantViolation, match="not in the free queue"):
         q.remove(blocks[1])
     with pytest.raises(ValueError, match="asked for 1"):
         q.popleft_n(1)

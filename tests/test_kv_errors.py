@@ -6,6 +6,7 @@ import pytest
 from kv_helpers import admit, make_manager, snapshot
 
 from enginecore import BlockPool, Request
+from enginecore.errors import InvariantViolation
 
 BAD_CALLS = {
     "negative tokens": (lambda m, r, other: m.allocate_slots(r, -1), "num_new_tokens must be >= 0"),
@@ -67,7 +68,7 @@ def test_a_block_freed_twice_is_refused_whole() -> None:
     blocks = pool.get_new_blocks(3)
     pool.free_blocks([blocks[0]])
     queue = pool.free_block_queue.block_ids()
-    with pytest.raises(ValueError, match=f"block {blocks[0].block_id} freed more often"):
+    with pytest.raises(InvariantViolation, match=f"block {blocks[0].block_id} freed more often"):
         pool.free_blocks([blocks[1], blocks[0]])
     assert blocks[1].ref_cnt == 1
     assert pool.free_block_queue.block_ids() == queue
@@ -77,7 +78,7 @@ def test_a_list_naming_a_block_twice_is_refused_whole() -> None:
     pool = BlockPool(8)
     blocks = pool.get_new_blocks(3)  # one reference each
     queue = pool.free_block_queue.block_ids()
-    with pytest.raises(ValueError, match=f"block {blocks[2].block_id} freed more often"):
+    with pytest.raises(InvariantViolation, match=f"block {blocks[2].block_id} freed more often"):
         pool.free_blocks([blocks[0], blocks[2], blocks[1], blocks[2]])
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
     assert pool.free_block_queue.block_ids() == queue
