@@ -54,6 +54,10 @@ class ClientGone(RuntimeError):
 
 
 class EngineCore:
+    # Built by start() once the workers have said what KV cache they hold; the loop
+    # runs only after it.
+    scheduler: Scheduler
+
     def __init__(self, config: EngineCoreConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
@@ -67,7 +71,6 @@ class EngineCore:
         self.executor = Executor(self.ctx, config)
         # Built once: _send runs every step and must not make a bound method each time.
         self._client_alive = functools.partial(parent_alive, config.parent_pid)
-        self.scheduler: Scheduler | None = None
         self.kv_events: KVEventPublisher | None = None
         self._take_kv_events: Callable[[], list[KVCacheEvent]] = list  # bound at start
         self._stop = False
@@ -168,7 +171,6 @@ class EngineCore:
     # -- loop -------------------------------------------------------------------------
     def run(self) -> None:
         scheduler = self.scheduler
-        assert scheduler is not None
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
         self.executor.watch(poller)
@@ -196,7 +198,6 @@ class EngineCore:
 
     def _drain_input(self) -> None:
         scheduler = self.scheduler
-        assert scheduler is not None
         errors: list[RequestOutput] = []
         rejected: list[Rejection] = []
         while True:
@@ -229,7 +230,6 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> list[RequestOutput]:
         scheduler = self.scheduler
-        assert scheduler is not None
         try:
             request = scheduler.new_request(
                 msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.cache_salt
@@ -244,7 +244,6 @@ class EngineCore:
         answer when the queue is full or nothing new could be sent. Serial scheduling is
         the same with room for one step."""
         scheduler = self.scheduler
-        assert scheduler is not None
         in_flight = self._in_flight
         sent = False
         if len(in_flight) < self._max_in_flight and scheduler.has_unfinished_requests():
@@ -287,7 +286,8 @@ class EngineCore:
     def fail(self, reason: str) -> None:
         """Fail every open request with reason, tell the client (if it is still there),
         stop the workers."""
-        outputs = self.scheduler.fail_all(reason) if self.scheduler is not None else []
+        started = hasattr(self, "scheduler")  # start() may have failed before it
+        outputs = self.scheduler.fail_all(reason) if started else []
         with contextlib.suppress(ClientGone):
             if outputs:
                 self._send(EngineOutputs(outputs))
