@@ -19,7 +19,13 @@ from enginecore.scheduler import Scheduler, SchedulerConfig
 from protocol.codec import Codec
 from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
-from protocol.worker import CoreToWorker, WorkerConfigure, WorkerToCore
+from protocol.worker import (
+    CachedRequestData,
+    CoreToWorker,
+    SchedulerOutput,
+    WorkerConfigure,
+    WorkerToCore,
+)
 from worker.model_runner import ModelRunner
 
 
@@ -32,6 +38,20 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
             model=str(path), rank=0, world_size=1, core_address="", block_size=4, device=CPU
         )
     )
+
+
+def test_a_step_before_configure_is_refused_by_name(tmp_path) -> None:
+    save_checkpoint("qwen2", tmp_path)
+    fresh = ModelRunner(
+        WorkerConfig(
+            model=str(tmp_path), rank=0, world_size=1, core_address="", block_size=4, device=CPU
+        )
+    )
+    step = SchedulerOutput(1, [], CachedRequestData([], [], [], [], []), [], 0, [], [])
+    with pytest.raises(ValueError, match="SchedulerOutput before WorkerConfigure"):
+        fresh.execute(step)
+    with pytest.raises(ValueError, match="DumpBlockTables before WorkerConfigure"):
+        fresh.block_tables()
 
 
 def test_worker_tables_follow_the_core(runner: ModelRunner) -> None:

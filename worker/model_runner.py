@@ -97,6 +97,10 @@ class StepInputs:
 
 
 class ModelRunner:
+    # Built by initialize() (WorkerConfigure): the persistent batch and step buffers.
+    batch: InputBatch
+    buffers: StepBuffers
+
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = pick_device(config.device)
@@ -132,8 +136,6 @@ class ModelRunner:
                 if isinstance(module, (Linear, ParallelLMHead)):
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.batch: InputBatch | None = None
-        self.buffers: StepBuffers | None = None
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
@@ -307,6 +309,12 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
 
+    def _configured(self, what: str) -> InputBatch:
+        """The batch; ValueError (the worker reports it) if the core skipped configure."""
+        if not hasattr(self, "batch"):
+            raise ValueError(f"{what} before WorkerConfigure")
+        return self.batch
+
     def initialize(self, msg: WorkerConfigure) -> None:
         """Allocate exactly the core's KV cache config and the persistent batch."""
         config = msg.kv_cache_config
@@ -333,16 +341,14 @@ class ModelRunner:
 
     def block_tables(self) -> dict[str, list[list[int]]]:
         """Debugging (replay): each request in the batch -> its block-table rows per group."""
-        batch = self.batch
-        assert batch is not None, "DumpBlockTables before WorkerConfigure"
+        batch = self._configured("DumpBlockTables")
         return {req_id: batch.block_ids_of(req_id) for req_id in batch.req_ids}
 
     # -- steps ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the delta; run the step if it schedules tokens; remember what it sampled."""
-        batch = self.batch
-        assert batch is not None, "SchedulerOutput before WorkerConfigure"
+        batch = self._configured("SchedulerOutput")
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
         batch.apply(so)
@@ -357,11 +363,9 @@ class ModelRunner:
         """The host side of a step (after batch.apply): flat inputs, committed block
         tables and sampling tensors, all on the device."""
         batch = self.batch
-        assert batch is not None
         inputs = prepare_inputs(batch, so)
         device = self.device
         buffers = self.buffers
-        assert buffers is not None
         tables = batch.block_table.commit(batch.num_reqs)
         rows = buffers.block_table_rows.upload(inputs.block_table_rows)
         # Only the columns this step reaches: the CUDA planner sizes its key splits by the
@@ -411,7 +415,6 @@ class ModelRunner:
         """Penalties and min_tokens masks into sampling; the logprob rows and counts.
         Only for a step in which some row uses one of them."""
         batch = self.batch
-        assert batch is not None
         device = self.device
         vocab = self.model_config.vocab_size
         presence = batch.presence_penalty[rows]
@@ -474,7 +477,6 @@ class ModelRunner:
     def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on
         its neighbours in the batch."""
-        assert self.batch is not None
         params = self.batch.requests[req_id].sampling_params
         if params.seed is None or params.temperature < GREEDY_TEMPERATURE:
             return None
