@@ -185,6 +185,9 @@ class KVCacheManager:
         coordinator = self.coordinator
         if known is not None:
             # Frees only what is unreadable whatever this step does (committed tokens).
+            # The scheduler's async mode passes no in-flight tokens: a step still in
+            # flight may read blocks freed here, but workers run steps in order, so a
+            # block handed to another request is only written by a later step.
             coordinator.remove_skipped_blocks(
                 rid, request.num_computed_tokens - num_in_flight_tokens
             )
