@@ -49,16 +49,21 @@ class _StepPlan:
         "new_counts",
         "new_reqs",
         "num_due",
+        "num_running",
         "preempted",
+        "total",
     )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget  # tokens left this step
+        self.total = 0  # tokens scheduled
+        self.num_running = 0  # leading cached_* entries that are running requests
         self.num_due = 0  # requests whose tokens this step completes: each samples one
         self.preempted: list[str] = []
         self.cached_ids: list[str] = []
         self.cached_blocks: list[list[list[int]] | None] = []
         self.cached_computed: list[int] = []
+        # After the running ones: True per resumed admission (the rest are all False).
         self.cached_resumed: list[bool] = []
         self.cached_counts: list[int] = []
         self.new_reqs: list[NewRequestData] = []
@@ -309,7 +314,7 @@ class Scheduler:
         running = self.running
         # Local appends: this loop runs once per running request.
         ids, blocks, computeds = plan.cached_ids, plan.cached_blocks, plan.cached_computed
-        resumed, counts, preempted = plan.cached_resumed, plan.cached_counts, plan.preempted
+        counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
         num_due = 0
         i = 0
@@ -343,15 +348,18 @@ class Scheduler:
             # The common decode step got no block: skip building an empty id list.
             blocks.append(None if new_blocks is empty else _block_ids(new_blocks))
             computeds.append(computed)
-            resumed.append(False)
             counts.append(num_new)
+            # Progress is counted at schedule time; the next step's allocation relies on it.
+            request.num_computed_tokens = computed + num_new
             if num_new == remaining:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
             budget -= num_new
             i += 1
+        plan.total += plan.budget - budget
         plan.budget = budget
         plan.num_due += num_due
+        plan.num_running = len(ids)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in FCFS order after a prefix-cache lookup, while the
@@ -374,7 +382,7 @@ class Scheduler:
             waiting.popleft()
             running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_new
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             table = kv.get_block_ids(request.request_id)
@@ -401,26 +409,21 @@ class Scheduler:
                 plan.num_due += 1
                 request.num_pending_tokens = 1
             plan.budget -= num_new
+            plan.total += num_new
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        """Count the step's progress and encode it: the delta the workers apply."""
+        """Encode the step: the delta the workers apply."""
         kv = self.kv_cache_manager
+        cached_ids = plan.cached_ids
+        cached_resumed = [False] * plan.num_running + plan.cached_resumed
         # Sliding windows freed leading blocks of some running requests: tell the worker.
-        skipped = kv.take_skipped_blocks() if kv.has_sliding_window else {}
-        cached_ids, cached_resumed = plan.cached_ids, plan.cached_resumed
-        cached_skipped = [
-            None if resumed else skipped.get(rid)
-            for rid, resumed in zip(cached_ids, cached_resumed)
-        ]
-        # Progress is counted at schedule time; the next step's allocation relies on it.
-        requests = self.requests
-        total = 0
-        for rid, n in zip(cached_ids, plan.cached_counts):
-            requests[rid].num_computed_tokens += n
-            total += n
-        for data, n in zip(plan.new_reqs, plan.new_counts):
-            requests[data.req_id].num_computed_tokens += n
-            total += n
+        skipped = kv.take_skipped_blocks() if kv.has_sliding_window else None
+        if skipped:
+            cached_skipped = [skipped.get(rid) for rid in cached_ids[: plan.num_running]]
+            cached_skipped += [None] * len(plan.cached_resumed)
+        else:
+            cached_skipped = [None] * len(cached_ids)
+        total = plan.total
         finished, self._finished_req_ids = self._finished_req_ids, []
         self.step_id += 1
         if total:  # workers answer only steps that run tokens
