@@ -476,8 +476,10 @@ class Scheduler:
         max_len = self.config.max_model_len
         # Parallel to req_ids when some request asked; else one shared None per token.
         logprobs = output.logprobs or repeat(None)
+        get_request = self.requests.get
+        running_status = RequestStatus.RUNNING  # an enum member lookup costs per token
         for rid, token, lp in zip(output.req_ids, output.sampled_token_ids, logprobs):
-            request = self.requests.get(rid)
+            request = get_request(rid)
             if request is None:
                 continue  # finished or aborted while the step ran
             pending = request.num_pending_tokens - 1
@@ -486,7 +488,7 @@ class Scheduler:
             request.num_pending_tokens = pending
             request.append_output_token_ids(token)
             num_tokens = len(request.all_token_ids)
-            running = request.status == RequestStatus.RUNNING
+            running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             params = request.sampling_params
