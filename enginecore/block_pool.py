@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -42,6 +42,7 @@ class BlockPool:
             )
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups = num_groups
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_events = enable_kv_events
@@ -94,6 +95,42 @@ class BlockPool:
             if hash_input is None or block.hash_input == hash_input:
                 return block
         return None
+
+    def find_cached_prefix(
+        self,
+        group_id: int,
+        block_hashes: Sequence[bytes],
+        stride: int,
+        num_blocks: int,
+        hash_input_at: Callable[[int], bytes],
+    ) -> list[KVCacheBlock]:
+        """The cached blocks of the longest run of group blocks 0, 1, ... (at most
+        num_blocks) found by hash and exact content: group block i is hash block
+        (i + 1) * stride - 1, hashed from hash_input_at(i)."""
+        index = self.cached_block_hash_to_block[group_id]
+        hits: list[KVCacheBlock] = []
+        for i in range(num_blocks):
+            entry = index.get(block_hashes[(i + 1) * stride - 1])
+            if entry is None:
+                break
+            want = hash_input_at(i)
+            if entry.__class__ is KVCacheBlock:
+                if entry.hash_input != want:
+                    break  # same digest, other content: a collision is a miss
+            else:
+                entry = next((b for b in entry.values() if b.hash_input == want), None)
+                if entry is None:
+                    break
+            hits.append(entry)
+        return hits
+
+    def cached_entries(self, group_id: int) -> Iterator[tuple[bytes, list[KVCacheBlock]]]:
+        """Debugging and tests: every indexed hash of the group and the blocks under it."""
+        for block_hash, entry in self.cached_block_hash_to_block[group_id].items():
+            if entry.__class__ is KVCacheBlock:
+                yield block_hash, [entry]
+            else:
+                yield block_hash, list(entry.values())
 
     # -- allocation -------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

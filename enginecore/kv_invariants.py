@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.single_type_kv_cache_manager import SlidingWindowManager
 
 if TYPE_CHECKING:
@@ -69,9 +68,8 @@ def check_invariants(manager: KVCacheManager) -> None:
 
     # 2. The index and the blocks' own hashes agree, group included.
     indexed: set[int] = set()
-    for group_id, index in enumerate(pool.cached_block_hash_to_block):
-        for block_hash, entry in index.items():
-            blocks = [entry] if isinstance(entry, KVCacheBlock) else list(entry.values())
+    for group_id in range(pool.num_groups):
+        for block_hash, blocks in pool.cached_entries(group_id):
             if not blocks:
                 _fail(2, f"empty index entry for hash {block_hash.hex()}")
             for block in blocks:

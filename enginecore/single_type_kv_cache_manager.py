@@ -6,6 +6,7 @@ future query can read with the null block and frees them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from enginecore.block_pool import BlockPool
@@ -131,22 +132,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         """Consecutive hits from the first block, at most max_length tokens."""
         stride = self.hash_stride
         num_blocks = min(max_length // self.block_size, len(block_hashes) // stride)
-        index = self.block_pool.cached_block_hash_to_block[self.group_id]
-        hits: list[KVCacheBlock] = []
-        for i in range(num_blocks):
-            entry = index.get(block_hashes[(i + 1) * stride - 1])
-            if entry is None:
-                break
-            want = hash_inputs[i] if stride == 1 else self._hash_input(hash_inputs, i)
-            if entry.__class__ is KVCacheBlock:
-                if entry.hash_input != want:
-                    break  # same digest, other content: a collision is a miss
-            else:
-                entry = next((b for b in entry.values() if b.hash_input == want), None)
-                if entry is None:
-                    break
-            hits.append(entry)
-        return hits
+        want = (
+            hash_inputs.__getitem__
+            if stride == 1
+            else functools.partial(self._hash_input, hash_inputs)
+        )
+        return self.block_pool.find_cached_prefix(
+            self.group_id, block_hashes, stride, num_blocks, want
+        )
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):

@@ -69,8 +69,11 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
         "num_free": pool.get_num_free_blocks(),
         "blocks": [(b.block_id, b.ref_cnt, b.block_hash, b.group_id) for b in pool.blocks],
         "index": [
-            {h: sorted(e) if isinstance(e, dict) else e.block_id for h, e in index.items()}
-            for index in pool.cached_block_hash_to_block
+            {
+                h: sorted(b.block_id for b in blocks) if len(blocks) > 1 else blocks[0].block_id
+                for h, blocks in pool.cached_entries(g)
+            }
+            for g in range(pool.num_groups)
         ],
         "tables": [
             {rid: [b.block_id for b in blocks] for rid, blocks in m.req_to_blocks.items()}
