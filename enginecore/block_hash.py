@@ -11,11 +11,11 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable
-from typing import Literal
 
 from xxhash import xxh3_128_digest
 
-HashAlgo = Literal["xxh3_128", "sha256"]
+from protocol.config import HashAlgo
+
 HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "sha256")
 
 # Extra keys of one block: ("lora", id), ("mm", hash, offset), ("embeds", hash),

@@ -114,7 +114,7 @@ class EngineCore:
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=max_model_len,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            hash_algo=self.config.hash_algo,  # type: ignore[arg-type]
+            hash_algo=self.config.hash_algo,
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,

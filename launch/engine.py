@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import zmq
@@ -24,7 +24,10 @@ import zmq
 from enginecore.kv_cache_config import check_core_memory
 from protocol.codec import Codec
 from protocol.config import (
+    DType,
     EngineCoreConfig,
+    GenerationConfigMode,
+    HashAlgo,
     WorkerConfig,
     ipc_address,
     ipc_dir,
@@ -79,6 +82,13 @@ def spawn(module: str, config: msgspec.Struct, env: dict[str, str]) -> subproces
     )
 
 
+def _check_choice(name: str, value: object, choices: object) -> None:
+    """ValueError unless value is one of the Literal type's choices."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}, not {value!r}")
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped; the message says which process and why."""
 
@@ -93,14 +103,14 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    hash_algo: str = "xxh3_128"
+    hash_algo: HashAlgo = "xxh3_128"
     prefix_cache_hash_seed: str | None = None
     seed: int = 0
-    dtype: str = "auto"
+    dtype: DType = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
-    generation_config: str = "auto"
+    generation_config: GenerationConfigMode = "auto"
     startup_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
     # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
@@ -137,8 +147,7 @@ class EngineArgs:
             check_core_memory(self.num_gpu_blocks)  # before any process starts
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        _check_choice("dtype", self.dtype, DType)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -147,12 +156,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, not {endpoint!r}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-        if self.generation_config not in ("auto", "none"):
-            raise ValueError(
-                f"generation_config must be auto or none, not {self.generation_config!r}"
-            )
-        if self.hash_algo not in ("xxh3_128", "sha256"):
-            raise ValueError(f"hash_algo must be xxh3_128 or sha256, not {self.hash_algo}")
+        _check_choice("generation_config", self.generation_config, GenerationConfigMode)
+        _check_choice("hash_algo", self.hash_algo, HashAlgo)
         if self.record_dir is not None:
             from enginecore.recording import FRAMES, MANIFEST
 

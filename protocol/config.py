@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Literal
 
 import msgspec
+
+# The choices of the start-up settings, checked when a process decodes its config.
+HashAlgo = Literal["xxh3_128", "sha256"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+GenerationConfigMode = Literal["auto", "none"]
 
 
 class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -18,7 +24,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
-    hash_algo: str = "xxh3_128"
+    hash_algo: HashAlgo = "xxh3_128"
     # Fixes the secret root of the block hashes (None: random at each start). Replicas
     # behind one KV-aware router need the same one; keep it private.
     prefix_cache_hash_seed: str | None = None
@@ -56,7 +62,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world_size: int
     core_address: str  # the core's worker address (see worker_sockets)
     block_size: int = 16
-    dtype: str = "auto"
+    dtype: DType = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None  # bytes; None: a default (CPU) or what the GPU has
     # The largest step the core schedules: a GPU worker profiles one to keep its
@@ -70,7 +76,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     core_timeout_s: float = 300.0
     # "auto": generation_config.json's EOS ids stop requests too and its sampling values
     # are the defaults; "none": the file is ignored.
-    generation_config: str = "auto"
+    generation_config: GenerationConfigMode = "auto"
 
 
 def ipc_dir() -> str:

@@ -5,6 +5,7 @@ too large for any codec, memory sizes no machine has."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -12,7 +13,7 @@ import pytest
 from cli_helpers import CPU, generate_cli
 
 from launch import LLM, SamplingParams
-from launch.engine import EngineDeadError
+from launch.engine import EngineArgs, EngineDeadError
 
 OK = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
@@ -117,3 +118,16 @@ def test_memory_no_machine_has_is_refused_with_numbers(
     assert proc.returncode == 1
     assert message in proc.stderr and "GiB" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "fp8", "dtype must be auto or float32 or float16 or bfloat16, not 'fp8'"),
+        ("hash_algo", "md5", "hash_algo must be xxh3_128 or sha256, not 'md5'"),
+        ("generation_config", "yes", "generation_config must be auto or none, not 'yes'"),
+    ],
+)
+def test_engine_choices_are_checked_against_their_types(field: str, value: str, message: str):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(model="unused", **{field: value}).validate()
