@@ -13,11 +13,12 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
 from launch.engine import EngineArgs
+from protocol.config import DType, GenerationConfigMode, HashAlgo
 from protocol.engine import SamplingParams
 
 
@@ -68,7 +69,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--generation-config",
-        choices=("auto", "none"),
+        choices=get_args(GenerationConfigMode),
         default=EngineArgs.generation_config,
         help="auto: the model's generation_config.json adds its EOS ids and gives the "
         "defaults of temperature, top-p and top-k; none: ignore that file",
@@ -79,7 +80,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive("--block-size"), default=EngineArgs.block_size)
     p.add_argument(
         "--dtype",
-        choices=("auto", "float32", "float16", "bfloat16"),
+        choices=get_args(DType),
         default=EngineArgs.dtype,
     )
     p.add_argument("--device", default=EngineArgs.device, help="auto, cpu or cuda")
@@ -112,7 +113,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=_positive("--max-model-len"))
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default=EngineArgs.hash_algo)
+    p.add_argument("--hash", choices=get_args(HashAlgo), default=EngineArgs.hash_algo)
     p.add_argument(
         "--prefix-cache-hash-seed",
         help="secret root of the prefix-cache block hashes (default: random at each start; "
