@@ -51,6 +51,25 @@ def generate_cli(
     return proc, results
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_json_script(script: str, *args: str, cwd: Path | None = None) -> dict[str, Any]:
+    """Run a script of the repository (`benchmarks/x.py`, `examples/y.py`) as a user
+    would, with the tests' environment; its last stdout line, parsed as JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        capture_output=True,
+        text=True,
+        env={**ENV, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+        check=False,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 class StderrWatch:
     """Reads a process's stderr line by line on a thread, so a test can wait for a line
     (an event the process reports) instead of sleeping, and still get all of it later."""

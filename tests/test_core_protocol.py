@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from cli_helpers import CPU
+from cli_helpers import CPU, run_json_script
 
 from launch.engine import EngineArgs, EngineProcesses
 from protocol.engine import SamplingParams
@@ -20,19 +20,11 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def test_router_example_beats_round_robin(llama_dir: Path) -> None:
-    run = subprocess.run(
-        [
-            *(sys.executable, str(ROOT / "examples" / "router.py"), "--model", str(llama_dir)),
-            *("--requests", "24", "--prefixes", "4", "--prefix-len", "48", "--block-size", "8"),
-            *("--device", CPU),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
+    result = run_json_script(
+        "examples/router.py",
+        *("--model", str(llama_dir), "--requests", "24", "--prefixes", "4"),
+        *("--prefix-len", "48", "--block-size", "8", "--device", CPU),
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.splitlines()[-1])
     kv, rr = result["kv_aware"], result["round_robin"]
     assert kv["prompt_tokens"] == rr["prompt_tokens"]
     assert kv["hit_rate"] > rr["hit_rate"] > 0, result
@@ -110,14 +102,6 @@ def test_log_kv_prints_a_line_per_step(llama_dir: Path, tmp_path: Path) -> None:
 
 def test_raw_client_example_speaks_the_documented_protocol(llama_dir: Path) -> None:
     """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says."""
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "raw_client.py"), "--model", str(llama_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-    )
-    assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout.splitlines()[-1])
+    summary = run_json_script("examples/raw_client.py", "--model", str(llama_dir))
     assert summary["finish"] == {"a": "length", "b": "abort"}
     assert len(summary["tokens"]["a"]) == 8 and summary["rejected"] == ["a"]

@@ -3,29 +3,14 @@ file): its JSON is complete and both modes generate the same tokens. No timing a
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-from cli_helpers import ENV
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_helpers import run_json_script
 
 
 def test_overlap_benchmark_smoke() -> None:
-    run = subprocess.run(
-        [
-            *(sys.executable, str(ROOT / "benchmarks" / "overlap.py")),
-            *("--requests", "8", "--tokens", "6", "--rounds", "1", "--delay-ms", "1"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
+    result = run_json_script(
+        "benchmarks/overlap.py",
+        *("--requests", "8", "--tokens", "6", "--rounds", "1", "--delay-ms", "1"),
     )
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens_equal"] is True
     assert result["delay_ms"] == 1.0
     modes = [r["mode"] for r in result["runs"]]

@@ -4,12 +4,9 @@ LLM, drives both, stops what it started, and reports every figure. No timing is 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from cli_helpers import CPU
+from cli_helpers import CPU, run_json_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CELL_KEYS = {
@@ -30,16 +27,7 @@ SERVER_KEYS = {"output_tok_s", "request_s", "ttft_ms", "tpot_ms", "itl_ms", "pre
 
 
 def test_serve_bench_quick(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--quick", "--device", CPU],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_json_script("benchmarks/serve_bench.py", "--quick", "--device", CPU, cwd=tmp_path)
     assert report["all_finished"] and report["same_token_ids"]
     cells = report["summary"]
     assert {(c["workload"], c["concurrency"], c["prefix_caching"]) for c in cells} == {
