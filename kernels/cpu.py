@@ -48,6 +48,13 @@ class _Chunk:
     offsets: torch.Tensor  # [Bc * L] int64
     mask: torch.Tensor | None  # [Bc, 1, N, L] bool visible; None: all visible
     is_causal: bool  # mask is the top-left causal triangle, which SDPA can skip blocks of
+    # Decode chunks gather whole blocks: [Bc * L / block_size] block ids, the keys of a
+    # request's partly visible first and last blocks masked (None: gather key by key).
+    whole_blocks: torch.Tensor | None = None
+    # Rows of the gathered [Bc * L] keys that are masked: zeroed after the gather, so
+    # whatever a slot beyond a request's keys holds (a stale NaN or inf) never meets its
+    # probability of 0 (0 * NaN is NaN).
+    masked_rows: torch.Tensor | None = None
     _rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def cache_rows(self, rows_per_block: int) -> torch.Tensor:
@@ -226,12 +233,19 @@ def _soft_capped(
 def _gather(cache: torch.Tensor, chunk: _Chunk, name: str) -> torch.Tensor:
     """The chunk's keys (or values) as float32 [Bc, L, Hkv, D], in a reused buffer:
     allocating it fresh each layer costs more than the gather (page faults)."""
-    _, _, num_kv_heads, head_dim = cache.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
     shape = (chunk.num_reqs, chunk.num_keys, num_kv_heads, head_dim)
     numel = shape[0] * shape[1] * num_kv_heads * head_dim
     dst = _scratch(name, numel, cache.dtype).view(-1, num_kv_heads, head_dim)
     rows = _row_view(cache)
-    if rows is not None:
+    if chunk.whole_blocks is not None:
+        # One copy of block_size * Hkv * D contiguous values per block: a quarter less
+        # time than row by row (13 MB of float32 K: 1.08 vs 1.42-1.57 ms, one thread).
+        blocks = dst.view(-1, block_size, num_kv_heads, head_dim)
+        torch.index_select(cache, 0, chunk.whole_blocks, out=blocks)
+        if chunk.masked_rows is not None:
+            dst.index_fill_(0, chunk.masked_rows, 0.0)
+    elif rows is not None:
         view, rows_per_block = rows
         torch.index_select(view, 0, chunk.cache_rows(rows_per_block), out=dst)
     else:
@@ -327,10 +341,14 @@ def _build_chunks(
     decode = decode[torch.argsort(num_keys[decode], descending=True, stable=True)]
     counts = num_keys[decode].tolist()
     i = 0
+    # Keys a decode request reads, rounded out to whole blocks.
+    first_block = first_key // block_size
+    span = (lens + block_size - 1) // block_size - first_block
+    spans = span[decode].tolist()
     while i < len(counts):
-        # Sorted longest first, so counts[i] is the chunk's padded length.
-        n = max(1, chunk_tokens // max(1, counts[i]))
-        chunks.append(_chunk(decode[i : i + n], *reqs))
+        # Sorted longest first: counts[i] is about the chunk's padded length.
+        n = max(1, chunk_tokens // max(1, spans[i] * block_size))
+        chunks.append(_decode_chunk(decode[i : i + n], first_block, span, *reqs))
         i += n
     # Prefill/extend requests: one chunk each (see the note in the test of batching them).
     # Prefill/extend requests: one chunk each. Padding them into one chunk never paid
@@ -384,6 +402,51 @@ def _chunk(
         offsets=(key_pos % block_size).flatten(),
         mask=mask,
         is_causal=is_causal,
+    )
+
+
+def _decode_chunk(
+    reqs: torch.Tensor,
+    first_block: torch.Tensor,
+    span: torch.Tensor,
+    starts: torch.Tensor,
+    num_queries: torch.Tensor,
+    first_query: torch.Tensor,
+    first_key: torch.Tensor,
+    num_keys: torch.Tensor,
+    table: torch.Tensor,
+    block_size: int,
+    window: int | None,
+) -> _Chunk:
+    """Decode requests (one query each) over whole blocks: each request's blocks from the
+    one holding its first visible key to the one holding its query, padded by repeating
+    its last block; keys before the first visible one, after the query, and padding are
+    masked. Only blocks the request owns are read (released window blocks lie before its
+    first block), and the masked keys are zeroed after the gather: a slot beyond the
+    request's keys may hold anything (NaN in tests, a previous owner's inf)."""
+    count = span[reqs, None]  # [Bc, 1] blocks
+    nb = int(count.max())
+    block_idx = torch.arange(nb).view(1, -1)
+    block_cols = first_block[reqs, None] + torch.minimum(block_idx, count - 1)
+    whole_blocks = table[reqs].gather(1, block_cols)  # [Bc, nb]
+    key_pos = first_block[reqs, None] * block_size + torch.arange(nb * block_size).view(1, -1)
+    visible = (key_pos >= first_key[reqs, None]) & (key_pos <= first_query[reqs, None])
+    visible &= (torch.arange(nb * block_size) < count * block_size).view(len(reqs), -1)
+    rows = starts[reqs]
+    all_visible = bool(visible.all())
+    return _Chunk(
+        num_reqs=len(reqs),
+        num_queries=1,
+        num_keys=nb * block_size,
+        query_rows=rows,
+        out_rows=rows,
+        valid=None,
+        block_ids=whole_blocks.flatten(),
+        offsets=torch.zeros(1, dtype=torch.int64),  # unused: gathered block by block
+        mask=None if all_visible else visible.view(len(reqs), 1, 1, -1),
+        is_causal=False,
+        whole_blocks=whole_blocks.flatten(),
+        masked_rows=None if all_visible else torch.nonzero(~visible.flatten()).flatten(),
     )
 
 

@@ -21,13 +21,16 @@ def random_paged_batch(
     device: str | torch.device = "cpu",
     pad_rows: int = 0,
     released_window: int | None = None,
+    poison_tails: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(query, key_cache, value_cache, block_table, query_start_loc, seq_lens) on device.
 
     Each request's pages are shuffled block ids; block 0 is a NaN null block no request
     owns and one more block is never referenced, so a kernel that reads outside its pages
     shows up as NaN. With released_window W, blocks that no query's window of W keys
-    reaches point at the null block, as the scheduler may leave them. Large caches are
+    reaches point at the null block, as the scheduler may leave them. With poison_tails,
+    the slots of each request's last block past its keys hold NaN and inf (what a previous
+    owner of the block may have left), which no output may depend on. Large caches are
     drawn on the device itself, seeded from gen."""
     device = torch.device(device)
     blocks = [math.ceil(s / block_size) for s in seq_lens]
@@ -48,6 +51,12 @@ def random_paged_batch(
     value_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
     key_cache[0] = float("nan")
     value_cache[0] = float("nan")
+    if poison_tails:
+        for b, n in enumerate(seq_lens):
+            if n % block_size:
+                last = int(table[b, (n - 1) // block_size])
+                key_cache[last, n % block_size :] = float("inf")
+                value_cache[last, n % block_size :] = float("nan")
     rows = sum(query_lens) + pad_rows
     query = torch.randn(rows, num_q_heads, head_dim, generator=dev_gen, device=device).to(dtype)
     qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)

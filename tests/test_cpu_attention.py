@@ -158,6 +158,23 @@ def test_soft_cap_on_a_long_prefill_is_computed_in_query_slices(
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_stale_values_past_a_request_s_keys_never_reach_its_output(window: int | None) -> None:
+    # Decode gathers whole blocks: the tail of each request's last block (NaN values, inf
+    # keys, as a previous owner may leave) is read but must be masked out, not multiplied
+    # by a probability of 0.
+    gen = torch.Generator().manual_seed(11)
+    lens, queries = [37, 9, 70, 23, 5, 16], [1, 1, 1, 1, 1, 1]
+    args = random_paged_batch(gen, lens, queries, 8, 2, 4, 16, torch.float32, poison_tails=True)
+    query, key_cache, value_cache, table, qsl, seq_lens = args
+    got = cpu.paged_attention(query, key_cache, value_cache, table, qsl, seq_lens, 0.25, window)
+    want = reference.paged_attention(
+        query, key_cache, value_cache, table, qsl, seq_lens, 0.25, window
+    )
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
 def test_decode_chunks_split_by_size_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
     # One request per chunk and all in one chunk must agree (chunking is only for speed).
     case = Case([40, 9, 70, 23, 5], [1] * 5, 8, (4, 2), None, None, torch.float32, 0, "contiguous")
