@@ -2,13 +2,15 @@
 Python loop per request in every layer.
 
 Decode requests (one query row each) are sorted by key count and cut into chunks of about
-CHUNK_BYTES of K; each chunk is one index_select of K, one of V (into reused scratch
-buffers) and one `scaled_dot_product_attention` call over the padded [Bc, L] keys.
-Prefill/extend requests are a chunk each (padding them together never paid, see
-_build_chunks). A soft cap, which SDPA cannot express, takes an explicit float32 path.
-Padded keys gather the request's own last key, so nothing outside the request's visible
-keys is read (released window blocks point at a NaN-poisoned null block), and a mask
-hides them.
+CHUNK_BYTES of K; each chunk is one index_select of K's blocks, one of V's (whole blocks,
+into reused scratch buffers) and one `scaled_dot_product_attention` call over the padded
+[Bc, L] keys. Prefill/extend requests are a chunk each, gathered key by key (padding them
+together never paid, see _build_chunks). A soft cap, which SDPA cannot express, takes an
+explicit float32 path. Only blocks a request owns are read (released window blocks point
+at a NaN-poisoned null block and lie before its first visible key); padding repeats the
+request's own last block or key; a mask hides what is not a visible key, and the masked
+keys of whole blocks are zeroed after the gather (a block's tail past the request's keys
+may hold anything).
 
 The plan (chunks, gather rows, masks) depends only on the batch layout, which every layer
 of a forward shares; it is built once and reused while the metadata's contents match.
