@@ -5,6 +5,10 @@ requests go first (decodes and unfinished prefill chunks), then waiting requests
 order, each admitted only after a prefix-cache lookup and a successful allocate_slots.
 When a running request cannot get a block, the latest-arrived running request is
 preempted (blocks freed, recomputed later) and the allocation retried.
+
+schedule() may run again before the last step's answer is applied (async scheduling):
+a request's length then counts the tokens steps in flight will sample
+(Request.num_pending_tokens), and update_from_output applies answers oldest first.
 """
 
 from __future__ import annotations
