@@ -210,7 +210,8 @@ def run_workload(
     to_core = Codec(WorkerToCore, "worker->core")
     rng = random.Random(a.seed)
     vocab = runner.model_config.vocab_size
-    params = SamplingParams(max_tokens=a.warmup + a.steps + 1, temperature=0, ignore_eos=True)
+    # The prefill loop ends on the first decode-only step: one more token than its count.
+    params = SamplingParams(max_tokens=a.warmup + a.steps + 2, temperature=0, ignore_eos=True)
     for i in range(num_reqs):
         # Lengths spread around the mean: attention then pads and masks as it does live.
         n = prompt_len + rng.randint(-a.spread, a.spread)
