@@ -46,13 +46,15 @@ class _Chunk:
     query_rows: torch.Tensor  # [Bc * N] int64 rows of `query`; padding repeats a real row
     out_rows: torch.Tensor  # [R] int64 rows of the output the valid queries fill
     valid: torch.Tensor | None  # [Bc * N] int64 indices of valid padded rows; None: all
-    block_ids: torch.Tensor  # [Bc * L] int64; padding repeats the request's last key
-    offsets: torch.Tensor  # [Bc * L] int64
+    # [Bc * L] int64 per key (padding repeats the request's last key), with offsets; or,
+    # with whole_blocks, [Bc * L / block_size] per block (offsets unused, empty).
+    block_ids: torch.Tensor
+    offsets: torch.Tensor
     mask: torch.Tensor | None  # [Bc, 1, N, L] bool visible; None: all visible
     is_causal: bool  # mask is the top-left causal triangle, which SDPA can skip blocks of
-    # Decode chunks gather whole blocks: [Bc * L / block_size] block ids, the keys of a
-    # request's partly visible first and last blocks masked (None: gather key by key).
-    whole_blocks: torch.Tensor | None = None
+    # Decode chunks gather whole blocks, the keys of a request's partly visible first and
+    # last blocks masked.
+    whole_blocks: bool = False
     # Rows of the gathered [Bc * L] keys that are masked: zeroed after the gather, so
     # whatever a slot beyond a request's keys holds (a stale NaN or inf) never meets its
     # probability of 0 (0 * NaN is NaN).
@@ -240,11 +242,11 @@ def _gather(cache: torch.Tensor, chunk: _Chunk, name: str) -> torch.Tensor:
     numel = shape[0] * shape[1] * num_kv_heads * head_dim
     dst = _scratch(name, numel, cache.dtype).view(-1, num_kv_heads, head_dim)
     rows = _row_view(cache)
-    if chunk.whole_blocks is not None:
+    if chunk.whole_blocks:
         # One copy of block_size * Hkv * D contiguous values per block: a quarter less
         # time than row by row (13 MB of float32 K: 1.08 vs 1.42-1.57 ms, one thread).
         blocks = dst.view(-1, block_size, num_kv_heads, head_dim)
-        torch.index_select(cache, 0, chunk.whole_blocks, out=blocks)
+        torch.index_select(cache, 0, chunk.block_ids, out=blocks)
         if chunk.masked_rows is not None:
             dst.index_fill_(0, chunk.masked_rows, 0.0)
     elif rows is not None:
@@ -340,19 +342,28 @@ def _build_chunks(
 
     chunks = []
     decode = torch.nonzero(num_queries == 1).flatten()
-    decode = decode[torch.argsort(num_keys[decode], descending=True, stable=True)]
-    counts = num_keys[decode].tolist()
-    i = 0
-    # Keys a decode request reads, rounded out to whole blocks.
+    # Blocks a decode request reads: its visible keys rounded out to whole blocks.
     first_block = first_key // block_size
     span = (lens + block_size - 1) // block_size - first_block
+    decode = decode[torch.argsort(span[decode], descending=True, stable=True)]
     spans = span[decode].tolist()
-    while i < len(counts):
-        # Sorted longest first: counts[i] is about the chunk's padded length.
-        n = max(1, chunk_tokens // max(1, spans[i] * block_size))
-        chunks.append(_decode_chunk(decode[i : i + n], first_block, span, *reqs))
+    i = 0
+    while i < len(spans):
+        # Sorted longest first: spans[i] blocks is the chunk's padded length.
+        n = max(1, chunk_tokens // (spans[i] * block_size))
+        chunks.append(
+            _decode_chunk(
+                decode[i : i + n],
+                starts,
+                first_query,
+                first_key,
+                first_block,
+                span,
+                table,
+                block_size,
+            )
+        )
         i += n
-    # Prefill/extend requests: one chunk each (see the note in the test of batching them).
     # Prefill/extend requests: one chunk each. Padding them into one chunk never paid
     # (one thread, 32/8 heads, d 128, ms loop vs padded): 4 prefills x 128 21.5 vs 23.2,
     # 8 extends of 32 on 500 60 vs 68, 16 prefills x 16 2.3 vs 4.5, prefills of 16..256
@@ -409,16 +420,13 @@ def _chunk(
 
 def _decode_chunk(
     reqs: torch.Tensor,
-    first_block: torch.Tensor,
-    span: torch.Tensor,
     starts: torch.Tensor,
-    num_queries: torch.Tensor,
     first_query: torch.Tensor,
     first_key: torch.Tensor,
-    num_keys: torch.Tensor,
+    first_block: torch.Tensor,
+    span: torch.Tensor,
     table: torch.Tensor,
     block_size: int,
-    window: int | None,
 ) -> _Chunk:
     """Decode requests (one query each) over whole blocks: each request's blocks from the
     one holding its first visible key to the one holding its query, padded by repeating
@@ -444,10 +452,10 @@ def _decode_chunk(
         out_rows=rows,
         valid=None,
         block_ids=whole_blocks.flatten(),
-        offsets=torch.zeros(1, dtype=torch.int64),  # unused: gathered block by block
+        offsets=torch.empty(0, dtype=torch.int64),
         mask=None if all_visible else visible.view(len(reqs), 1, 1, -1),
         is_causal=False,
-        whole_blocks=whole_blocks.flatten(),
+        whole_blocks=True,
         masked_rows=None if all_visible else torch.nonzero(~visible.flatten()).flatten(),
     )
 
