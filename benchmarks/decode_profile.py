@@ -23,8 +23,9 @@ each (interleaved, so a load change on the shared machine weighs on all alike):
   attention (paged attention kernel), KV write, norms, rope (cos/sin and rotation),
   MLP activation (GatedMLP minus its linears), attention glue (LlamaAttention minus what
   it calls), residual adds (decoder layer minus what it calls), the rest of the forward
-  (embedding, final norm's caller); LM head, sample, the rest of run_step (row gather,
-  tolist), append_sampled, the rest of execute (output assembly), the encode of the
+  (embedding, final norm's caller); LM head, sample, reserving the sampled tokens' slots,
+  the rest of launch (row gather), the rest of collect (tolist, output assembly),
+  filling the slots, the rest of plan and of execute, the encode of the
   output. A timer costs about a microsecond per call, so profiled totals run a little
   above plain ones.
 
@@ -138,13 +139,16 @@ def instrument(timers: Timers, runner: ModelRunner, codecs: tuple[Codec, Codec])
     timers.patch(codecs[0], "decode", "decode_so")
     timers.patch(codecs[1], "encode", "encode_output")
     timers.patch(runner, "execute", "execute_other")
+    timers.patch(runner, "plan", "plan_other")
     timers.patch(batch, "apply", "apply")
     timers.patch(runner, "prepare_step", "prepare_step_other")
     timers.patch(model_runner_module, "prepare_inputs", "prepare_inputs")
     timers.patch(batch.block_table, "commit", "commit")
-    timers.patch(runner, "run_step", "run_step_other")
+    timers.patch(runner, "launch", "launch_other")
+    timers.patch(runner, "collect", "collect_other")
     timers.patch(model_runner_module, "sample", "sample")
-    timers.patch(batch, "append_sampled", "append_sampled")
+    timers.patch(batch, "reserve", "reserve")
+    timers.patch(batch, "fill_reserved", "fill_reserved")
     timers.patch(runner.model, "forward", "forward_other")
     timers.patch(llama_module, "apply_rotary", "rope")
     for module in runner.model.modules():

@@ -74,6 +74,7 @@ class RunRecord:
     # Preemptions of a request whose last scheduled step had not been answered yet.
     preempted_in_flight: int = 0
     max_in_flight: int = 1
+    planned_ahead: int = 0  # steps planned while their predecessor was in flight
     decode_steps: int = 0  # steps in which some request computed exactly one new token
 
     def sequences(self) -> dict[str, list[int]]:
@@ -101,8 +102,8 @@ def drive(
     """Run workload() to completion through a real Scheduler and this runner.
 
     max_in_flight 2 is async scheduling as the core does it: step N+1 is scheduled
-    before step N's answer is applied (the runner executes each step when it is sent,
-    in order, as a worker process would); 1 is the serial loop."""
+    before step N's answer is applied, and the runner plans it before collecting step N
+    (launched when it was sent), as a worker process does; 1 is the serial loop."""
     params = params or SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
     vocab = runner.model_config.vocab_size
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
@@ -120,7 +121,14 @@ def drive(
     record = RunRecord(
         prompts={rid: prompt for _, rid, prompt in arrivals}, max_in_flight=max_in_flight
     )
-    in_flight: deque[tuple[SchedulerOutput, object]] = deque()
+    # [SchedulerOutput, its answer (None until collected)], oldest first.
+    in_flight: deque[list] = deque()
+    launched: list = []  # [entry of in_flight, InFlight] launched, not collected
+
+    def collect() -> None:
+        entry, flight = launched.pop()
+        entry[1] = runner.collect(flight)
+
     requests: dict[str, Request] = {}
     hidden: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda _m, _a, out: hidden.append(out))
@@ -139,13 +147,25 @@ def drive(
                 record.preempted_in_flight += sum(
                     requests[rid].num_pending_tokens > 0 for rid in so.preempted_req_ids
                 )
-                hidden.clear()
-                out = runner.execute(codec.decode(codec.encode(so)))
-                if so.total_num_scheduled_tokens:
+                wire = codec.decode(codec.encode(so))
+                # As the worker does: plan this step before collecting the one in flight
+                # when it can (its token ids are gathered at launch, after the collect).
+                if launched and not runner.can_plan_ahead(wire):
+                    collect()
+                planned = runner.plan(wire)
+                record.planned_ahead += bool(launched) and planned is not None
+                if launched:
+                    collect()
+                entry = [so, None]
+                if planned is not None:
+                    hidden.clear()
+                    launched.append((entry, runner.launch(planned)))
                     _record_logits(runner, so, hidden[0], requests, record)
-                    in_flight.append((so, out))
+                    in_flight.append(entry)
                     sent = True
             if in_flight and (len(in_flight) == max_in_flight or not sent):
+                if launched and launched[0][0] is in_flight[0]:
+                    collect()
                 so, out = in_flight.popleft()
                 assert out is not None
                 scheduler.update_from_output(so, out)

@@ -47,6 +47,10 @@ def test_runner_logits_equal_transformers(name: str, checkpoints: dict, max_in_f
     path, hf_model = checkpoints[name]
     record = drive(make_runner(path), max_in_flight=max_in_flight)
     _check(record, hf_model)
+    if max_in_flight > 1:
+        # The runner planned steps while their predecessor was in flight, as the worker
+        # does under async scheduling (token ids gathered at launch).
+        assert record.planned_ahead > 0
     if max_in_flight > 1 and name in ("llama", "qwen2_interleaved"):
         # This workload preempts a request whose step is still in flight (with and
         # without sliding windows); the worker keeps the token that step samples.

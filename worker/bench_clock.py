@@ -1,10 +1,16 @@
-"""Benchmark-only instruments of the worker loop, off unless their variables are set.
+"""Benchmark-only instruments of the worker, off unless their variables are set.
 
-PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens takes this much longer before
-  it answers (a sleep: the CPU stays free, as while a GPU step runs), so a benchmark can
-  give the model step a known length on any machine (benchmarks/overlap.py).
+PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens keeps a modelled device busy
+  this much longer, as a GPU would: the device starts on a step when its launch begins
+  (or when it finishes the previous step, if later) and finishes no earlier than the
+  launch's end; collecting the step's tokens waits for it (a sleep: the CPU stays free).
+  So a benchmark can give the model step a known length on any machine, and the worker
+  can do host work meanwhile (benchmarks/overlap.py).
 PAGEDSERVE_BENCH_WORKER_TIMING: a file the worker writes at exit, as JSON: the steps it
-  ran, the seconds it spent in them (busy) and the seconds it waited between them (idle).
+  ran; the seconds its host thread spent on them (from planning a step to answering it,
+  overlaps counted once) and waiting between them, and launching them; and the
+  modelled device's busy seconds and its span from its first step's start to its last
+  step's end.
 """
 
 from __future__ import annotations
@@ -17,18 +23,22 @@ DELAY_ENV = "PAGEDSERVE_BENCH_STEP_DELAY_MS"
 TIMING_ENV = "PAGEDSERVE_BENCH_WORKER_TIMING"
 
 
-class StepClock:
+class DeviceClock:
     def __init__(self, delay_s: float, path: str | None) -> None:
         self.delay_s = delay_s
         self.path = path
         self.steps = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # host thread, between plan and answer
         self.idle_s = 0.0
-        self._begin = 0.0
-        self._last_end: float | None = None  # no idle time counts before the first step
+        self.device_busy_s = 0.0
+        self.launch_s = 0.0  # host time queueing steps (on the CPU: running the model)
+        self._busy_since: float | None = None
+        self._idle_since: float | None = None  # no idle time counts before the first step
+        self._device_first: float | None = None
+        self._device_end = 0.0
 
     @classmethod
-    def from_env(cls) -> StepClock | None:
+    def from_env(cls) -> DeviceClock | None:
         delay, path = os.environ.get(DELAY_ENV), os.environ.get(TIMING_ENV)
         if delay is None and path is None:
             return None
@@ -42,21 +52,62 @@ class StepClock:
             raise ValueError(f"{DELAY_ENV} must be >= 0, got {delay!r}")
         return cls(delay_ms / 1000, path)
 
-    def begin(self) -> None:
-        now = time.perf_counter()
-        if self._last_end is not None:
-            self.idle_s += now - self._last_end
-        self._begin = now
+    def planning(self) -> None:
+        """The host starts on a step (planning it), unless already busy with one."""
+        if self._busy_since is None:
+            now = time.perf_counter()
+            if self._idle_since is not None:
+                self.idle_s += now - self._idle_since
+            self._busy_since = now
 
-    def end(self) -> None:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+    def launch_begin(self) -> None:
+        self.planning()  # a step run through execute() alone starts here
+        self._launch_begin = time.perf_counter()
+
+    def launch_end(self) -> None:
         now = time.perf_counter()
-        self.busy_s += now - self._begin
+        self.launch_s += now - self._launch_begin
+        start = max(self._launch_begin, self._device_end)
+        if self._device_first is None:
+            self._device_first = start
+        end = max(start + self.delay_s, now)
+        self.device_busy_s += end - start
+        self._device_end = end
+
+    def time_left(self) -> float:
+        return self._device_end - time.perf_counter()
+
+    def sync(self) -> None:
+        """Wait for the device to finish the launched step."""
+        wait = self.time_left()
+        if wait > 0:
+            time.sleep(wait)
+
+    def collected(self) -> None:
         self.steps += 1
-        self._last_end = now
+
+    def answered(self, more_planned: bool) -> None:
+        """The host sent a step's answer; it idles now unless it planned the next one."""
+        if more_planned or self._busy_since is None:
+            return
+        now = time.perf_counter()
+        self.busy_s += now - self._busy_since
+        self._busy_since = None
+        self._idle_since = now
 
     def write(self) -> None:
-        if self.path is not None:
-            with open(self.path, "w") as f:
-                json.dump({"steps": self.steps, "busy_s": self.busy_s, "idle_s": self.idle_s}, f)
+        if self.path is None:
+            return
+        span = self._device_end - self._device_first if self._device_first is not None else 0.0
+        with open(self.path, "w") as f:
+            json.dump(
+                {
+                    "steps": self.steps,
+                    "busy_s": self.busy_s,
+                    "idle_s": self.idle_s,
+                    "device_busy_s": self.device_busy_s,
+                    "launch_s": self.launch_s,
+                    "device_span_s": span,
+                },
+                f,
+            )

@@ -281,17 +281,47 @@ class InputBatch:
             if len(set(req_ids)) != len(req_ids):
                 raise ValueError("append_sampled: a request id appears twice")
             rows = self.rows_of(req_ids).astype(np.int64)
+        self.reserve(rows)
+        self.fill_reserved(req_ids, token_ids, rows)
+
+    def reserve(self, rows: np.ndarray) -> None:
+        """Count one more token in each row, its value to come (fill_reserved): a step
+        planned meanwhile sees the right lengths and positions."""
         full = self.num_tokens[rows] >= self.max_model_len
         if full.any():
+            req_id = self._row_to_req[int(rows[int(np.flatnonzero(full)[0])])]
             raise ValueError(
-                f"append_sampled: request {req_ids[int(np.flatnonzero(full)[0])]!r} already "
-                f"holds max_model_len={self.max_model_len} tokens"
+                f"append_sampled: request {req_id!r} already holds "
+                f"max_model_len={self.max_model_len} tokens"
             )
-        for req_id, tok in zip(req_ids, token_ids):
-            self.requests[req_id].output_token_ids.append(int(tok))
-        # One fancy-indexed write for the whole step.
-        self.token_ids[rows, self.num_tokens[rows]] = np.asarray(token_ids, dtype=np.int32)
         self.num_tokens[rows] += 1
+
+    def fill_reserved(
+        self, req_ids: Sequence[str], token_ids: Sequence[int], rows: np.ndarray | None
+    ) -> None:
+        """The tokens of the slots reserve() counted. rows: where they were reserved, or
+        None when apply() ran since (rows may have moved; requests it finished are gone,
+        and a request's reserved slot is its last)."""
+        requests = self.requests
+        if rows is None:
+            found = []
+            kept = []
+            to_row = self.req_id_to_row
+            for req_id, tok in zip(req_ids, token_ids):
+                state = requests.get(req_id)
+                if state is None:
+                    continue  # finished meanwhile: the core drops this token too
+                state.output_token_ids.append(int(tok))
+                found.append(to_row[req_id])
+                kept.append(tok)
+            if found:
+                row_arr = np.array(found, dtype=np.int64)
+                self.token_ids[row_arr, self.num_tokens[row_arr] - 1] = kept
+            return
+        for req_id, tok in zip(req_ids, token_ids):
+            requests[req_id].output_token_ids.append(int(tok))
+        # One fancy-indexed write for the whole step.
+        self.token_ids[rows, self.num_tokens[rows] - 1] = np.asarray(token_ids, dtype=np.int32)
 
     # -- rows ---------------------------------------------------------------------
 

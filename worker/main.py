@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -39,8 +40,10 @@ from protocol.worker import (
     WorkerRejected,
     WorkerToCore,
 )
-from worker.bench_clock import StepClock
 from worker.generation_config import load_generation_config
+
+if TYPE_CHECKING:
+    from worker.model_runner import InFlight, ModelRunner
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -72,7 +75,6 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         )
     )
     answers = config.rank == 0
-    clock = StepClock.from_env()  # benchmarks only
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     core_is_alive = functools.partial(core_alive, config, monitor)  # once, not per step
@@ -82,36 +84,46 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     spin = spin_budget(config.world_size)
     answered = False  # the last step was answered: the next one is due soon
     ready = {pull: zmq.POLLIN}
+    held: CoreToWorker | None = None  # arrived while a step ran; handled after its answer
     try:
         while True:
-            # Right after a step, its successor is due: catch it without a wake-up.
-            events = ready if answered and spin_for_message(pull, spin) else dict(poller.poll(500))
-            answered = False
-            if monitor in events and pull not in events and not pull.poll(100):
-                # The core closed its end (its shutdown message, if any, came first).
-                log.warning("worker rank %d: the engine core went away; exiting", config.rank)
-                return
-            # Busy or idle (one getppid per step): a vanished launcher ends the group.
-            if not parent_alive(config.parent_pid):
-                return
-            if pull not in events:
-                continue
-            msg = from_core.decode(pull.recv(copy=False).buffer)
-            if isinstance(msg, SchedulerOutput):
-                if clock is not None and msg.total_num_scheduled_tokens:
-                    clock.begin()
-                    out = runner.execute(msg)
-                    clock.end()
-                else:
-                    out = runner.execute(msg)
-                if (
-                    out is not None
-                    and answers
-                    and not send_or_drop(push, to_core.encode(out), core_is_alive)
-                ):
-                    log.warning("worker rank %d: the engine core went away", config.rank)
+            if held is None:
+                # Right after a step, its successor is due: catch it without a wake-up.
+                events = (
+                    ready if answered and spin_for_message(pull, spin) else dict(poller.poll(500))
+                )
+                answered = False
+                if monitor in events and pull not in events and not pull.poll(100):
+                    # The core closed its end (its shutdown message, if any, came first).
+                    log.warning("worker rank %d: the engine core went away; exiting", config.rank)
                     return
-                answered = out is not None
+                # Busy or idle (one getppid per step): a vanished launcher ends the group.
+                if not parent_alive(config.parent_pid):
+                    return
+                if pull not in events:
+                    continue
+                msg = from_core.decode(pull.recv(copy=False).buffer)
+            else:
+                msg, held = held, None
+            if isinstance(msg, SchedulerOutput):
+                step = runner.plan(msg)
+                answered = step is not None
+                while step is not None:
+                    flight = runner.launch(step)
+                    step = None
+                    if wait_for_next(pull, runner, flight):
+                        # Async scheduling sent the next step already: plan it while this
+                        # one runs on the device.
+                        held = from_core.decode(pull.recv(copy=False).buffer)
+                        if isinstance(held, SchedulerOutput) and runner.can_plan_ahead(held):
+                            step = runner.plan(held)
+                            held = None
+                    out = runner.collect(flight)
+                    if answers and not send_or_drop(push, to_core.encode(out), core_is_alive):
+                        log.warning("worker rank %d: the engine core went away", config.rank)
+                        return
+                    if runner.clock is not None:
+                        runner.clock.answered(step is not None)
             elif isinstance(msg, WorkerConfigure):
                 runner.initialize(msg)
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
@@ -120,11 +132,27 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
             elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
                 push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))
     finally:
-        if clock is not None:
-            clock.write()
+        if runner.clock is not None:
+            runner.clock.write()
         # An open monitor socket would keep the context from terminating.
         pull.disable_monitor()
         monitor.close(linger=0)
+
+
+def wait_for_next(pull: zmq.Socket, runner: ModelRunner, flight: InFlight) -> bool:
+    """Whether the core's next message arrived before the launched step finished. Waits
+    no longer than the step (a serial core sends nothing until it has the answer)."""
+    while True:
+        if pull.poll(0):
+            return True
+        left = runner.time_left(flight)
+        if left <= 0:
+            return False
+        if left >= 1e-3:
+            if pull.poll(int(left * 1e3)):
+                return True
+        else:
+            time.sleep(min(left, 1e-4))
 
 
 def core_alive(config: WorkerConfig, monitor: zmq.Socket) -> bool:

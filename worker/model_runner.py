@@ -3,6 +3,13 @@
 Each step: apply the SchedulerOutput delta to the batch, build flat inputs (numpy),
 commit block tables, run the model over the paged KV cache, sample, remember the
 sampled tokens (the core never resends them).
+
+A step is three calls, so the worker can overlap a step's host work with its
+predecessor's device work: plan (apply + prepare, host only), launch (queue forward and
+sampling, reserve each sampler's next token slot) and collect (wait for the tokens, fill
+the slots, answer). The worker plans step N+1 between launching and collecting step N
+when N+1 has already arrived (async scheduling); N+1's token ids are then gathered at its
+launch, once N's tokens are in. execute() is the three in a row.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
+from worker.bench_clock import DeviceClock
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
 from worker.layers import Linear, ParallelLMHead
 from worker.model_config import load_model_config
-from worker.model_inputs import prepare_inputs
+from worker.model_inputs import ModelInputs, prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
 from worker.sampler import PenaltyTensors, SamplingTensors, compute_logprobs, sample
@@ -80,7 +88,9 @@ def pick_cpu_threads(world_size: int) -> int:
 class StepInputs:
     """Everything a step needs on the device, prepared on the host."""
 
-    input_ids: torch.Tensor
+    step_id: int
+    # None until every token is known (a step planned while its predecessor ran).
+    input_ids: torch.Tensor | None
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
@@ -88,12 +98,28 @@ class StepInputs:
     sampling_rows: np.ndarray
     sampling: SamplingTensors
     generators: list[torch.Generator | None]
+    # The host inputs, kept until the token ids are uploaded.
+    inputs: ModelInputs | None = None
+    # Planned while the previous step ran: its token ids are gathered again at launch.
+    planned_ahead: bool = False
     # Sampler positions of the requests that asked for logprobs (rank 0 only; None when
     # none did) and how many top alternatives each wants.
     logprob_rows: torch.Tensor | None = None
     logprob_counts: list[int] = field(default_factory=list)
-    # Filled by run_step: parallel to sampling_req_ids, or empty when nobody asked.
+    # Filled by collect: parallel to sampling_req_ids, or empty when nobody asked.
     logprobs: list[Logprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the device is still producing."""
+
+    step: StepInputs
+    tokens: torch.Tensor | None  # [K] on the device; None when no request samples
+    logits: torch.Tensor | None  # kept for the logprobs, when some request asked
+    done: torch.cuda.Event | None  # recorded after the step's work on a GPU
+    # The batch was applied since launch: the sampling rows may have moved.
+    rows_moved: bool = False
 
 
 class ModelRunner:
@@ -138,6 +164,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._in_flight: InFlight | None = None  # launched, not yet collected
+        self.clock = DeviceClock.from_env()  # benchmarks only
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
@@ -345,23 +373,47 @@ class ModelRunner:
         return {req_id: batch.block_ids_of(req_id) for req_id in batch.req_ids}
 
     # -- steps ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply the delta; run the step if it schedules tokens; remember what it sampled."""
+        step = self.plan(so)
+        if step is None:
+            return None
+        return self.collect(self.launch(step))
+
+    @torch.inference_mode()
+    def plan(self, so: SchedulerOutput) -> StepInputs | None:
+        """The host side of a step: apply the delta and prepare its inputs (None: it
+        schedules no tokens). While a step is in flight (the worker plans its successor
+        before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+        if self._in_flight is not None:
+            self._in_flight.rows_moved = True  # apply may move rows and drop requests
         batch.apply(so)
         if so.total_num_scheduled_tokens == 0:
             return None
-        step = self.prepare_step(so)
-        tokens = self.run_step(step)
-        batch.append_sampled(step.sampling_req_ids, tokens, step.sampling_rows)
-        return ModelRunnerOutput(so.step_id, step.sampling_req_ids, tokens, step.logprobs)
+        if self.clock is not None:
+            self.clock.planning()
+        return self.prepare_step(so)
+
+    @staticmethod
+    def can_plan_ahead(so: SchedulerOutput) -> bool:
+        """Whether `so` can be planned while the previous step's tokens are unknown: not
+        when it preempts or resumes a request (its last token may be on its way), nor
+        when it reuses the id of a request it finishes (that token would go to the new
+        one). Rare; such a step waits for them."""
+        if so.preempted_req_ids or any(so.cached_reqs.resumed):
+            return False
+        if so.finished_req_ids and so.new_reqs:
+            finished = set(so.finished_req_ids)
+            return not any(r.req_id in finished for r in so.new_reqs)
+        return True
 
     def prepare_step(self, so: SchedulerOutput) -> StepInputs:
         """The host side of a step (after batch.apply): flat inputs, committed block
-        tables and sampling tensors, all on the device."""
+        tables and sampling tensors, all on the device. With a step in flight the token
+        ids, and the sampling extras that read tokens (penalties), wait for launch()."""
         batch = self.batch
         inputs = prepare_inputs(batch, so)
         device = self.device
@@ -393,11 +445,9 @@ class ModelRunner:
             generators = [self._generator(rid) for rid in req_ids]
         else:
             generators = [None] * len(req_ids)
-        logprob_rows, logprob_counts = None, []
-        if batch.num_extras and batch.extras[sampling_rows].any():
-            logprob_rows, logprob_counts = self._sampling_extras(sampling, sampling_rows, req_ids)
-        return StepInputs(
-            input_ids=buffers.input_ids.upload(inputs.input_ids),
+        step = StepInputs(
+            step_id=so.step_id,
+            input_ids=None,
             positions=buffers.positions.upload(inputs.positions),
             attn=attn,
             logits_indices=buffers.logits_indices.upload(inputs.logits_indices),
@@ -405,9 +455,91 @@ class ModelRunner:
             sampling_rows=sampling_rows,
             sampling=sampling,
             generators=generators,
-            logprob_rows=logprob_rows,
-            logprob_counts=logprob_counts,
+            inputs=inputs,
+            planned_ahead=self._in_flight is not None,
         )
+        if not step.planned_ahead:
+            self._finish_prepare(step)
+        return step
+
+    def _finish_prepare(self, step: StepInputs) -> None:
+        """What needs every token known: the token ids and the sampling extras."""
+        inputs = step.inputs
+        if self._in_flight is not None or inputs is None:
+            raise RuntimeError("a step's token ids were asked for before they were known")
+        batch = self.batch
+        if step.planned_ahead:
+            # Planned while the last step ran: its tokens have been filled in since.
+            n = inputs.num_tokens
+            inputs.input_ids[:n] = batch.token_ids[inputs.req_rows[:n], inputs.positions[:n]]
+        step.input_ids = self.buffers.input_ids.upload(inputs.input_ids)
+        if batch.num_extras and batch.extras[step.sampling_rows].any():
+            step.logprob_rows, step.logprob_counts = self._sampling_extras(
+                step.sampling, step.sampling_rows, step.sampling_req_ids
+            )
+        step.inputs = None
+
+    @torch.inference_mode()
+    def launch(self, step: StepInputs) -> InFlight:
+        """Queue the step's forward and sampling (on a GPU nothing waits for them here) and
+        reserve each sampling request's next token slot, filled by collect()."""
+        if self._in_flight is not None:
+            raise RuntimeError("launch: the previous step has not been collected")
+        if step.input_ids is None:
+            self._finish_prepare(step)
+        clock = self.clock
+        if clock is not None:
+            clock.launch_begin()
+        hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
+        tokens = logits = None
+        if step.sampling_req_ids:
+            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+            tokens = sample(logits, step.sampling, step.generators, self.default_generator)
+            self.batch.reserve(step.sampling_rows)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if clock is not None:
+            clock.launch_end()
+        flight = InFlight(step, tokens, logits if step.logprob_rows is not None else None, done)
+        self._in_flight = flight
+        return flight
+
+    def time_left(self, flight: InFlight) -> float:
+        """Seconds until the launched step's tokens are ready: 0 when they are (on the
+        CPU, as soon as launch returns); a short guess while a GPU still works."""
+        if self.clock is not None and self.clock.delay_s:
+            return self.clock.time_left()
+        if flight.done is None or flight.done.query():
+            return 0.0
+        return 1e-4
+
+    @torch.inference_mode()
+    def collect(self, flight: InFlight) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens, record them in the batch, and answer."""
+        if flight is not self._in_flight:
+            raise RuntimeError("collect: not the step in flight")
+        step = flight.step
+        if self.clock is not None:
+            self.clock.sync()
+        tokens: list[int] = [] if flight.tokens is None else flight.tokens.tolist()
+        if flight.logits is not None:
+            assert step.logprob_rows is not None and flight.tokens is not None
+            found = compute_logprobs(
+                flight.logits, step.logprob_rows, flight.tokens, step.logprob_counts
+            )
+            logprobs: list[Logprobs | None] = [None] * len(step.sampling_req_ids)
+            for i, lp in zip(step.logprob_rows.tolist(), found):
+                logprobs[i] = lp
+            step.logprobs = logprobs
+        self._in_flight = None
+        self.batch.fill_reserved(
+            step.sampling_req_ids, tokens, None if flight.rows_moved else step.sampling_rows
+        )
+        if self.clock is not None:
+            self.clock.collected()
+        return ModelRunnerOutput(step.step_id, step.sampling_req_ids, tokens, step.logprobs)
 
     def _sampling_extras(
         self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
@@ -458,21 +590,6 @@ class ModelRunner:
         if not asking.size:
             return None, []
         return torch.from_numpy(asking).to(device), wanted[asking].tolist()
-
-    def run_step(self, step: StepInputs) -> list[int]:
-        """The model over the paged KV cache, then the sampler: one token per sampler."""
-        hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
-        if not step.sampling_req_ids:
-            return []
-        logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
-        tokens = sample(logits, step.sampling, step.generators, self.default_generator)
-        if step.logprob_rows is not None:
-            found = compute_logprobs(logits, step.logprob_rows, tokens, step.logprob_counts)
-            logprobs: list[Logprobs | None] = [None] * len(step.sampling_req_ids)
-            for i, lp in zip(step.logprob_rows.tolist(), found):
-                logprobs[i] = lp
-            step.logprobs = logprobs
-        return tokens.tolist()
 
     def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on
