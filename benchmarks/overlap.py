@@ -89,6 +89,7 @@ def run(
     return {
         "mode": "async" if async_on else "serial",
         "steps": steps,
+        "planned_ahead": stats["planned_ahead"],
         "steps_per_s": round(steps / span, 1),
         "worker_idle_share": round(idle / span, 4),
         "worker_busy_ms_per_step": round((span - idle) / steps * 1e3, 3),

@@ -7,10 +7,10 @@ PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens keeps a modelled dev
   So a benchmark can give the model step a known length on any machine, and the worker
   can do host work meanwhile (benchmarks/overlap.py).
 PAGEDSERVE_BENCH_WORKER_TIMING: a file the worker writes at exit, as JSON: the steps it
-  ran; the seconds its host thread spent on them (from planning a step to answering it,
-  overlaps counted once) and waiting between them, and launching them; and the
-  modelled device's busy seconds and its span from its first step's start to its last
-  step's end.
+  ran, and how many of them it planned while their predecessor ran; the seconds its
+  host thread spent on them (from planning a step to answering it, overlaps counted
+  once), waiting between them, and launching them; and the modelled device's busy
+  seconds and its span from its first step's start to its last step's end.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class DeviceClock:
         self.delay_s = delay_s
         self.path = path
         self.steps = 0
+        self.planned_ahead = 0  # steps planned while their predecessor ran
         self.busy_s = 0.0  # host thread, between plan and answer
         self.idle_s = 0.0
         self.device_busy_s = 0.0
@@ -88,7 +89,10 @@ class DeviceClock:
 
     def answered(self, more_planned: bool) -> None:
         """The host sent a step's answer; it idles now unless it planned the next one."""
-        if more_planned or self._busy_since is None:
+        if more_planned:
+            self.planned_ahead += 1
+            return
+        if self._busy_since is None:
             return
         now = time.perf_counter()
         self.busy_s += now - self._busy_since
@@ -103,6 +107,7 @@ class DeviceClock:
             json.dump(
                 {
                     "steps": self.steps,
+                    "planned_ahead": self.planned_ahead,
                     "busy_s": self.busy_s,
                     "idle_s": self.idle_s,
                     "device_busy_s": self.device_busy_s,
