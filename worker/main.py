@@ -49,7 +49,9 @@ log = logging.getLogger("pagedserve.worker")
 
 
 def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
-    from worker.model_runner import ModelRunner  # torch import: after the sockets exist
+    # torch imports: after the sockets exist
+    from worker.cpu_threads import CpuThreadTuner
+    from worker.model_runner import ModelRunner
 
     to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
     from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
@@ -74,6 +76,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
             )
         )
     )
+    # Alone on the cores: between one core less and all of them, whichever runs faster.
+    runner.cpu_threads = CpuThreadTuner.for_worker(runner.device, config.world_size)
     answers = config.rank == 0
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)

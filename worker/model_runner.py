@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
 from worker.bench_clock import DeviceClock
+from worker.cpu_threads import CpuThreadTuner
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
@@ -69,16 +71,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_cpu_threads(world_size: int) -> int:
-    """Intra-op threads for a CPU worker: a share of the cores, leaving one to the core
-    process. Oversubscribed OpenMP threads spin and can make small matmuls 10x slower.
-
-    Kept at cores - 1 on 2 cores although the core idles during a forward. A decode step
-    (SmolLM2-135M shapes, 32 requests x 264 tokens, forward + logits, ms, medians of 18)
-    while other processes hold ~1.3 of the 2 cores: 287 on 1 thread, 1275 on 2 (spinning
-    OpenMP threads), 381 on 2 with OMP_WAIT_POLICY=passive; through the whole engine 170
-    and 193 on 1 thread, 978 and 4825 on 2. Once, on a quieter machine, 2 threads did 107
-    against 193. On a machine the engine has to itself, set OMP_NUM_THREADS (which this
-    leaves alone) to the core count.
+    """Intra-op threads for a CPU worker to start with: a share of the cores, leaving one
+    to the core process. Oversubscribed OpenMP threads spin and can make small matmuls
+    10x slower; a worker alone on the cores then tries every core (worker/cpu_threads.py).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, ((cores or 1) - 1) // world_size)
@@ -136,6 +131,9 @@ class ModelRunner:
             self.device = torch.device("cuda", config.rank % torch.cuda.device_count())
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(pick_cpu_threads(config.world_size))
+        # Set by the worker process (worker/cpu_threads.py); a runner used in-process
+        # keeps its thread count.
+        self.cpu_threads: CpuThreadTuner | None = None
         self.dtype = pick_dtype(config.dtype, self.device)
         # Same seed on every rank: ranks sample identical tokens (see worker.parallel).
         torch.manual_seed(config.seed)
@@ -490,11 +488,18 @@ class ModelRunner:
         clock = self.clock
         if clock is not None:
             clock.launch_begin()
+        tuner = self.cpu_threads
+        if tuner is not None:
+            tuner.before_step(len(step.positions))
+            start = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
         tokens = logits = None
         if step.sampling_req_ids:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
             tokens = sample(logits, step.sampling, step.generators, self.default_generator)
+        if tuner is not None:  # on the CPU the step has run by now
+            tuner.after_step(time.perf_counter() - start)
+        if step.sampling_req_ids:
             self.batch.reserve(step.sampling_rows)
         done = None
         if self.device.type == "cuda":

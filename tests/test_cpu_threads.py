@@ -1,0 +1,104 @@
+"""The CPU worker's thread tuner, driven with step times it is told (a simple model of a
+machine on which one count is faster): it finds the faster count, stays put when the
+other is slower, backs off its probes, and never compares steps of different sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from worker import cpu_threads
+from worker.cpu_threads import CpuThreadTuner
+
+
+@pytest.fixture(autouse=True)
+def keep_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def run(tuner: CpuThreadTuner, step_s: dict[int, float], steps: int, tokens: int = 64) -> list[int]:
+    """Steps of one size; each takes what the machine model says for the count in use.
+    Returns the thread count every step ran on."""
+    used = []
+    for _ in range(steps):
+        tuner.before_step(tokens)
+        used.append(torch.get_num_threads())
+        tuner.after_step(step_s[torch.get_num_threads()])
+    return used
+
+
+def test_switches_to_the_faster_count_and_stays() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    used = run(tuner, {1: 0.150, 2: 0.100}, 200)
+    assert used[0] == 1
+    assert tuner.threads == 2 and tuner.switches == 1
+    # After the switch only probes run on one thread: a pair per period, then backing off.
+    assert used.count(1) < 4 + 2 + 2 * 3 + 4  # first steps, each probe's pair
+    assert used[-1] == 2
+
+
+def test_keeps_the_safe_count_when_the_other_is_slower_and_backs_off() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    used = run(tuner, {1: 0.170, 2: 0.450}, 1000)
+    assert tuner.threads == 1 and tuner.switches == 0
+    probes = sum(1 for a, b in zip([1, *used], used) if a == 1 and b == 2)
+    # Periods 4, 8, 16, ..., capped: a handful of probes in 1000 steps, not 1000 / 4.
+    assert 3 <= probes <= 10
+    # Each losing probe costs PROBE_STEPS slow steps.
+    assert used.count(2) == probes * cpu_threads.PROBE_STEPS
+
+
+def test_a_small_gain_is_not_a_switch() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    run(tuner, {1: 0.100, 2: 0.095}, 300)  # 5% faster: within the margin
+    assert tuner.threads == 1
+
+
+def test_switches_back_when_the_machine_gets_busy() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    run(tuner, {1: 0.150, 2: 0.100}, 100)
+    assert tuner.threads == 2
+    run(tuner, {1: 0.170, 2: 0.450}, 200)  # another process now spins on a core
+    assert tuner.threads == 1 and tuner.switches == 2
+
+
+def test_short_steps_and_changing_batches_are_never_probed() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    assert run(tuner, {1: 0.001, 2: 0.0001}, 200) == [1] * 200  # too short to matter
+    used = []
+    for i in range(200):  # every step a different size: nothing to compare
+        tuner.before_step(64 + i)
+        used.append(torch.get_num_threads())
+        tuner.after_step(0.150 if used[-1] == 1 else 0.050)
+    assert used == [1] * 200
+
+
+def test_a_batch_change_mid_probe_restores_the_chosen_count() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    run(tuner, {1: 0.150, 2: 0.100}, cpu_threads.FIRST_PROBE_AFTER)
+    tuner.before_step(64)
+    assert torch.get_num_threads() == 2  # probing
+    tuner.after_step(0.1)
+    tuner.before_step(65)  # the batch changed: the probe is void
+    assert torch.get_num_threads() == 1 and tuner.threads == 1
+
+
+def test_only_a_lone_cpu_worker_without_omp_num_threads_tunes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    tuner = CpuThreadTuner.for_worker(cpu, 1)
+    assert tuner is not None and (tuner.low, tuner.high) == (1, 2)
+    assert CpuThreadTuner.for_worker(cpu, 2) is None  # tensor-parallel ranks
+    assert CpuThreadTuner.for_worker(torch.device("meta"), 1) is None
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: {0}, raising=False)
+    assert CpuThreadTuner.for_worker(cpu, 1) is None  # one core: nothing to choose
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert CpuThreadTuner.for_worker(cpu, 1) is None

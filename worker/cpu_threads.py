@@ -1,0 +1,112 @@
+"""The CPU worker's torch thread count, chosen by timing steps while the engine runs.
+
+Every core but one leaves a core to the engine core process; every core is faster when
+nothing else wants the CPU, because the core process sleeps while a step computes. On two
+cores (SmolLM2-135M, a decode step of 64 requests x ~200 keys, ms): idle, 167 on one
+thread and 112 on two; beside a process that spins on one core, 174-181 on one and
+413-705 on two (OpenMP threads spin at their barriers, and one of them waits for the
+other, descheduled; sleeping instead of spinning, OMP_WAIT_POLICY=passive, makes two
+threads no faster than one here, since wake-ups are slow). Neither count is right on
+every machine at every moment, so the worker tries both: it runs on the safe count, now
+and then times a pair of steps on the other one against the pair before, and switches
+when that is clearly faster. A probe that loses doubles the wait before the next one, so
+a busy machine pays little for the check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("pagedserve.worker")
+
+FIRST_PROBE_AFTER = 4  # steps: an idle machine gets the faster count early
+PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
+MAX_PROBE_PERIOD = 1024
+PROBE_STEPS = 2  # steps timed on each count per probe; the fastest of each counts
+MIN_STEP_S = 0.005  # shorter steps do not depend on threads enough to be worth a probe
+MARGIN = 0.9  # the other count must take at most this share of the time to win
+
+
+class CpuThreadTuner:
+    """Picks torch's intra-op thread count between `low` and `high`, step by step.
+
+    Call before_step(num_tokens) before a step's compute and after_step(seconds) after.
+    Only steps of equal token count (a steady decode batch) are compared."""
+
+    def __init__(self, low: int, high: int) -> None:
+        if not 1 <= low < high:
+            raise ValueError(f"thread counts must satisfy 1 <= low < high, got {low}, {high}")
+        self.low, self.high = low, high
+        self.threads = low
+        self._period = FIRST_PROBE_AFTER
+        self._since_probe = 0
+        self._tokens = -1  # the current step's token count
+        self._recent: list[float] = []  # the last steps of this token count, chosen count
+        self._probe: list[float] | None = None  # times on the other count, while probing
+        self.switches = 0
+        torch.set_num_threads(low)
+
+    @classmethod
+    def for_worker(cls, device: torch.device, world_size: int) -> CpuThreadTuner | None:
+        """A tuner for a CPU worker alone on its machine's cores (tensor-parallel ranks
+        and a user's OMP_NUM_THREADS keep their fixed counts)."""
+        if device.type != "cpu" or world_size != 1 or "OMP_NUM_THREADS" in os.environ:
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 1
+        if cores < 2:
+            return None
+        return cls(cores - 1, cores)
+
+    @property
+    def other(self) -> int:
+        return self.high if self.threads == self.low else self.low
+
+    def before_step(self, num_tokens: int) -> None:
+        if num_tokens != self._tokens:
+            self._tokens = num_tokens
+            self._recent.clear()
+            if self._probe is not None:  # the batch changed mid-probe: no comparison
+                self._probe = None
+                torch.set_num_threads(self.threads)
+            return
+        if (
+            self._probe is None
+            and self._since_probe >= self._period
+            and len(self._recent) >= PROBE_STEPS
+            and min(self._recent) >= MIN_STEP_S
+        ):
+            self._probe = []
+            torch.set_num_threads(self.other)
+
+    def after_step(self, seconds: float) -> None:
+        probe = self._probe
+        if probe is None:
+            self._since_probe += 1
+            self._recent.append(seconds)
+            del self._recent[:-PROBE_STEPS]
+            return
+        probe.append(seconds)
+        if len(probe) < PROBE_STEPS:
+            return
+        self._probe = None
+        self._since_probe = 0
+        mine = min(self._recent)
+        if min(probe) < MARGIN * mine:
+            log.info(
+                "CPU threads: %d -> %d (%.1f ms -> %.1f ms a step)",
+                self.threads,
+                self.other,
+                mine * 1e3,
+                min(probe) * 1e3,
+            )
+            self.threads = self.other
+            self.switches += 1
+            self._period = PROBE_PERIOD
+            self._recent = probe
+        else:
+            self._period = min(self._period * 2, MAX_PROBE_PERIOD)
+            torch.set_num_threads(self.threads)
