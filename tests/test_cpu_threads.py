@@ -102,3 +102,11 @@ def test_only_a_lone_cpu_worker_without_omp_num_threads_tunes(
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert CpuThreadTuner.for_worker(cpu, 1) is None
+
+
+def test_calibration_starts_on_one_of_the_two_counts() -> None:
+    # Which one depends on the machine's load at that moment; that it is applied does not.
+    tuner = CpuThreadTuner(1, 2)
+    tuner.calibrate(reps=1)
+    assert tuner.threads in (1, 2)
+    assert torch.get_num_threads() == tuner.threads

@@ -7,16 +7,19 @@ thread and 112 on two; beside a process that spins on one core, 174-181 on one a
 413-705 on two (OpenMP threads spin at their barriers, and one of them waits for the
 other, descheduled; sleeping instead of spinning, OMP_WAIT_POLICY=passive, makes two
 threads no faster than one here, since wake-ups are slow). Neither count is right on
-every machine at every moment, so the worker tries both: it runs on the safe count, now
-and then times a pair of steps on the other one against the pair before, and switches
-when that is clearly faster. A probe that loses doubles the wait before the next one, so
-a busy machine pays little for the check.
+every machine at every moment, so the worker tries both: at start-up it times a matrix
+product of a decode step's size on each (a prompt's first step can take seconds, and
+must not wait for evidence from steps), and while it runs it now and then times a pair
+of steps on the other count against the pair before, and switches when that is clearly
+faster. A probe that loses doubles the wait before the next one, so a busy machine pays
+little for the check.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -60,6 +63,32 @@ class CpuThreadTuner:
         if cores < 2:
             return None
         return cls(cores - 1, cores)
+
+    def calibrate(self, reps: int = 3) -> None:
+        """Start on whichever count multiplies a [512 x 576] by a [576 x 1536] matrix
+        (a SmolLM2 MLP projection of a mid-sized step, ~5 ms on one core) clearly faster,
+        the counts interleaved; the step probes correct a wrong start."""
+        a, b = torch.randn(512, 576), torch.randn(576, 1536)
+        best = {self.low: float("inf"), self.high: float("inf")}
+        for rep in range(reps + 1):
+            for n in best:
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                torch.mm(a, b)
+                if rep:  # the first round starts the threads
+                    best[n] = min(best[n], time.perf_counter() - start)
+        if best[self.high] < MARGIN * best[self.low]:
+            self.threads = self.high
+            self._period = PROBE_PERIOD
+        torch.set_num_threads(self.threads)
+        log.info(
+            "CPU threads: %d (a product took %.2f ms on %d, %.2f ms on %d)",
+            self.threads,
+            best[self.low] * 1e3,
+            self.low,
+            best[self.high] * 1e3,
+            self.high,
+        )
 
     @property
     def other(self) -> int:

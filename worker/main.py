@@ -78,6 +78,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     )
     # Alone on the cores: between one core less and all of them, whichever runs faster.
     runner.cpu_threads = CpuThreadTuner.for_worker(runner.device, config.world_size)
+    if runner.cpu_threads is not None:
+        runner.cpu_threads.calibrate()
     answers = config.rank == 0
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
