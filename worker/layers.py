@@ -9,6 +9,7 @@ checkpoint tensor it holds (`mark_sharded`), so loading slices by parameter, not
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -161,7 +162,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and round back before the weight, as the reference
         # implementation does, so half-precision outputs round the same way.
-        return self.weight * self._normalized(x).to(x.dtype)
+        return self._normalized(x).to(x.dtype).mul_(self.weight)
 
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) over the last dim, in float32."""
@@ -235,8 +236,9 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 # Hugging Face activation names (as config.json gives them) -> the function.
+# Each may overwrite its input (a projection's output nothing else holds).
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
+    "silu": functools.partial(F.silu, inplace=True),
     "gelu_pytorch_tanh": _gelu_tanh,
 }
 assert set(_ACTIVATIONS) == set(SUPPORTED_ACTIVATIONS)
@@ -265,4 +267,6 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(part, hidden_size, bias, dtype, device, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        # In place on the gate projection's fresh output: a prefill step's [tokens x
+        # intermediate] tensors are the largest the model makes.
+        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))

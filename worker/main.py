@@ -51,6 +51,7 @@ log = logging.getLogger("pagedserve.worker")
 def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     # torch imports: after the sockets exist
     from worker.cpu_threads import CpuThreadTuner
+    from worker.host_memory import keep_freed_memory
     from worker.model_runner import ModelRunner
 
     to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
@@ -80,6 +81,8 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     runner.cpu_threads = CpuThreadTuner.for_worker(runner.device, config.world_size)
     if runner.cpu_threads is not None:
         runner.cpu_threads.calibrate()
+    if runner.device.type == "cpu":
+        keep_freed_memory()  # before the KV cache and the first step allocate
     answers = config.rank == 0
     # A worker started on its own (no parent to watch) leaves when the core goes away.
     monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
