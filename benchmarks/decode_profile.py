@@ -65,6 +65,7 @@ from protocol.config import WorkerConfig  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from protocol.kv_cache import NULL_BLOCK_ID  # noqa: E402
 from protocol.worker import CoreToWorker, WorkerConfigure, WorkerToCore  # noqa: E402
+from worker.host_memory import keep_freed_memory  # noqa: E402
 from worker.layers import GatedMLP, Linear, ParallelLMHead, RMSNorm, RotaryEmbedding  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spread", type=int, default=32, help="prompt lengths vary by +- this")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    keep_freed_memory()  # as the worker process does on a CPU
     a.modes = a.modes.split(",")
     if not set(a.modes) <= {"plain", "profiled"} or a.steps < 1:
         raise SystemExit("--modes takes plain and/or profiled; --steps must be >= 1")
