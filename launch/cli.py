@@ -37,6 +37,14 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
+    n: int | None = None
+    # One string or a list, as OpenAI's API takes them.
+    stop: str | list[str] | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
 
 
 def _version() -> str:
@@ -276,6 +284,13 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
                 seed=line.seed,
                 stop_token_ids=line.stop_token_ids or [],
                 ignore_eos=bool(line.ignore_eos),
+                n=_pick(line.n, 1),
+                stop=[line.stop] if isinstance(line.stop, str) else line.stop or [],
+                min_tokens=_pick(line.min_tokens, 0),
+                presence_penalty=_pick(line.presence_penalty, 0.0),
+                frequency_penalty=_pick(line.frequency_penalty, 0.0),
+                repetition_penalty=_pick(line.repetition_penalty, 1.0),
+                logprobs=line.logprobs,
             )
             params.validate()
             items.append(
@@ -336,12 +351,20 @@ def generate(args: argparse.Namespace) -> int:
     for i, (_, it) in enumerate(items):
         if isinstance(it, str):
             writer.write(i, CompletionOutput(i, [], finish_reason="error", error=it))
+    # Per input line: how many results it asked for (n) and how many were written, so that
+    # with n > 1 the summary counts prompts and completions apart.
+    wanted = [1 if isinstance(it, str) else it.sampling_params.n for _, it in items]
+    got = [1 if isinstance(it, str) else 0 for _, it in items]
+    failed_lines: set[int] = {i for i, (_, it) in enumerate(items) if isinstance(it, str)}
 
     def save(out: CompletionOutput) -> None:
-        i, line, _ = good[out.index]
+        i, line, prompt = good[out.index]
         if out.error is not None:
             out.error = f"{args.input}:{line}: {out.error}"
-        writer.write(i, out)
+        writer.write(i, out, prompt.sampling_params)
+        got[i] += 1
+        if out.finish_reason == "error":
+            failed_lines.add(i)
 
     llm = None
     code = 0
@@ -359,17 +382,23 @@ def generate(args: argparse.Namespace) -> int:
         if llm is not None:
             llm.close()
         writer.close(sort=code == 0)
-    cut_short = len(items) - writer.written
+    # A line that failed is answered even with fewer than n results: a prompt that cannot
+    # run fails once, not once per copy.
+    cut_short = sum(1 for i in range(len(items)) if got[i] < wanted[i] and i not in failed_lines)
+    fanned = any(w > 1 for w in wanted)
     if code >= 128:
+        done = "completions" if fanned else "results"
+        what = "prompts" if fanned else "requests"
         print(
-            f"pagedserve generate: interrupted; {writer.written} finished results are in "
-            f"{args.output}, {cut_short} requests were cut short",
+            f"pagedserve generate: interrupted; {writer.written} finished {done} are in "
+            f"{args.output}, {cut_short} {what} were cut short",
             file=sys.stderr,
         )
         return code
     assert llm is not None or code
     if llm is not None:
-        _print_summary(llm.last_summary, len(items), writer.failed, cut_short)
+        completions = writer.written if fanned else None
+        _print_summary(llm.last_summary, len(items), writer.failed, cut_short, completions)
         if llm.dead_reason is not None:
             print(f"pagedserve generate: {llm.dead_reason}", file=sys.stderr)
             code = 1
@@ -378,9 +407,8 @@ def generate(args: argparse.Namespace) -> int:
     if writer.failed > len(writer.errors):
         print(f"  ... and {writer.failed - len(writer.errors)} more", file=sys.stderr)
     if writer.failed and not code:
-        print(
-            f"pagedserve generate: {writer.failed} of {len(items)} requests failed", file=sys.stderr
-        )
+        total = f"{writer.written} completions" if fanned else f"{len(items)} requests"
+        print(f"pagedserve generate: {writer.failed} of {total} failed", file=sys.stderr)
         code = 1
     return code
 
@@ -424,10 +452,19 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _print_summary(s: Any, requests: int, failed: int, cut_short: int) -> None:
-    short = f", {cut_short} cut short" if cut_short else ""
+def _print_summary(
+    s: Any, requests: int, failed: int, cut_short: int, completions: int | None = None
+) -> None:
+    """completions: the output lines, when n > 1 made them more than the input lines;
+    failures then count completions and cut_short counts prompts."""
+    if completions is None:
+        short = f", {cut_short} cut short" if cut_short else ""
+        counts = f"requests: {requests} ({failed} failed{short})"
+    else:
+        short = f" ({cut_short} cut short)" if cut_short else ""
+        counts = f"prompts: {requests}{short} | completions: {completions} ({failed} failed)"
     print(
-        f"requests: {requests} ({failed} failed{short}) | prompt tokens: {s.prompt_tokens} | "
+        f"{counts} | prompt tokens: {s.prompt_tokens} | "
         f"output tokens: {s.output_tokens} in {s.seconds:.2f} s "
         f"({s.output_tokens_per_s:.1f} tok/s) | prefix-cache hit rate: "
         f"{s.prefix_cache_hit_rate:.1%} | preemptions: "

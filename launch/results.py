@@ -3,7 +3,8 @@
 The file is created before the engine starts (an unwritable path fails at once, not after
 the whole run), and every result is appended and flushed the moment its request ends, so
 Ctrl-C, SIGTERM or a dead engine keep every finished result. A run that ends normally
-rewrites the file in input order (atomically: a crash mid-rewrite leaves the old file).
+rewrites the file in input order (atomically: a crash mid-rewrite leaves the old file),
+a prompt's n copies one after the other in seq_index order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import msgspec
+
+from protocol.engine import SamplingParams
 
 MAX_LISTED_ERRORS = 20
 
@@ -28,8 +31,11 @@ class ResultWriter:
         self.failed = 0
         self.errors: list[str] = []  # the first MAX_LISTED_ERRORS, for the summary
 
-    def write(self, index: int, out: Any) -> None:
-        """Append one result (a CompletionOutput) as line `index` of the input."""
+    def write(self, index: int, out: Any, params: SamplingParams | None = None) -> None:
+        """Append one result (a CompletionOutput) as line `index` of the input. params, the
+        request's: keys for what its options produce (seq_index when n > 1, stop_reason
+        with stop strings) appear only when it asked for them, so plain lines keep the
+        format older readers know."""
         assert self._file is not None, "ResultWriter already closed"
         line: dict[str, Any] = {
             "index": index,
@@ -38,8 +44,23 @@ class ResultWriter:
             "finish_reason": out.finish_reason,
             "num_cached_tokens": out.num_cached_tokens,
         }
+        copies = params is not None and params.n > 1
+        if copies:
+            line["seq_index"] = out.seq_index
         if out.text is not None:
             line["text"] = out.text
+        if params is not None and params.stop and out.finish_reason != "error":
+            line["stop_reason"] = out.stop_reason
+        if out.logprobs is not None:
+            # Objects, not msgspec's positional arrays: the file is read by other programs.
+            line["logprobs"] = [
+                {
+                    "logprob": lp.logprob,
+                    "top_token_ids": lp.top_token_ids,
+                    "top_logprobs": lp.top_logprobs,
+                }
+                for lp in out.logprobs
+            ]
         if out.error is not None:
             line["error"] = out.error
         self._file.write(self._encoder.encode(line) + b"\n")
@@ -48,7 +69,8 @@ class ResultWriter:
         if out.finish_reason == "error":
             self.failed += 1
             if len(self.errors) < MAX_LISTED_ERRORS:
-                self.errors.append(f"request {index} failed: {out.error}")
+                which = f"request {index} (copy {out.seq_index})" if copies else f"request {index}"
+                self.errors.append(f"{which} failed: {out.error}")
 
     def close(self, sort: bool) -> None:
         """Close the file; sort=True rewrites it in input order first."""
@@ -60,7 +82,13 @@ class ResultWriter:
             return
         decoder = msgspec.json.Decoder()
         lines = self.path.read_bytes().splitlines()
-        lines.sort(key=lambda raw: decoder.decode(raw)["index"])
+
+        # Copies of one prompt (n > 1) finish in any order; seq_index puts them back.
+        def order(raw: bytes) -> tuple[int, int]:
+            line = decoder.decode(raw)
+            return line["index"], line.get("seq_index", 0)
+
+        lines.sort(key=order)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(b"".join(raw + b"\n" for raw in lines))
         os.replace(tmp, self.path)
