@@ -32,9 +32,10 @@ whole batch, engine already loaded), measured as each engine's gen_s.
 
 Equal footing: float32 everywhere; the KV cache is --kv-cache-gib for ours
 (--kv-cache-memory) and the peer (VLLM_CPU_KVCACHE_SPACE); prefix caching on for both.
-Threads: ours picks its worker's torch threads itself (OMP_NUM_THREADS overrides), the
-peer binds its own OpenMP threads (its log line is reported), transformers uses
---hf-threads (default: what our worker picks). Token agreement: for each pair of engines
+Threads: ours picks its worker's torch threads itself, by timing (one core less or every
+core; OMP_NUM_THREADS overrides), the peer binds its own OpenMP threads (its log line is
+reported; it reserves a core for its scheduler), transformers uses --hf-threads
+(default: the most our worker uses). Token agreement: for each pair of engines
 the fraction of requests with identical greedy ids, and where they differ the first
 differing position. Progress on stderr; the last stdout line is one JSON object.
 """
@@ -357,13 +358,19 @@ def agreement(x: list[list[int]], y: list[list[int]]) -> dict[str, Any]:
     return res
 
 
-def ours_threads() -> int:
-    """What our CPU worker sets: OMP_NUM_THREADS when given, else its own pick."""
+def ours_threads() -> tuple[str, int]:
+    """What our CPU worker uses (OMP_NUM_THREADS when given, else between one core less
+    and every core, timed: worker/cpu_threads.py), and the most it uses."""
     if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
+        n = int(os.environ["OMP_NUM_THREADS"])
+        return str(n), n
     from worker.model_runner import pick_cpu_threads
 
-    return pick_cpu_threads(1)
+    low = pick_cpu_threads(1)
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        return str(low), low
+    return f"{low} or {cores}, timed", cores
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -400,9 +407,9 @@ def main() -> int:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         p.error(f"unknown engines {sorted(unknown)}")
-    threads = ours_threads()
+    threads, most = ours_threads()
     if a.hf_threads is None:
-        a.hf_threads = threads
+        a.hf_threads = most
     result: dict[str, Any] = {
         "bench": "e2e_throughput",
         "model": str(model),

@@ -261,12 +261,16 @@ class BlockPool:
                 request.extra_keys(i * block_size, (i + 1) * block_size) or None
                 for i in range(first, last)
             ]
+        if stride == 1:
+            block_hashes = hashes[first:last]
+            parent = hashes[first - 1] if first else None
+        else:
+            block_hashes = [hashes[(i + 1) * stride - 1] for i in range(first, last)]
+            parent = hashes[first * stride - 1] if first else None
         self._events.append(
             BlockStored(
-                hashes[first:last]
-                if stride == 1
-                else [hashes[(i + 1) * stride - 1] for i in range(first, last)],
-                hashes[first * stride - 1] if first > 0 else None,
+                block_hashes,
+                parent,
                 request.all_token_ids[first * block_size : last * block_size],
                 block_size,
                 None,  # lora_id

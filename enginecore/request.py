@@ -45,6 +45,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "finish_reason",
+        "has_extra_keys",
         "known_to_worker",
         "lora_id",
         "mm_placeholders",
@@ -105,6 +106,12 @@ class Request:
         self.block_hash_inputs: list[bytes] = []
         self._hasher = block_hasher
         # Extra keys are fixed at creation; most requests have none and skip that work.
+        self.has_extra_keys = (
+            lora_id is not None
+            or bool(self.mm_placeholders)
+            or prompt_embeds_hash is not None
+            or cache_salt is not None
+        )
         self._extra_keys_of = self.extra_keys if self.has_extra_keys else None
         if block_hasher is None:
             pack_token_ids(self.all_token_ids)  # same validation either way
@@ -126,15 +133,6 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.all_token_ids[: self.num_prompt_tokens]
-
-    @property
-    def has_extra_keys(self) -> bool:
-        return (
-            self.lora_id is not None
-            or bool(self.mm_placeholders)
-            or self.prompt_embeds_hash is not None
-            or self.cache_salt is not None
-        )
 
     def append_output_token_ids(self, token_id: int) -> None:
         ids = self.all_token_ids
