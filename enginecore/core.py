@@ -79,9 +79,7 @@ class EngineCore:
         # and the core never plans further ahead than one step it has not seen).
         self._in_flight: deque[SchedulerOutput] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
-        # Debugging and tests: walk the KV invariants after every step, and require every
-        # block back in the pool whenever no request is open.
-        self._check = os.environ.get("PAGEDSERVE_CHECK_INVARIANTS") == "1"
+        self._check = config.check_invariants
         if config.log_kv:
             kv_log.setLevel(logging.INFO)
 
@@ -155,6 +153,9 @@ class EngineCore:
             len(kv_config.kv_cache_groups),
             max_model_len,
         )
+        if self._check:
+            # The checks slow every step: the log says why a run is slower than it should be.
+            log.info("engine core: checking the KV invariants after every step")
         self._send(
             EngineReady(
                 num_gpu_blocks=kv_config.num_blocks,
@@ -327,8 +328,6 @@ def _answer_malformed(frame: memoryview, error: ProtocolError) -> list[RequestOu
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
     # The launcher owns Ctrl-C: it shuts us down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if len(argv) != 1:
@@ -339,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     except msgspec.DecodeError as e:
         print(f"enginecore: bad configuration: {e}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s: %(message)s")
     try:
         core = EngineCore(config)
     except ConfigError as e:  # e.g. the worker address is taken

@@ -18,7 +18,7 @@ from typing import Any, get_args
 import msgspec
 
 from launch.engine import EngineArgs
-from protocol.config import DType, GenerationConfigMode, HashAlgo
+from protocol.config import DType, GenerationConfigMode, HashAlgo, LogLevel
 from protocol.engine import SamplingParams
 
 
@@ -112,6 +112,18 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_log_level(p: argparse.ArgumentParser, processes: str) -> None:
+    # Any case in, as logging spells it out: the process configs take only these names.
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=get_args(LogLevel),
+        default="WARNING",
+        metavar="LEVEL",
+        help=f"log level of {processes}: {', '.join(get_args(LogLevel))} (default: WARNING)",
+    )
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine's flags beyond the workers' (generate and serve share them)."""
     p.add_argument(
@@ -186,7 +198,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="overlap scheduling with the model: the core sends each step while the "
         "previous one runs (default); --no-async-scheduling runs one step at a time",
     )
-    p.add_argument("--log-level", default="WARNING", help="engine processes' log level")
+    _add_log_level(p, "engine processes")
     p.add_argument(
         "--record",
         metavar="DIR",
@@ -246,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the core to answer before giving up",
     )
     _add_worker_flags(w)
+    _add_log_level(w, "this worker")
 
     r = sub.add_parser(
         "replay",
@@ -260,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds to wait for the workers to start, and for each step",
     )
-    r.add_argument("--log-level", default="WARNING", help="workers' log level")
+    _add_log_level(r, "workers")
     return parser
 
 
@@ -336,7 +349,7 @@ def generate(args: argparse.Namespace) -> int:
     # Explicit: a shell without job control starts background jobs with SIGINT ignored,
     # and Python then never raises KeyboardInterrupt; `kill -INT` must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     if not args.input.is_file():
         what = "is not a file" if args.input.exists() else "not found"
         print(f"pagedserve generate: input file {what}: {args.input}", file=sys.stderr)
@@ -419,7 +432,7 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)  # start-up unwinds like Ctrl-C (see generate)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     return serve(args, _engine_kwargs(args))
 
 
@@ -522,6 +535,7 @@ def worker(args: argparse.Namespace) -> int:
             core_address=args.core,
             dist_init=args.dist_init,
             core_timeout_s=args.core_timeout,
+            log_level=args.log_level,
         )
     )
 
@@ -530,7 +544,7 @@ def replay(args: argparse.Namespace) -> int:
     """0: bit-exact; 1: a difference (named); 2: the recording cannot be replayed."""
     from launch.replay import ReplayMismatch, replay
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     model = args.model
     try:
         if model is not None:

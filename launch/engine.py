@@ -15,8 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, get_args
+from dataclasses import dataclass, field
+from typing import Any, cast, get_args
 
 import msgspec
 import zmq
@@ -28,6 +28,7 @@ from protocol.config import (
     EngineCoreConfig,
     GenerationConfigMode,
     HashAlgo,
+    LogLevel,
     WorkerConfig,
     ipc_address,
     ipc_dir,
@@ -73,12 +74,12 @@ def worker_config(settings: object, **fields: Any) -> WorkerConfig:
     return WorkerConfig(**{name: getattr(settings, name) for name in WORKER_SETTINGS}, **fields)
 
 
-def spawn(module: str, config: msgspec.Struct, env: dict[str, str]) -> subprocess.Popen:
-    """`python -m module '<config as JSON>'`: how every engine process starts."""
+def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
+    """`python -m module '<config as JSON>'`: how every engine process starts (in this
+    process's environment, unchanged)."""
     return subprocess.Popen(
         [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
         stdin=subprocess.DEVNULL,
-        env=env,
     )
 
 
@@ -87,6 +88,25 @@ def _check_choice(name: str, value: object, choices: object) -> None:
     allowed = get_args(choices)
     if value not in allowed:
         raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}, not {value!r}")
+
+
+def log_level_name(level: str) -> LogLevel:
+    """level as the processes' configs spell it (any case in); ValueError naming the
+    choices, before any process starts."""
+    name = level.upper() if isinstance(level, str) else level
+    if name not in get_args(LogLevel):
+        choices = ", ".join(get_args(LogLevel))
+        raise ValueError(f"log_level must be one of {choices} (any case), not {level!r}")
+    return cast(LogLevel, name)
+
+
+# The user's switch for the core's invariant checks (tests set it). Read here only: the
+# core gets it in EngineCoreConfig.check_invariants.
+CHECK_INVARIANTS_ENV = "PAGEDSERVE_CHECK_INVARIANTS"
+
+
+def invariant_checks_requested() -> bool:
+    return os.environ.get(CHECK_INVARIANTS_ENV) == "1"
 
 
 class EngineDeadError(RuntimeError):
@@ -128,6 +148,9 @@ class EngineArgs:
     # Record every frame the core sends its workers, and rank 0's answers, into this new
     # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
     record_dir: str | None = None
+    # The core walks the KV invariants after every step (slow; debugging and tests).
+    # Read when the args are made, so a test's environment applies to the engines it starts.
+    check_invariants: bool = field(default_factory=invariant_checks_requested)
 
     def validate(self) -> None:
         for name in (
@@ -174,18 +197,19 @@ class EngineProcesses:
     def __init__(self, args: EngineArgs, log_level: str = "WARNING") -> None:
         args.validate()
         self.args = args
+        self.log_level = log_level_name(log_level)
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
         self.procs: dict[str, subprocess.Popen] = {}
         try:
-            self.ready: EngineReady = self._start(log_level)
+            self.ready: EngineReady = self._start()
         except BaseException:
             # Ctrl-C, a signal or a failure at any moment of start-up: nothing we spawned
             # outlives us, and the socket folder goes.
             self.shutdown()
             raise
 
-    def _start(self, log_level: str) -> EngineReady:
+    def _start(self) -> EngineReady:
         args = self.args
         self.to_core = self.ctx.socket(zmq.PUSH)
         self.to_core.setsockopt(zmq.LINGER, 0)
@@ -220,6 +244,7 @@ class EngineProcesses:
                 core_address=worker_address,
                 dist_init=dist_init,
                 parent_pid=os.getpid(),
+                log_level=self.log_level,
             )
             for rank in range(n)
         ]
@@ -249,12 +274,13 @@ class EngineProcesses:
             record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)
             if args.record_dir is not None
             else None,
+            log_level=self.log_level,
+            check_invariants=args.check_invariants,
         )
-        env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
-        self.procs["engine core"] = spawn("enginecore.core", core_config, env)
+        self.procs["engine core"] = spawn("enginecore.core", core_config)
         for rank in range(0 if args.external_workers else n):
-            self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank], env)
+            self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         return self._wait_ready()
 
     def _wait_ready(self) -> EngineReady:

@@ -34,7 +34,7 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.engine import spawn
+from launch.engine import log_level_name, spawn
 from launch.replay_tables import CoreBlockTables, ReplayMismatch
 from protocol.codec import Codec
 from protocol.config import EngineCoreConfig, ipc_address, ipc_dir
@@ -83,6 +83,7 @@ def replay(
 ) -> ReplaySummary:
     """Replay a recording; ReplayMismatch at the first difference, RecordingError when it
     cannot be replayed at all (version, damage, other model)."""
+    level = log_level_name(log_level)
     recording = Recording(directory)
     manifest = recording.manifest
     parts = _split(recording)
@@ -104,7 +105,6 @@ def replay(
                 step_timeout_s=timeout_s,
             ),
         )
-        env = dict(os.environ, PAGEDSERVE_LOG_LEVEL=log_level)
         dist_init = f"file://{os.path.join(private, 'dist-store')}"
         for rank in range(manifest.world_size):
             config = msgspec.structs.replace(
@@ -114,8 +114,9 @@ def replay(
                 core_address=executor.address,
                 dist_init=dist_init if manifest.world_size > 1 else None,
                 parent_pid=os.getpid(),
+                log_level=level,
             )
-            procs.append(spawn("worker.main", config, env))
+            procs.append(spawn("worker.main", config))
         try:
             hellos = executor.handshake()
         except WorkerDied as e:

@@ -13,6 +13,8 @@ import msgspec
 HashAlgo = Literal["xxh3_128", "sha256"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 GenerationConfigMode = Literal["auto", "none"]
+# logging's level names, upper case: the launcher normalises what the user typed.
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -54,6 +56,11 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The settings the workers were started with (rank 0's), kept in the recording's
     # header so that replay starts equal workers.
     record_worker: WorkerConfig | None = None
+    log_level: LogLevel = "WARNING"
+    # Walk the KV invariants after every step, and require every block back in the pool
+    # whenever no request is open: a debugging aid that costs time per step (the
+    # launcher sets it from PAGEDSERVE_CHECK_INVARIANTS=1).
+    check_invariants: bool = False
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,6 +84,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "auto": generation_config.json's EOS ids stop requests too and its sampling values
     # are the defaults; "none": the file is ignored.
     generation_config: GenerationConfigMode = "auto"
+    log_level: LogLevel = "WARNING"
 
 
 def ipc_dir() -> str:

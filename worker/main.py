@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(config: WorkerConfig) -> int:
     """Serve the core at config.core_address until it says stop; the exit status."""
-    level = os.environ.get("PAGEDSERVE_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s: %(message)s")
     if config.parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C
     try:
