@@ -110,3 +110,15 @@ def test_calibration_starts_on_one_of_the_two_counts() -> None:
     tuner.calibrate(reps=1)
     assert tuner.threads in (1, 2)
     assert torch.get_num_threads() == tuner.threads
+
+
+def test_short_steps_run_on_the_low_count_even_when_every_core_won() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    run(tuner, {1: 0.150, 2: 0.100}, 50)
+    assert tuner.threads == 2
+    # Tiny steps (a small model's decode): one thread, whatever won for long steps.
+    assert run(tuner, {1: 0.0015, 2: 0.0021}, 50)[1:] == [1] * 49
+    # Long again (twice the threshold on one thread): back to every core.
+    used = run(tuner, {1: 0.150, 2: 0.100}, 10, tokens=128)
+    assert used[0] == 1 and used[1:] == [2] * 9
+    assert tuner.threads == 2

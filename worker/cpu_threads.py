@@ -29,7 +29,10 @@ FIRST_PROBE_AFTER = 4  # steps: an idle machine gets the faster count early
 PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
 MAX_PROBE_PERIOD = 1024
 PROBE_STEPS = 2  # steps timed on each count per probe; the fastest of each counts
-MIN_STEP_S = 0.005  # shorter steps do not depend on threads enough to be worth a probe
+# Shorter steps gain little from a second thread and lose much when another process
+# wants the core (the built-in model's 2 ms decode steps: 1.6 ms on one thread, 2.1 on
+# two, idle): they run on the low count, unprobed, until a step takes twice this again.
+MIN_STEP_S = 0.005
 MARGIN = 0.9  # the other count must take at most this share of the time to win
 
 
@@ -37,7 +40,8 @@ class CpuThreadTuner:
     """Picks torch's intra-op thread count between `low` and `high`, step by step.
 
     Call before_step(num_tokens) before a step's compute and after_step(seconds) after.
-    Only steps of equal token count (a steady decode batch) are compared."""
+    Only steps of equal token count (a steady decode batch) are compared; short steps
+    run on `low`."""
 
     def __init__(self, low: int, high: int) -> None:
         if not 1 <= low < high:
@@ -49,7 +53,10 @@ class CpuThreadTuner:
         self._tokens = -1  # the current step's token count
         self._recent: list[float] = []  # the last steps of this token count, chosen count
         self._probe: list[float] | None = None  # times on the other count, while probing
+        # Steps too short for threads to pay: they run on `low` and are never probed.
+        self._short = False
         self.switches = 0
+        self._applied = low
         torch.set_num_threads(low)
 
     @classmethod
@@ -81,6 +88,7 @@ class CpuThreadTuner:
             self.threads = self.high
             self._period = PROBE_PERIOD
         torch.set_num_threads(self.threads)
+        self._applied = self.threads
         log.info(
             "CPU threads: %d (a product took %.2f ms on %d, %.2f ms on %d)",
             self.threads,
@@ -94,26 +102,38 @@ class CpuThreadTuner:
     def other(self) -> int:
         return self.high if self.threads == self.low else self.low
 
+    def _apply(self, threads: int) -> None:
+        if threads != self._applied:
+            torch.set_num_threads(threads)
+            self._applied = threads
+
     def before_step(self, num_tokens: int) -> None:
         if num_tokens != self._tokens:
             self._tokens = num_tokens
             self._recent.clear()
-            if self._probe is not None:  # the batch changed mid-probe: no comparison
-                self._probe = None
-                torch.set_num_threads(self.threads)
-            return
-        if (
-            self._probe is None
-            and self._since_probe >= self._period
-            and len(self._recent) >= PROBE_STEPS
-            and min(self._recent) >= MIN_STEP_S
-        ):
+            self._probe = None  # the batch changed mid-probe: no comparison
+        if self._probe is not None:
+            return  # the probe's steps run on the other count
+        if self._short:
+            self._apply(self.low)
+        elif self._since_probe >= self._period and len(self._recent) >= PROBE_STEPS:
             self._probe = []
-            torch.set_num_threads(self.other)
+            self._apply(self.other)
+        else:
+            self._apply(self.threads)
 
     def after_step(self, seconds: float) -> None:
         probe = self._probe
         if probe is None:
+            if self._short:
+                # Hysteresis: a step that was short on every core may not be on one.
+                if seconds >= 2 * MIN_STEP_S:
+                    self._short = False
+                return
+            if seconds < MIN_STEP_S:
+                self._short = True
+                self._recent.clear()
+                return
             self._since_probe += 1
             self._recent.append(seconds)
             del self._recent[:-PROBE_STEPS]
@@ -138,4 +158,3 @@ class CpuThreadTuner:
             self._recent = probe
         else:
             self._period = min(self._period * 2, MAX_PROBE_PERIOD)
-            torch.set_num_threads(self.threads)
