@@ -364,10 +364,10 @@ def ours_threads() -> tuple[str, int]:
     if "OMP_NUM_THREADS" in os.environ:
         n = int(os.environ["OMP_NUM_THREADS"])
         return str(n), n
-    from worker.model_runner import pick_cpu_threads
+    from worker.cpu_threads import pick_cpu_threads, usable_cores
 
     low = pick_cpu_threads(1)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     if cores < 2:
         return str(low), low
     return f"{low} or {cores}, timed", cores

@@ -35,6 +35,7 @@ class DeviceClock:
         self.launch_s = 0.0  # host time queueing steps (on the CPU: running the model)
         self._busy_since: float | None = None
         self._idle_since: float | None = None  # no idle time counts before the first step
+        self._launch_begin = 0.0
         self._device_first: float | None = None
         self._device_end = 0.0
 

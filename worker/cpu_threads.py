@@ -36,6 +36,20 @@ MIN_STEP_S = 0.005
 MARGIN = 0.9  # the other count must take at most this share of the time to win
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def pick_cpu_threads(world_size: int) -> int:
+    """Intra-op threads for a CPU worker to start with: a share of the cores, leaving one
+    to the core process. Oversubscribed OpenMP threads spin and can make small matmuls
+    10x slower; a worker alone on the cores then tries every core (CpuThreadTuner)."""
+    return max(1, (usable_cores() - 1) // world_size)
+
+
 class CpuThreadTuner:
     """Picks torch's intra-op thread count between `low` and `high`, step by step.
 
@@ -65,8 +79,7 @@ class CpuThreadTuner:
         and a user's OMP_NUM_THREADS keep their fixed counts)."""
         if device.type != "cpu" or world_size != 1 or "OMP_NUM_THREADS" in os.environ:
             return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        cores = cores or os.cpu_count() or 1
+        cores = usable_cores()
         if cores < 2:
             return None
         return cls(cores - 1, cores)

@@ -133,6 +133,9 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                         return
                     if runner.clock is not None:
                         runner.clock.answered(step is not None)
+                    # Steps planned back to back skip the wait above: check here too.
+                    if step is not None and not parent_alive(config.parent_pid):
+                        return
             elif isinstance(msg, WorkerConfigure):
                 runner.initialize(msg)
                 push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))

@@ -48,11 +48,18 @@ class ModelInputs:
     def num_padded_tokens(self) -> int:
         return len(self.input_ids)
 
+    def gather_token_ids(self, batch: InputBatch) -> None:
+        """input_ids from the batch's tokens. Separate from prepare_inputs: a step planned
+        while its predecessor runs gathers them at launch, once that step's tokens are in."""
+        n = self.num_tokens
+        self.input_ids[:n] = batch.token_ids[self.req_rows[:n], self.positions[:n]]
+
 
 def prepare_inputs(
-    batch: InputBatch, so: SchedulerOutput, pad_to: int | None = None
+    batch: InputBatch, so: SchedulerOutput, pad_to: int | None = None, token_ids: bool = True
 ) -> ModelInputs:
-    """Inputs for the step `so`, after `batch.apply(so)`.
+    """Inputs for the step `so`, after `batch.apply(so)`. token_ids=False leaves input_ids
+    to gather_token_ids (a step planned before its predecessor's tokens are known).
 
     A request's scheduled tokens are positions num_computed .. num_computed + n - 1, and
     each must already be known to the batch (a prompt token or one sampled earlier). A
@@ -102,7 +109,6 @@ def prepare_inputs(
     positions = np.zeros(padded, dtype=np.int64)
     positions[:total] = num_computed[req_index] + offsets
     input_ids = np.zeros(padded, dtype=np.int32)
-    input_ids[:total] = batch.token_ids[req_rows[:total], positions[:total]]
 
     slot_mappings = [np.empty(padded, dtype=np.int64) for _ in range(len(batch.block_table))]
     # Padding has row -1, so the block tables give it slot -1.
@@ -112,7 +118,7 @@ def prepare_inputs(
     sampling = np.flatnonzero(samples)
     logits_indices = query_start_loc[1:][sampling].astype(np.int64) - 1
 
-    return ModelInputs(
+    inputs = ModelInputs(
         req_ids=req_ids,
         num_tokens=total,
         input_ids=input_ids,
@@ -129,3 +135,6 @@ def prepare_inputs(
         max_query_len=int(num_scheduled.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
     )
+    if token_ids:
+        inputs.gather_token_ids(batch)
+    return inputs

@@ -28,7 +28,7 @@ from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
 from worker.bench_clock import DeviceClock
-from worker.cpu_threads import CpuThreadTuner
+from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
@@ -70,15 +70,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-def pick_cpu_threads(world_size: int) -> int:
-    """Intra-op threads for a CPU worker to start with: a share of the cores, leaving one
-    to the core process. Oversubscribed OpenMP threads spin and can make small matmuls
-    10x slower; a worker alone on the cores then tries every core (worker/cpu_threads.py).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, ((cores or 1) - 1) // world_size)
-
-
 @dataclass
 class StepInputs:
     """Everything a step needs on the device, prepared on the host."""
@@ -93,10 +84,8 @@ class StepInputs:
     sampling_rows: np.ndarray
     sampling: SamplingTensors
     generators: list[torch.Generator | None]
-    # The host inputs, kept until the token ids are uploaded.
+    # The host inputs, kept until the token ids are gathered and uploaded.
     inputs: ModelInputs | None = None
-    # Planned while the previous step ran: its token ids are gathered again at launch.
-    planned_ahead: bool = False
     # Sampler positions of the requests that asked for logprobs (rank 0 only; None when
     # none did) and how many top alternatives each wants.
     logprob_rows: torch.Tensor | None = None
@@ -413,7 +402,7 @@ class ModelRunner:
         tables and sampling tensors, all on the device. With a step in flight the token
         ids, and the sampling extras that read tokens (penalties), wait for launch()."""
         batch = self.batch
-        inputs = prepare_inputs(batch, so)
+        inputs = prepare_inputs(batch, so, token_ids=False)  # at launch: _finish_prepare
         device = self.device
         buffers = self.buffers
         tables = batch.block_table.commit(batch.num_reqs)
@@ -454,9 +443,8 @@ class ModelRunner:
             sampling=sampling,
             generators=generators,
             inputs=inputs,
-            planned_ahead=self._in_flight is not None,
         )
-        if not step.planned_ahead:
+        if self._in_flight is None:
             self._finish_prepare(step)
         return step
 
@@ -466,10 +454,7 @@ class ModelRunner:
         if self._in_flight is not None or inputs is None:
             raise RuntimeError("a step's token ids were asked for before they were known")
         batch = self.batch
-        if step.planned_ahead:
-            # Planned while the last step ran: its tokens have been filled in since.
-            n = inputs.num_tokens
-            inputs.input_ids[:n] = batch.token_ids[inputs.req_rows[:n], inputs.positions[:n]]
+        inputs.gather_token_ids(batch)
         step.input_ids = self.buffers.input_ids.upload(inputs.input_ids)
         if batch.num_extras and batch.extras[step.sampling_rows].any():
             step.logprob_rows, step.logprob_counts = self._sampling_extras(
