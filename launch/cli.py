@@ -277,6 +277,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# InputLine fields passed to SamplingParams as they are, when set.
+_LINE_OPTIONS = (
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "stop",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+)
+
+
 def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
     """(line number, Prompt) for each non-blank line, or (line number, error string) for a
     bad one, which fails alone."""
@@ -289,21 +304,17 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
             continue
         try:
             line = decoder.decode(raw)
+            # Options the line leaves unset take SamplingParams' own defaults (one source);
+            # those with a command-line flag take the flag's.
+            options = {k: getattr(line, k) for k in _LINE_OPTIONS if getattr(line, k) is not None}
+            if isinstance(line.stop, str):
+                options["stop"] = [line.stop]
             params = SamplingParams(
                 max_tokens=_pick(line.max_tokens, args.max_tokens),
                 temperature=_pick(line.temperature, args.temperature),
                 top_p=_pick(line.top_p, args.top_p),
                 top_k=_pick(line.top_k, args.top_k),
-                seed=line.seed,
-                stop_token_ids=line.stop_token_ids or [],
-                ignore_eos=bool(line.ignore_eos),
-                n=_pick(line.n, 1),
-                stop=[line.stop] if isinstance(line.stop, str) else line.stop or [],
-                min_tokens=_pick(line.min_tokens, 0),
-                presence_penalty=_pick(line.presence_penalty, 0.0),
-                frequency_penalty=_pick(line.frequency_penalty, 0.0),
-                repetition_penalty=_pick(line.repetition_penalty, 1.0),
-                logprobs=line.logprobs,
+                **options,
             )
             params.validate()
             items.append(
