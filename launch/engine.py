@@ -94,9 +94,7 @@ def log_level_name(level: str) -> LogLevel:
     """level as the processes' configs spell it (any case in); ValueError naming the
     choices, before any process starts."""
     name = level.upper() if isinstance(level, str) else level
-    if name not in get_args(LogLevel):
-        choices = ", ".join(get_args(LogLevel))
-        raise ValueError(f"log_level must be one of {choices} (any case), not {level!r}")
+    _check_choice("log_level (any case)", name, LogLevel)
     return cast(LogLevel, name)
 
 
