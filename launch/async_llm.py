@@ -271,12 +271,8 @@ class AsyncLLM:
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
         self._check_running()
         rid = self._request_id(request_id)
-        p = _as_prompt(prompt)
-        params = sampling_params if sampling_params is not None else p.sampling_params
-        params = SamplingParams() if params is None else params
-        params = checked_params(params, f"request {rid}", self.vocab_size)
-        ids = self.inputs.token_ids(p, self.vocab_size)
-        return self._open(rid, [(ids, params, cache_salt or p.cache_salt)], text)
+        one = self._prepare(_as_prompt(prompt), sampling_params, cache_salt, f"request {rid}")
+        return self._open(rid, [one], text)
 
     def generate_many(
         self,
@@ -302,14 +298,21 @@ class AsyncLLM:
             per_prompt = list(sampling_params)
             if len(per_prompt) != len(items):
                 raise ValueError(f"{len(per_prompt)} sampling params for {len(items)} prompts")
-        checked = []
-        for i, (p, params) in enumerate(zip(items, per_prompt)):
-            params = params if params is not None else p.sampling_params
-            params = SamplingParams() if params is None else params
-            params = checked_params(params, f"request {rid} prompt {i}", self.vocab_size)
-            ids = self.inputs.token_ids(p, self.vocab_size)
-            checked.append((ids, params, cache_salt or p.cache_salt))
+        checked = [
+            self._prepare(p, params, cache_salt, f"request {rid} prompt {i}")
+            for i, (p, params) in enumerate(zip(items, per_prompt))
+        ]
         return self._open(rid, checked, text)
+
+    def _prepare(
+        self, p: Prompt, params: SamplingParams | None, cache_salt: str | None, what: str
+    ) -> tuple[list[int], SamplingParams, str | None]:
+        """A prompt's token ids, checked params (the call's, else the prompt's, else the
+        defaults) and cache salt; raises naming `what`."""
+        params = params if params is not None else p.sampling_params
+        params = SamplingParams() if params is None else params
+        params = checked_params(params, what, self.vocab_size)
+        return self.inputs.token_ids(p, self.vocab_size), params, cache_salt or p.cache_salt
 
     def _request_id(self, request_id: str | None) -> str:
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
