@@ -28,7 +28,7 @@ from enginecore.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, Recor
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
-from protocol.sockets import send_or_drop, spin_budget, spin_for_message
+from protocol.sockets import DueWait, send_or_drop, spin_budget
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -78,7 +78,7 @@ class Executor:
         self._rank_alive = [
             functools.partial(self._is_rank_alive, r) for r in range(self.world_size)
         ]
-        self._spin = spin_budget(config.world_size)
+        self._due = DueWait(spin_budget(config.world_size))
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:
@@ -290,8 +290,12 @@ class Executor:
 
     def wait_output(self) -> ModelRunnerOutput:
         timeout = self.config.step_timeout_s
-        spin_for_message(self.results, self._spin)  # a short step's answer: no wake-up
-        msg = self._recv(time.monotonic() + timeout, "model output")
+        msg: WorkerToCore | None
+        if self._due.ready(self.results):  # a short step's answer: no wake-up
+            msg = self._take_result()
+        else:
+            msg = self._recv(time.monotonic() + timeout, "model output")
+            self._due.arrived()
         if msg is None:
             raise WorkerDied(
                 f"worker rank 0 did not answer a step within {timeout:g} s (--step-timeout): "
@@ -343,17 +347,21 @@ class Executor:
                     recv_monitor_message(monitor)
                     raise WorkerDied(self.describe_loss(rank, waiting_for))
             if self.results in events:
-                frame = self.results.recv(copy=False)
-                self.last_frame = frame
-                try:
-                    msg = self.to_core.decode(frame.buffer)
-                except ProtocolError as e:
-                    raise WorkerDied(str(e)) from None
-                if isinstance(msg, WorkerFailed):
-                    raise WorkerDied(self._describe_failure(msg))
-                return msg
+                return self._take_result()
             if not parent_alive(self.config.parent_pid):
                 raise WorkerDied("the launching process is gone")
+
+    def _take_result(self) -> WorkerToCore:
+        """The worker message that waits on the results socket."""
+        frame = self.results.recv(copy=False)
+        self.last_frame = frame
+        try:
+            msg = self.to_core.decode(frame.buffer)
+        except ProtocolError as e:
+            raise WorkerDied(str(e)) from None
+        if isinstance(msg, WorkerFailed):
+            raise WorkerDied(self._describe_failure(msg))
+        return msg
 
     def _describe_failure(self, msg: WorkerFailed) -> str:
         return self._diagnose([msg], "next step")

@@ -18,20 +18,22 @@ import zmq
 SEND_RETRY_MS = 200
 
 # Waking a process blocked in poll() costs from ~20 us to over 1 ms depending on the
-# machine. The core waiting for a step's answer and a worker waiting for its next step
-# can therefore poll without blocking for a while first (never when idle: only where an
-# answer is due). But every frame also crosses each process's ZeroMQ I/O thread, which
-# needs a CPU to move it: a spinning main thread starves its own and the peer's I/O
-# threads unless each process has two CPUs. On this 2-core machine (256-request serial
-# steps, benchmarks/step_overhead.py, alternating runs) the IPC round trip was 467-541 us
-# without polling, 612-617 us polling 200 us and 1330-1390 us polling 1 ms. So it is on
-# only when every process of the group (core and workers) has two CPUs of its own.
-# PAGEDSERVE_SPIN_US overrides it (0: off).
-DEFAULT_SPIN_S = 0.0002
+# machine (a virtual CPU that halted must be woken by the host), and the woken process
+# then runs on cold caches. The core waiting for a step's answer and a worker waiting for
+# its next step can therefore poll without blocking first, when the answer is due soon:
+# never when idle, and only while the last such wait was short (a long model step is not
+# worth a CPU spinning beside it). Every frame also crosses each process's ZeroMQ I/O
+# thread, which needs a CPU to move it, so a process spins only when the group leaves it
+# a CPU of its own. On a 2-core machine (benchmarks/step_overhead.py --requests 256,
+# serial steps of ~1.3 ms, 500 steps each, alternating): IPC round trip 145-146 us
+# blocking, 93-100 us polling up to 200 us, 87-88 us up to 1 ms, 82-91 us up to 3 ms.
+# PAGEDSERVE_SPIN_US overrides the budget (0: off).
+DEFAULT_SPIN_S = 0.001
 
 
 def spin_budget(world_size: int) -> float:
-    """Seconds the core and each of world_size workers poll before blocking."""
+    """Seconds the core and each of world_size workers may poll for a due message before
+    blocking: DEFAULT_SPIN_S when every process of the group has a CPU, else 0."""
     env = os.environ.get("PAGEDSERVE_SPIN_US")
     if env is not None:
         try:
@@ -39,7 +41,32 @@ def spin_budget(world_size: int) -> float:
         except ValueError:
             raise ValueError(f"PAGEDSERVE_SPIN_US must be a number, got {env!r}") from None
     cpus = len(os.sched_getaffinity(0))
-    return DEFAULT_SPIN_S if cpus >= 2 * (world_size + 1) else 0.0
+    return DEFAULT_SPIN_S if cpus >= world_size + 1 else 0.0
+
+
+class DueWait:
+    """The wait for a message that is due (a step's answer, the next step): polls without
+    blocking for up to the budget while the previous such wait fit in it; the caller
+    blocks as usual when ready() says no, then reports the arrival."""
+
+    __slots__ = ("_start", "budget", "last")
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget = budget_s
+        self.last = 0.0  # seconds the previous due message took to come
+        self._start = 0.0
+
+    def ready(self, sock: zmq.Socket) -> bool:
+        """True as soon as a message waits on sock; False once spinning does not pay."""
+        start = self._start = time.perf_counter()
+        if self.last > self.budget or not spin_for_message(sock, self.budget):
+            return False
+        self.last = time.perf_counter() - start
+        return True
+
+    def arrived(self) -> None:
+        """A blocking wait that followed ready() ended with the message."""
+        self.last = time.perf_counter() - self._start
 
 
 def send_or_drop(

@@ -7,16 +7,16 @@ import os
 import pytest
 import zmq
 
-from protocol.sockets import DEFAULT_SPIN_S, spin_budget, spin_for_message
+from protocol.sockets import DEFAULT_SPIN_S, DueWait, spin_budget, spin_for_message
 
 
-def test_spin_budget_only_when_every_process_has_two_cpus(monkeypatch) -> None:
+def test_spin_budget_only_when_every_process_has_a_cpu(monkeypatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_SPIN_US", raising=False)
     cpus = len(os.sched_getaffinity(0))
     for world_size in (1, 2, 4):
-        want = DEFAULT_SPIN_S if cpus >= 2 * (world_size + 1) else 0.0
+        want = DEFAULT_SPIN_S if cpus >= world_size + 1 else 0.0
         assert spin_budget(world_size) == want
-    assert spin_budget(cpus) == 0.0  # more processes than CPUs: never
+    assert spin_budget(cpus) == 0.0  # more processes (core + workers) than CPUs: never
     monkeypatch.setenv("PAGEDSERVE_SPIN_US", "50")
     assert spin_budget(cpus) == pytest.approx(50e-6)
     monkeypatch.setenv("PAGEDSERVE_SPIN_US", "fast")
@@ -35,6 +35,34 @@ def test_spin_for_message_sees_a_waiting_frame_and_gives_up_without_one() -> Non
         a.send(b"step")
         assert spin_for_message(b, 5.0)  # returns as soon as it is there
         assert b.recv() == b"step"
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def test_due_wait_spins_only_while_the_last_wait_was_short() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://due")
+        b.connect("inproc://due")
+        due = DueWait(5.0)
+        a.send(b"step")
+        assert due.ready(b)  # due and waiting: taken without blocking
+        assert b.recv() == b"step"
+        assert 0.0 <= due.last < 5.0
+        due.last = 6.0  # the last step's message took longer than the budget
+        a.send(b"step")
+        assert not due.ready(b)  # so it does not even look: the caller blocks
+        assert b.poll(1000) and b.recv() == b"step"
+        due.arrived()  # that blocking wait was short: spinning pays again
+        assert due.last < 5.0
+        a.send(b"step")
+        assert due.ready(b) and b.recv() == b"step"
+        off = DueWait(0.0)
+        a.send(b"step")
+        assert not off.ready(b)  # no budget: always the blocking wait
     finally:
         a.close(linger=0)
         b.close(linger=0)

@@ -23,7 +23,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
-from protocol.sockets import send_or_drop, spin_budget, spin_for_message
+from protocol.sockets import DueWait, send_or_drop, spin_budget
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -90,17 +90,20 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    spin = spin_budget(config.world_size)
+    due = DueWait(spin_budget(config.world_size))
     answered = False  # the last step was answered: the next one is due soon
+    waited = False  # blocked for a due step: its arrival time tells DueWait
     ready = {pull: zmq.POLLIN}
     held: CoreToWorker | None = None  # arrived while a step ran; handled after its answer
     try:
         while True:
             if held is None:
                 # Right after a step, its successor is due: catch it without a wake-up.
-                events = (
-                    ready if answered and spin_for_message(pull, spin) else dict(poller.poll(500))
-                )
+                if answered and due.ready(pull):
+                    events = ready
+                else:
+                    waited = waited or answered
+                    events = dict(poller.poll(500))
                 answered = False
                 if monitor in events and pull not in events and not pull.poll(100):
                     # The core closed its end (its shutdown message, if any, came first).
@@ -111,6 +114,9 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
                     return
                 if pull not in events:
                     continue
+                if waited:
+                    due.arrived()
+                    waited = False
                 msg = from_core.decode(pull.recv(copy=False).buffer)
             else:
                 msg, held = held, None
