@@ -318,8 +318,9 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
             prepared = runner.prepare_step(wso)
             req_ids = prepared.sampling_req_ids
         t.append(clock())
-        reqs = batch.requests  # the fake model: as the peer's, one token per sampler
-        tokens = [(1000 + 31 * int(r) + len(reqs[r].output_token_ids)) % vocab for r in req_ids]
+        # The fake model: as the peer's, one token per sampler (its rows hold the outputs).
+        done = (batch.num_tokens - batch.num_prompt_tokens)[prepared.sampling_rows].tolist()
+        tokens = [(1000 + 31 * int(r) + k) % vocab for r, k in zip(req_ids, done)]
         t.append(clock())
         with worker:
             batch.append_sampled(req_ids, tokens, prepared.sampling_rows)

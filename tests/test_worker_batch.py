@@ -155,8 +155,8 @@ def check(batch: InputBatch, ref: Ref) -> None:
     assert set(batch.requests) == set(ref.reqs)
     for r, q in ref.reqs.items():
         state = batch.requests[r]
-        assert state.prompt_token_ids + state.output_token_ids == q.tokens
-        assert state.num_computed_tokens == q.computed
+        assert state.prompt_token_ids + batch.output_token_ids(r) == q.tokens
+        assert batch.num_computed_of(r) == q.computed
         if not q.running:
             with pytest.raises(ValueError, match=r):
                 batch.block_ids_of(r)
@@ -247,7 +247,7 @@ def test_scripted_stream() -> None:
     assert mi.slot_mappings[0].tolist() == [*range(40, 48), 13 * 4, 13 * 4 + 1, -1, -1]
     assert mi.slot_mappings[1][8:10].tolist() == [26 * 2, 26 * 2 + 1]
     assert (mi.max_query_len, mi.max_seq_len, mi.num_padded_tokens) == (8, 8, 12)
-    assert b.requests["B"].output_token_ids == [1000]
+    assert b.output_token_ids("B") == [1000]
 
     # 2. New C, A finishes its prefill with new blocks in both groups, B decodes with a
     #    new block in group 1 only.
@@ -284,7 +284,7 @@ def test_scripted_stream() -> None:
         )
     )
     assert b.req_id_to_row == {"C": 0, "D": 1}
-    assert b.requests["B"].output_token_ids == [1000, 1003, 1004]
+    assert b.output_token_ids("B") == [1000, 1003, 1004]
     assert not b.block_table[0].table[2:].any() and not b.block_table[1].table[2:].any()
 
     # 5. C finishes while B resumes with a replaced table and a prefix hit: B recomputes
@@ -462,7 +462,7 @@ def test_prepare_inputs_and_append_sampled_errors() -> None:
         b.append_sampled(["A", "A"], [1, 2])
     with pytest.raises(ValueError, match="2 tokens"):
         b.append_sampled(["A"], [1, 2])
-    assert b.requests["A"].output_token_ids == [4]  # failed calls changed nothing
+    assert b.output_token_ids("A") == [4]  # failed calls changed nothing
 
 
 def test_slot_mapping_checks_rows() -> None:

@@ -10,9 +10,11 @@ After every `apply()` the live rows are dense: 0 .. num_reqs - 1.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import compress, repeat
+from operator import is_not
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -23,11 +25,18 @@ from worker.block_table import MultiGroupBlockTable
 if TYPE_CHECKING:
     import torch
 
+T = TypeVar("T")
+
 
 @dataclass
 class CachedRequestState:
     """Everything the worker knows about one request, in the batch or preempted. Its
-    block ids live only in the block table (a preempted request holds none)."""
+    block ids live only in the block table (a preempted request holds none).
+
+    While the request holds a row, the row is the truth for its sampled tokens and its
+    progress (a step touches no per-request object); num_computed_tokens and
+    output_token_ids here are as of its admission and are brought up to date when it
+    leaves the batch (InputBatch.output_token_ids reads either)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -122,6 +131,19 @@ class InputBatch:
         except KeyError as e:
             raise ValueError(f"request {e.args[0]!r} is not in the batch") from None
 
+    def output_token_ids(self, req_id: str) -> list[int]:
+        """The tokens sampled for req_id so far (its row's, while it has one)."""
+        row = self.req_id_to_row.get(req_id)
+        if row is None:
+            return list(self.requests[req_id].output_token_ids)
+        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
+
+    def num_computed_of(self, req_id: str) -> int:
+        row = self.req_id_to_row.get(req_id)
+        if row is None:
+            return self.requests[req_id].num_computed_tokens
+        return int(self.num_computed_tokens[row])
+
     def block_ids_of(self, req_id: str) -> list[list[int]]:
         """The request's live block-table rows, per group."""
         row = self.row_of(req_id)
@@ -164,6 +186,9 @@ class InputBatch:
                 raise ValueError(f"preempted request {req_id!r} is not in the batch")
             # The core freed its blocks (the row's table goes with the row); its tokens
             # stay for the recompute on resume.
+            state = self.requests[req_id]
+            state.output_token_ids = self.output_token_ids(req_id)
+            state.num_computed_tokens = self.num_computed_of(req_id)
             self._remove(req_id)
 
     def _apply_new(self, so: SchedulerOutput) -> None:
@@ -206,52 +231,64 @@ class InputBatch:
                 f"num_computed_tokens={len(cached.num_computed_tokens)}, "
                 f"resumed={len(cached.resumed)}"
             )
-        rows: list[int] = []  # batch rows of the running (not resumed) requests
-        for req_id, new_ids, num_computed, resumed, skipped in zip(
-            cached.req_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            cached.resumed,
-            cached.num_skipped_blocks,
+        req_ids, computed = cached.req_ids, cached.num_computed_tokens
+        if any(cached.resumed):
+            self._apply_resumed(so)
+            running = [i for i, resumed in enumerate(cached.resumed) if not resumed]
+            req_ids = [req_ids[i] for i in running]
+            computed = [computed[i] for i in running]
+        if not req_ids:
+            return
+        # A decode step touches every running request: look their rows up in one pass
+        # and visit only the few that got blocks or lost some to a window.
+        rows = list(map(self.req_id_to_row.get, req_ids))
+        if None in rows:
+            req_id = req_ids[rows.index(None)]
+            if req_id not in self.requests:
+                raise ValueError(f"cached request {req_id!r} is unknown to the worker")
+            raise ValueError(f"cached request {req_id!r} is not in the batch")
+        table, to_row = self.block_table, self.req_id_to_row
+        for req_id, new_ids, resumed in _where_set(
+            cached.new_block_ids, cached.req_ids, cached.resumed
         ):
+            if not resumed:  # a resumed request's ids were its whole table
+                self._check_groups(req_id, new_ids)
+                table.append_row(new_ids, to_row[req_id])
+        for req_id, skipped, resumed in _where_set(
+            cached.num_skipped_blocks, cached.req_ids, cached.resumed
+        ):
+            if not resumed:
+                # The core freed blocks a sliding window left behind: forget their ids
+                # here too, so nothing can read blocks now owned by other requests.
+                table.null_prefix(skipped, to_row[req_id])
+        # One vectorised bounds check and write for every running request.
+        row_arr = np.array(rows, dtype=np.int64)
+        num_computed = np.array(computed, dtype=np.int64)
+        bad = (num_computed < 0) | (num_computed > self.num_tokens[row_arr])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            self._check_computed(req_ids[i], int(num_computed[i]), int(self.num_tokens[rows[i]]))
+        self.num_computed_tokens[row_arr] = num_computed
+
+    def _apply_resumed(self, so: SchedulerOutput) -> None:
+        """Resumed requests come back with their whole table and their progress."""
+        cached = so.cached_reqs
+        for req_id, new_ids, num_computed, resumed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, cached.resumed
+        ):
+            if not resumed:
+                continue
             state = self.requests.get(req_id)
             if state is None:
                 raise ValueError(f"cached request {req_id!r} is unknown to the worker")
-            if resumed:
-                self._check_computed(req_id, num_computed, state.num_tokens)
-                if req_id in self.req_id_to_row:
-                    raise ValueError(f"resumed request {req_id!r} is already in the batch")
-                if new_ids is None:
-                    raise ValueError(f"resumed request {req_id!r} came without its block table")
-                self._check_groups(req_id, new_ids)
-                state.num_computed_tokens = num_computed
-                self._admit(state, new_ids)
-                continue
-            row = self.req_id_to_row.get(req_id)
-            if row is None:
-                raise ValueError(f"cached request {req_id!r} is not in the batch")
-            if new_ids is not None:
-                self._check_groups(req_id, new_ids)
-                self.block_table.append_row(new_ids, row)
-            if skipped is not None:
-                # The core freed blocks a sliding window left behind: forget their ids
-                # here too, so nothing can read blocks now owned by other requests.
-                self.block_table.null_prefix(skipped, row)
+            self._check_computed(req_id, num_computed, state.num_tokens)
+            if req_id in self.req_id_to_row:
+                raise ValueError(f"resumed request {req_id!r} is already in the batch")
+            if new_ids is None:
+                raise ValueError(f"resumed request {req_id!r} came without its block table")
+            self._check_groups(req_id, new_ids)
             state.num_computed_tokens = num_computed
-            rows.append(row)
-        if rows:
-            # One vectorised bounds check and write for every running request.
-            row_arr = np.array(rows, dtype=np.int64)
-            computed = np.array(
-                [c for c, r in zip(cached.num_computed_tokens, cached.resumed) if not r],
-                dtype=np.int64,
-            )
-            bad = (computed < 0) | (computed > self.num_tokens[row_arr])
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                rid = [q for q, r in zip(cached.req_ids, cached.resumed) if not r][i]
-                self._check_computed(rid, int(computed[i]), int(self.num_tokens[row_arr[i]]))
-            self.num_computed_tokens[row_arr] = computed
+            self._admit(state, new_ids)
 
     @staticmethod
     def _check_computed(req_id: str, num_computed: int, num_tokens: int) -> None:
@@ -302,25 +339,17 @@ class InputBatch:
         """The tokens of the slots reserve() counted. rows: where they were reserved, or
         None when apply() ran since (rows may have moved; requests it finished are gone,
         and a request's reserved slot is its last)."""
-        requests = self.requests
         if rows is None:
-            found = []
-            kept = []
+            # The requests still here (one the core finished meanwhile is gone, and the
+            # core drops its token too), wherever apply() moved them.
             to_row = self.req_id_to_row
-            for req_id, tok in zip(req_ids, token_ids):
-                state = requests.get(req_id)
-                if state is None:
-                    continue  # finished meanwhile: the core drops this token too
-                state.output_token_ids.append(int(tok))
-                found.append(to_row[req_id])
-                kept.append(tok)
-            if found:
-                row_arr = np.array(found, dtype=np.int64)
-                self.token_ids[row_arr, self.num_tokens[row_arr] - 1] = kept
-            return
-        for req_id, tok in zip(req_ids, token_ids):
-            requests[req_id].output_token_ids.append(int(tok))
-        # One fancy-indexed write for the whole step.
+            found = [(to_row[r], t) for r, t in zip(req_ids, token_ids) if r in to_row]
+            if not found:
+                return
+            row_list, kept = zip(*found)
+            rows = np.array(row_list, dtype=np.int64)
+            token_ids = kept
+        # One fancy-indexed write for the whole step: the rows hold the sampled tokens.
         self.token_ids[rows, self.num_tokens[rows] - 1] = np.asarray(token_ids, dtype=np.int32)
 
     # -- rows ---------------------------------------------------------------------
@@ -414,3 +443,11 @@ class InputBatch:
                 f"request {req_id!r}: block ids for {len(block_ids)} KV cache groups, "
                 f"expected {len(self.block_table)}"
             )
+
+
+def _where_set(
+    values: Sequence[T | None], req_ids: Sequence[str], resumed: Sequence[bool]
+) -> Iterator[tuple[str, T, bool]]:
+    """(req_id, value, resumed) where value is not None, found without a Python-level
+    test per request (most decode steps set a handful of a few hundred)."""
+    return compress(zip(req_ids, values, resumed), map(is_not, values, repeat(None)))
