@@ -38,7 +38,6 @@ class Request:
 
     __slots__ = (
         "_extra_keys_of",
-        "_hash_at",
         "_hasher",
         "all_token_ids",
         "block_hash_inputs",
@@ -46,8 +45,10 @@ class Request:
         "cache_salt",
         "finish_reason",
         "has_extra_keys",
+        "hash_at",
         "known_to_worker",
         "lora_id",
+        "max_num_tokens",
         "mm_placeholders",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -93,6 +94,8 @@ class Request:
         self.finish_reason: str | None = None
         # Prefix-cache hit at first admission (-1: not admitted yet), reported to clients.
         self.num_cached_tokens = -1
+        # Where it stops by length; the scheduler caps it at max_model_len on admission.
+        self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
         # Once a worker holds its state, finishing it must be announced to the worker.
         self.known_to_worker = False
         self.cache_salt = cache_salt
@@ -115,10 +118,10 @@ class Request:
         self._extra_keys_of = self.extra_keys if self.has_extra_keys else None
         if block_hasher is None:
             pack_token_ids(self.all_token_ids)  # same validation either way
-            self._hash_at = _NEVER
+            self.hash_at = _NEVER
         else:
             try:
-                self._extend_hashes()
+                self.extend_hashes()
             except ValueError as e:
                 raise ValueError(f"request {request_id}: {e}") from None
 
@@ -137,8 +140,8 @@ class Request:
     def append_output_token_ids(self, token_id: int) -> None:
         ids = self.all_token_ids
         ids.append(token_id)
-        if len(ids) >= self._hash_at:
-            self._extend_hashes()
+        if len(ids) >= self.hash_at:
+            self.extend_hashes()
 
     def extra_keys(self, start: int, end: int) -> ExtraKeys:
         """Everything besides token ids that shapes the K/V of positions start .. end - 1."""
@@ -157,12 +160,13 @@ class Request:
             keys.append(("salt", self.cache_salt))
         return tuple(keys) or None
 
-    def _extend_hashes(self) -> None:
+    def extend_hashes(self) -> None:
+        """Hash the blocks that filled (due once the request holds hash_at tokens)."""
         hasher = self._hasher
         hasher.extend(
             self.block_hashes, self.all_token_ids, self._extra_keys_of, self.block_hash_inputs
         )
-        self._hash_at = (len(self.block_hashes) + 1) * hasher.block_size
+        self.hash_at = (len(self.block_hashes) + 1) * hasher.block_size
 
     def __repr__(self) -> str:
         return (

@@ -141,7 +141,10 @@ class Scheduler:
             return RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")
         # Unset sampling fields take the model's defaults here, once, so the workers
         # only ever see complete parameters whoever the client was.
-        request.sampling_params = request.sampling_params.resolve(self.sampling_defaults)
+        params = request.sampling_params = request.sampling_params.resolve(self.sampling_defaults)
+        request.max_num_tokens = min(
+            request.num_prompt_tokens + params.max_tokens, self.config.max_model_len
+        )
         self.requests[rid] = request
         self.waiting.append(request)
         return None
@@ -327,7 +330,7 @@ class Scheduler:
             computed = request.num_computed_tokens
             pending = request.num_pending_tokens
             remaining = num_new = len(request.all_token_ids) + pending - computed
-            if pending and self._ends_at_pending(request):
+            if pending and computed + remaining >= request.max_num_tokens:
                 i += 1  # its token in flight ends it by length: running it on is waste
                 continue
             if num_new > budget:
@@ -444,15 +447,6 @@ class Scheduler:
             preempted_req_ids=plan.preempted,
         )
 
-    def _ends_at_pending(self, request: Request) -> bool:
-        """Whether the request's tokens in flight finish it by length (max_tokens or
-        max_model_len), so that no further step is worth scheduling for it."""
-        n = len(request.all_token_ids) + request.num_pending_tokens
-        return (
-            n - request.num_prompt_tokens >= request.sampling_params.max_tokens
-            or n >= self.config.max_model_len
-        )
-
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -477,7 +471,6 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
         eos = self.eos_token_ids
-        max_len = self.config.max_model_len
         # Parallel to req_ids when some request asked; else one shared None per token.
         logprobs = output.logprobs or repeat(None)
         get_request = self.requests.get
@@ -490,8 +483,12 @@ class Scheduler:
             if pending < 0:  # the engine stops: no undo
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
             request.num_pending_tokens = pending
-            request.append_output_token_ids(token)
-            num_tokens = len(request.all_token_ids)
+            # Request.append_output_token_ids, inlined: this loop runs once per token.
+            ids = request.all_token_ids
+            ids.append(token)
+            num_tokens = len(ids)
+            if num_tokens >= request.hash_at:
+                request.extend_hashes()
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
@@ -503,9 +500,7 @@ class Scheduler:
             ) and num_tokens - request.num_prompt_tokens > params.min_tokens:
                 # Not below min_tokens (where the worker does not sample them either).
                 reason = "stop"
-            elif num_tokens - request.num_prompt_tokens >= params.max_tokens or (
-                num_tokens >= max_len
-            ):
+            elif num_tokens >= request.max_num_tokens:
                 reason = "length"
             if reason is not None:
                 if running:

@@ -130,7 +130,10 @@ def prepare_inputs(
         block_table_rows=rows,
         slot_mappings=slot_mappings,
         logits_indices=logits_indices,
-        sampling_req_ids=[req_ids[i] for i in sampling.tolist()],
+        # A decode step samples every request: no list built per step for that.
+        sampling_req_ids=(
+            req_ids if len(sampling) == num_reqs else [req_ids[i] for i in sampling.tolist()]
+        ),
         sampling_rows=rows[sampling].astype(np.int64),
         max_query_len=int(num_scheduled.max(initial=0)),
         max_seq_len=int(seq_lens.max(initial=0)),
