@@ -58,11 +58,11 @@ class BlockPool:
         self.num_evictions = 0
         # Drained every step by the core (take_events), so it holds one step's events.
         self._events: list[KVCacheEvent] = []
-        # Evicted hashes not yet in _events, per group: an allocation evicts many blocks,
-        # and one BlockRemoved per group names them all. Flushed before any later event,
-        # so subscribers still see every change in order.
-        self._removed: list[list[bytes]] = [[] for _ in range(num_groups)]
-        self._any_removed = False
+        # Hashes evicted this step and not yet in _events, per group (a dict: ordered, and
+        # "is it pending" in O(1)). One BlockRemoved per group at the end of the step names
+        # them all; only a hash cached again first must be announced removed before that
+        # store. A subscriber applying the step in order ends with the core's index.
+        self._removed: list[dict[bytes, None]] = [{} for _ in range(num_groups)]
         self.event_medium = event_medium  # where the workers keep KV, named for subscribers
 
     # -- capacity ---------------------------------------------------------------------
@@ -208,16 +208,18 @@ class BlockPool:
         index = self.cached_block_hash_to_block[group_id]
         null = self.null_block
         events = self.enable_kv_events
-        run_start = -1  # first block of the current run of newly findable hashes
+        # Hashes evicted earlier in this step (None when events are off).
+        removed = self._removed[group_id] if events else None
+        run_start = num_cached_blocks  # first block of the current run of newly findable hashes
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block is null or block.block_hash is not None:
                 # A stored event names consecutive blocks: one that is skipped (a window's
                 # null block, or cached already) ends the run, so the event's token ids
                 # and parent always match its hashes.
-                if run_start >= 0:
+                if events and run_start < i:
                     self._emit_stored(request, run_start, i, block_size, stride, group_id)
-                    run_start = -1
+                run_start = i + 1
                 continue
             block_hash = hashes[(i + 1) * stride - 1]
             block.block_hash = block_hash
@@ -228,18 +230,20 @@ class BlockPool:
             entry = index.get(block_hash)
             if entry is None:
                 index[block_hash] = block
-                if events and run_start < 0:
-                    run_start = i
+                if removed and block_hash in removed:
+                    # Evicted earlier in this step: subscribers must see the removal
+                    # before this store (runs stored before it are in _events already).
+                    self._flush_removed()
                 continue
             # Equal content already findable under this hash: subscribers know it.
             if entry.__class__ is KVCacheBlock:
                 index[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
-            if run_start >= 0:
+            if events and run_start < i:
                 self._emit_stored(request, run_start, i, block_size, stride, group_id)
-                run_start = -1
-        if run_start >= 0:
+            run_start = i + 1
+        if events and run_start < num_full_blocks:
             self._emit_stored(request, run_start, num_full_blocks, block_size, stride, group_id)
 
     def _emit_stored(
@@ -252,21 +256,19 @@ class BlockPool:
         group_id: int,
     ) -> None:
         """One event for blocks first..last-1 of the request's table in this group."""
-        if self._any_removed:
-            self._flush_removed()  # evictions that came first stay first
         hashes = request.block_hashes
-        extra = None
-        if request.has_extra_keys:
-            extra = [
-                request.extra_keys(i * block_size, (i + 1) * block_size) or None
-                for i in range(first, last)
-            ]
         if stride == 1:
             block_hashes = hashes[first:last]
             parent = hashes[first - 1] if first else None
         else:
             block_hashes = [hashes[(i + 1) * stride - 1] for i in range(first, last)]
             parent = hashes[first * stride - 1] if first else None
+        extra = None
+        if request.has_extra_keys:
+            extra = [
+                request.extra_keys(i * block_size, (i + 1) * block_size) or None
+                for i in range(first, last)
+            ]
         self._events.append(
             BlockStored(
                 block_hashes,
@@ -299,8 +301,7 @@ class BlockPool:
         block.group_id = -1
         self.num_evictions += 1
         if gone and self.enable_kv_events:
-            self._removed[group_id].append(block_hash)
-            self._any_removed = True
+            self._removed[group_id][block_hash] = None
 
     def evict_cached_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Forget the cached content of free blocks (for example, KV found corrupt or
@@ -329,24 +330,21 @@ class BlockPool:
             block.hash_input = None
             block.group_id = -1
         if self.enable_kv_events:
-            self._flush_removed()
+            for removed in self._removed:
+                removed.clear()  # the clear announces them too
             self._events.append(AllBlocksCleared())
         return True
 
     # -- events -----------------------------------------------------------------------
     def _flush_removed(self) -> None:
-        if not self._any_removed:
-            return
-        self._any_removed = False
         medium = self.event_medium
-        for group_id, hashes in enumerate(self._removed):
-            if hashes:
-                self._events.append(BlockRemoved(hashes, medium, group_id))
-                self._removed[group_id] = []
+        for group_id, removed in enumerate(self._removed):
+            if removed:
+                self._events.append(BlockRemoved(list(removed), medium, group_id))
+                removed.clear()
 
     def take_events(self) -> list[KVCacheEvent]:
-        if self._any_removed:
-            self._flush_removed()
+        self._flush_removed()
         events = self._events
         if not events:
             return events  # most steps: nothing happened, nothing to allocate
