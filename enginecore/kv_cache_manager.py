@@ -117,8 +117,10 @@ class KVCacheManager:
         num_in_flight_tokens are computed tokens a step still in flight may be reading:
         sliding-window blocks are freed only behind the committed ones.
         """
-        # A decode step that crosses no block boundary: one lookup, a few comparisons,
-        # no object allocated. Everything else takes the general path below.
+        # A running request's next tokens in the single full-attention group: a lookup
+        # and a few comparisons, and a pop from the pool when they start a block.
+        # Everything else (hits, lookahead, external KV, hybrid groups, new requests, bad
+        # arguments) takes the general path below.
         if (
             self._flat
             and num_new_tokens > 0
@@ -132,10 +134,19 @@ class KVCacheManager:
                 total = computed + num_new_tokens
                 bs = self._flat_block_size
                 if (
-                    total <= len(blocks) * bs
-                    and total <= len(request.all_token_ids) + request.num_pending_tokens
+                    total <= len(request.all_token_ids) + request.num_pending_tokens
                     and total <= self.max_model_len
                 ):
+                    needed = -(-total // bs) - len(blocks)
+                    if needed > 0:
+                        pool = self.block_pool
+                        if needed > pool.get_num_free_blocks():
+                            return None
+                        new_blocks = pool.get_new_blocks(needed)
+                        blocks.extend(new_blocks)
+                        allocated: KVCacheBlocks = (new_blocks,)
+                    else:
+                        allocated = self.empty_blocks
                     # A block filled: publish it (unless its KV is still arriving).
                     if (
                         total // bs != computed // bs
@@ -143,7 +154,7 @@ class KVCacheManager:
                         and not delay_cache_blocks
                     ):
                         self._flat_manager.cache_blocks(request, total)
-                    return self.empty_blocks
+                    return allocated
         return self._allocate_slots(
             request,
             num_new_tokens,
