@@ -75,6 +75,7 @@ from peer import PEER_PYTHON, PEER_SCRIPTS, PEERS_DIR, run_peer_script  # noqa: 
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from launch.builtin_model import write_llama_checkpoint  # noqa: E402
+from launch.engine import spin_requested  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
 from protocol.engine import CoreMessage, EngineOutputs, SamplingParams  # noqa: E402
 from protocol.kv_cache import KVCacheConfig  # noqa: E402
@@ -528,6 +529,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
     n = a.requests
     directory = ipc_dir()
     worker_address = ipc_address(directory, "workers")
+    spin = spin_requested()  # PAGEDSERVE_SPIN_US, as the launcher reads it
     core_config = EngineCoreConfig(
         input_address=ipc_address(directory, "input"),
         output_address=ipc_address(directory, "output"),
@@ -538,6 +540,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
         hash_algo=a.hash,
         num_gpu_blocks=s.num_blocks,
         handshake_timeout_s=120.0,
+        spin_us=spin,
     )
     worker_config = WorkerConfig(
         model=str(model_dir),
@@ -547,6 +550,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
         block_size=a.block_size,
         device=a.device,
         parent_pid=os.getpid(),
+        spin_us=spin,
     )
     timings_path = Path(directory) / "worker_timings.json"
     config_json = msgspec.json.encode(worker_config).decode()

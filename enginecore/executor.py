@@ -78,7 +78,7 @@ class Executor:
         self._rank_alive = [
             functools.partial(self._is_rank_alive, r) for r in range(self.world_size)
         ]
-        self._due = DueWait(spin_budget(config.world_size))
+        self._due = DueWait(spin_budget(config.world_size, config.spin_us))
         self.poller = zmq.Poller()
         self.poller.register(self.results, zmq.POLLIN)
         for monitor in self.monitors:

@@ -107,6 +107,24 @@ def invariant_checks_requested() -> bool:
     return os.environ.get(CHECK_INVARIANTS_ENV) == "1"
 
 
+# A machine-tuning override of how long the core and workers poll for a due message
+# before blocking (protocol/sockets.py), in microseconds; 0 turns polling off.
+SPIN_ENV = "PAGEDSERVE_SPIN_US"
+
+
+def spin_requested() -> float | None:
+    value = os.environ.get(SPIN_ENV)
+    if value is None:
+        return None
+    try:
+        spin = float(value)
+    except ValueError:
+        raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {value!r}") from None
+    if not 0 <= spin <= 1e6:
+        raise ValueError(f"{SPIN_ENV} must be in [0, 1000000] microseconds, got {value!r}")
+    return spin
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped; the message says which process and why."""
 
@@ -149,6 +167,8 @@ class EngineArgs:
     # The core walks the KV invariants after every step (slow; debugging and tests).
     # Read when the args are made, so a test's environment applies to the engines it starts.
     check_invariants: bool = field(default_factory=invariant_checks_requested)
+    # Microseconds the processes poll for a due message (None: each machine's default).
+    spin_us: float | None = field(default_factory=spin_requested)
 
     def validate(self) -> None:
         for name in (
@@ -166,6 +186,8 @@ class EngineArgs:
             if self.num_gpu_blocks < 2:
                 raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
             check_core_memory(self.num_gpu_blocks)  # before any process starts
+        if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
+            raise ValueError(f"spin_us must be in [0, 1000000], got {self.spin_us}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         _check_choice("dtype", self.dtype, DType)
@@ -243,6 +265,7 @@ class EngineProcesses:
                 dist_init=dist_init,
                 parent_pid=os.getpid(),
                 log_level=self.log_level,
+                spin_us=args.spin_us,
             )
             for rank in range(n)
         ]
@@ -274,6 +297,7 @@ class EngineProcesses:
             else None,
             log_level=self.log_level,
             check_invariants=args.check_invariants,
+            spin_us=args.spin_us,
         )
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
         self.procs["engine core"] = spawn("enginecore.core", core_config)

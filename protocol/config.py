@@ -61,6 +61,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # whenever no request is open: a debugging aid that costs time per step (the
     # launcher sets it from PAGEDSERVE_CHECK_INVARIANTS=1).
     check_invariants: bool = False
+    # Microseconds to poll for a step's answer before blocking (protocol/sockets.py);
+    # None: the default for the machine the core runs on.
+    spin_us: float | None = None
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +88,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # are the defaults; "none": the file is ignored.
     generation_config: GenerationConfigMode = "auto"
     log_level: LogLevel = "WARNING"
+    # Microseconds to poll for the next step before blocking (protocol/sockets.py);
+    # None: the default for the machine the worker runs on.
+    spin_us: float | None = None
 
 
 def ipc_dir() -> str:

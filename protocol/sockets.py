@@ -27,19 +27,16 @@ SEND_RETRY_MS = 200
 # a CPU of its own. On a 2-core machine (benchmarks/step_overhead.py --requests 256,
 # serial steps of ~1.3 ms, 500 steps each, alternating): IPC round trip 145-146 us
 # blocking, 93-100 us polling up to 200 us, 87-88 us up to 1 ms, 82-91 us up to 3 ms.
-# PAGEDSERVE_SPIN_US overrides the budget (0: off).
+# The launcher's PAGEDSERVE_SPIN_US overrides the budget (0: off) through the configs.
 DEFAULT_SPIN_S = 0.001
 
 
-def spin_budget(world_size: int) -> float:
+def spin_budget(world_size: int, override_us: float | None = None) -> float:
     """Seconds the core and each of world_size workers may poll for a due message before
-    blocking: DEFAULT_SPIN_S when every process of the group has a CPU, else 0."""
-    env = os.environ.get("PAGEDSERVE_SPIN_US")
-    if env is not None:
-        try:
-            return max(0.0, float(env) / 1e6)
-        except ValueError:
-            raise ValueError(f"PAGEDSERVE_SPIN_US must be a number, got {env!r}") from None
+    blocking: override_us when set (0: never), else DEFAULT_SPIN_S when every process of
+    the group has a CPU of its own, else 0."""
+    if override_us is not None:
+        return max(0.0, override_us / 1e6)
     cpus = len(os.sched_getaffinity(0))
     return DEFAULT_SPIN_S if cpus >= world_size + 1 else 0.0
 

@@ -7,21 +7,30 @@ import os
 import pytest
 import zmq
 
+from launch.engine import SPIN_ENV, EngineArgs
 from protocol.sockets import DEFAULT_SPIN_S, DueWait, spin_budget, spin_for_message
 
 
-def test_spin_budget_only_when_every_process_has_a_cpu(monkeypatch) -> None:
-    monkeypatch.delenv("PAGEDSERVE_SPIN_US", raising=False)
+def test_spin_budget_only_when_every_process_has_a_cpu() -> None:
     cpus = len(os.sched_getaffinity(0))
     for world_size in (1, 2, 4):
         want = DEFAULT_SPIN_S if cpus >= world_size + 1 else 0.0
         assert spin_budget(world_size) == want
     assert spin_budget(cpus) == 0.0  # more processes (core + workers) than CPUs: never
-    monkeypatch.setenv("PAGEDSERVE_SPIN_US", "50")
-    assert spin_budget(cpus) == pytest.approx(50e-6)
-    monkeypatch.setenv("PAGEDSERVE_SPIN_US", "fast")
+    assert spin_budget(cpus, 50.0) == pytest.approx(50e-6)  # the launcher's override
+    assert spin_budget(1, 0.0) == 0.0
+
+
+def test_the_spin_override_is_read_by_the_launcher_and_checked(monkeypatch) -> None:
+    monkeypatch.setenv(SPIN_ENV, "50")
+    assert EngineArgs(model="m").spin_us == 50.0
+    monkeypatch.setenv(SPIN_ENV, "fast")
     with pytest.raises(ValueError, match="PAGEDSERVE_SPIN_US must be a number"):
-        spin_budget(1)
+        EngineArgs(model="m")
+    monkeypatch.delenv(SPIN_ENV)
+    assert EngineArgs(model="m").spin_us is None
+    with pytest.raises(ValueError, match="spin_us must be in"):
+        EngineArgs(model="m", spin_us=-1.0).validate()
 
 
 def test_spin_for_message_sees_a_waiting_frame_and_gives_up_without_one() -> None:

@@ -90,7 +90,7 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    due = DueWait(spin_budget(config.world_size))
+    due = DueWait(spin_budget(config.world_size, config.spin_us))
     answered = False  # the last step was answered: the next one is due soon
     waited = False  # blocked for a due step: its arrival time tells DueWait
     ready = {pull: zmq.POLLIN}
