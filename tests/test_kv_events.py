@@ -240,6 +240,86 @@ def test_content_evicted_and_stored_again_in_one_step_is_removed_first() -> None
     assert cached == set(m.block_pool.cached_block_hash_to_block[0])
 
 
+def test_a_step_announces_its_evictions_once_after_its_stores() -> None:
+    """Two allocations in one step each evict cached blocks and store new ones: one
+    BlockRemoved names every eviction, after the stores (no hash in it was stored again),
+    and applying the step in order gives the core's cached hashes."""
+    m = make_manager(9, enable_kv_events=True)
+    cached: set[bytes] = set()
+    for name, prompt in (("a", [*tokens("ABCDEFGH"), 1]), ("b", [*tokens("IJKLMNOP"), 2])):
+        r = Request(name, prompt, m.block_hasher)
+        admit(m, r)
+        m.free(r)
+        cached.update(r.block_hashes)
+    m.take_events()
+    # One step: c takes six of the eight free blocks (two of them cached), d the last two.
+    c = Request("c", list(range(100, 121)), m.block_hasher)
+    d = Request("d", list(range(200, 206)), m.block_hasher)
+    assert m.allocate_slots(c, c.num_tokens) is not None
+    assert m.allocate_slots(d, d.num_tokens) is not None
+    events = m.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored", "BlockRemoved"]
+    assert set(events[2].block_hashes) == cached  # type: ignore[union-attr]
+    for e in events:
+        if isinstance(e, BlockStored):
+            cached.update(e.block_hashes)
+        else:
+            cached.difference_update(e.block_hashes)  # type: ignore[union-attr]
+    assert cached == set(m.block_pool.cached_block_hash_to_block[0])
+
+
+def test_a_batch_on_the_wire_is_vllm_s_array_of_tagged_maps() -> None:
+    """The bytes a subscriber gets, read without any schema: [ts, events, rank], each event
+    a map tagged by "type" with vLLM's fields."""
+    ctx = zmq.Context()
+    m = make_manager(9, enable_kv_events=True)
+    publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 4, topic="kv")
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        r = Request("r", [*tokens("ABCDEFGH"), 1], m.block_hasher)
+        admit(m, r)
+        publisher.publish(m.take_events())
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        while not dealer.poll(20):
+            publisher.serve_replays()
+        _empty, topic, seq, payload = dealer.recv_multipart()
+        assert (topic, seq) == (b"kv", (0).to_bytes(8, "big"))
+        ts, events, rank = msgspec.msgpack.decode(payload)
+        assert isinstance(ts, float) and rank is None
+        assert events == [
+            {
+                "type": "BlockStored",
+                "block_hashes": r.block_hashes,
+                "parent_block_hash": None,
+                "token_ids": tokens("ABCDEFGH"),
+                "block_size": 4,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "group_idx": 0,
+            }
+        ]
+    finally:
+        dealer.close(linger=0)
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
+def test_without_a_replay_socket_no_batch_is_kept() -> None:
+    """Nobody can ask for a replay, so nothing is buffered for one."""
+    ctx = zmq.Context()
+    manager = make_manager(16, enable_kv_events=True)
+    publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", None, buffer_steps=16)
+    try:
+        churn(manager, publisher, 100, seed=4)
+        assert publisher.next_seq > 50
+        assert not publisher._buffer
+    finally:
+        publisher.close()
+        ctx.destroy(linger=0)
+
+
 def test_memory_stays_bounded_without_subscribers() -> None:
     ctx = zmq.Context()
     manager = make_manager(16, enable_kv_events=True)
