@@ -368,15 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def kv_events_overhead(ops: list[dict[str, Any]], hash_algo: str, repeat: int) -> dict:
     """Replays with KV events off and on, alternating (a load change on a shared machine
-    weighs on both), the events published on a real PUB socket that nobody reads (the
-    worst case for memory: nothing may grow without bound). The overhead is the median of
-    the pairs' on/off ratios."""
+    weighs on both), the events published on a real PUB socket that nobody reads, with a
+    replay socket, so every batch is also kept for replays (the worst case for memory:
+    nothing may grow without bound). The overhead is the median of the pairs' on/off
+    ratios."""
     ctx = zmq.Context()
     try:
         pairs = []
         for _ in range(repeat):
             off = replay(ops, hash_algo)
-            publisher = KVEventPublisher(ctx, "tcp://127.0.0.1:0", None, buffer_steps=1000)
+            publisher = KVEventPublisher(
+                ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=1000
+            )
             on = replay(ops, hash_algo, publisher)
             on["batches"] = publisher.next_seq
             publisher.close()

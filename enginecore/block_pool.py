@@ -257,18 +257,18 @@ class BlockPool:
     ) -> None:
         """One event for blocks first..last-1 of the request's table in this group."""
         hashes = request.block_hashes
-        if stride == 1:
-            block_hashes = hashes[first:last]
-            parent = hashes[first - 1] if first else None
-        else:
-            block_hashes = [hashes[(i + 1) * stride - 1] for i in range(first, last)]
-            parent = hashes[first * stride - 1] if first else None
         extra = None
         if request.has_extra_keys:
             extra = [
                 request.extra_keys(i * block_size, (i + 1) * block_size) or None
                 for i in range(first, last)
             ]
+        if stride == 1:
+            block_hashes = hashes[first:last]
+            parent = hashes[first - 1] if first else None
+        else:
+            block_hashes = [hashes[(i + 1) * stride - 1] for i in range(first, last)]
+            parent = hashes[first * stride - 1] if first else None
         self._events.append(
             BlockStored(
                 block_hashes,

