@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -33,46 +34,43 @@ def test_the_spin_override_is_read_by_the_launcher_and_checked(monkeypatch) -> N
         EngineArgs(model="m", spin_us=-1.0).validate()
 
 
-def test_spin_for_message_sees_a_waiting_frame_and_gives_up_without_one() -> None:
+@pytest.fixture
+def pair() -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A connected inproc PAIR: (sender, receiver)."""
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://spin")
-        b.connect("inproc://spin")
-        assert not spin_for_message(b, 0.0)  # off: no look at all
-        assert not spin_for_message(b, 0.001)  # nothing sent: the budget runs out
-        a.send(b"step")
-        assert spin_for_message(b, 5.0)  # returns as soon as it is there
-        assert b.recv() == b"step"
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
+    a.bind("inproc://spin")
+    b.connect("inproc://spin")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+    ctx.term()
 
 
-def test_due_wait_spins_only_while_the_last_wait_was_short() -> None:
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://due")
-        b.connect("inproc://due")
-        due = DueWait(5.0)
-        a.send(b"step")
-        assert due.ready(b)  # due and waiting: taken without blocking
-        assert b.recv() == b"step"
-        assert 0.0 <= due.last < 5.0
-        due.last = 6.0  # the last step's message took longer than the budget
-        a.send(b"step")
-        assert not due.ready(b)  # so it does not even look: the caller blocks
-        assert b.poll(1000) and b.recv() == b"step"
-        due.arrived()  # that blocking wait was short: spinning pays again
-        assert due.last < 5.0
-        a.send(b"step")
-        assert due.ready(b) and b.recv() == b"step"
-        off = DueWait(0.0)
-        a.send(b"step")
-        assert not off.ready(b)  # no budget: always the blocking wait
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
+def test_spin_for_message_sees_a_waiting_frame_and_gives_up_without_one(pair) -> None:
+    a, b = pair
+    assert not spin_for_message(b, 0.0)  # off: no look at all
+    assert not spin_for_message(b, 0.001)  # nothing sent: the budget runs out
+    a.send(b"step")
+    assert spin_for_message(b, 5.0)  # returns as soon as it is there
+    assert b.recv() == b"step"
+
+
+def test_due_wait_spins_only_while_the_last_wait_was_short(pair) -> None:
+    a, b = pair
+    due = DueWait(5.0)
+    a.send(b"step")
+    assert due.ready(b)  # due and waiting: taken without blocking
+    assert b.recv() == b"step"
+    assert 0.0 <= due.last < 5.0
+    due.last = 6.0  # the last step's message took longer than the budget
+    a.send(b"step")
+    assert not due.ready(b)  # so it does not even look: the caller blocks
+    assert b.poll(1000) and b.recv() == b"step"
+    due.arrived()  # that blocking wait was short: spinning pays again
+    assert due.last < 5.0
+    a.send(b"step")
+    assert due.ready(b) and b.recv() == b"step"
+    off = DueWait(0.0)
+    a.send(b"step")
+    assert not off.ready(b)  # no budget: always the blocking wait
