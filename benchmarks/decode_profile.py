@@ -56,12 +56,13 @@ from real_model import fetch_real_model  # noqa: E402
 
 import worker.model_runner as model_runner_module  # noqa: E402
 import worker.models.llama as llama_module  # noqa: E402
+from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks  # noqa: E402
 from enginecore.request import Request  # noqa: E402
-from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from enginecore.scheduler import Scheduler  # noqa: E402
 from kernels import AttentionKernels  # noqa: E402
+from launch.engine import EngineArgs, runner_config  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
-from protocol.config import WorkerConfig  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from protocol.kv_cache import NULL_BLOCK_ID  # noqa: E402
 from protocol.worker import CoreToWorker, WorkerConfigure, WorkerToCore  # noqa: E402
@@ -180,17 +181,8 @@ def instrument(timers: Timers, runner: ModelRunner, codecs: tuple[Codec, Codec])
 
 
 def make_runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(
-        WorkerConfig(
-            model=str(model_dir),
-            rank=0,
-            world_size=1,
-            core_address="",
-            block_size=BLOCK_SIZE,
-            device="cpu",
-            dtype="float32",
-        )
-    )
+    args = EngineArgs(model=str(model_dir), block_size=BLOCK_SIZE, device="cpu", dtype="float32")
+    return ModelRunner(runner_config(args))
 
 
 def run_workload(
@@ -203,10 +195,9 @@ def run_workload(
     num_blocks = 1 + num_reqs * -(-max_model_len // BLOCK_SIZE)
     kv_config = with_num_blocks(groups, num_blocks)
     max_tokens = num_reqs * (prompt_len + a.spread)
+    settings = EngineArgs(model="unused", max_num_batched_tokens=max_tokens, max_num_seqs=num_reqs)
     scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=max_tokens, max_num_seqs=num_reqs, max_model_len=max_model_len
-        ),
+        scheduler_config(settings, max_model_len=max_model_len),
         kv_config,
         runner.model_config.vocab_size,
     )

@@ -63,11 +63,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks  # noqa: E402
 from enginecore.request import Request  # noqa: E402
-from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from enginecore.scheduler import Scheduler  # noqa: E402
+from launch.engine import EngineArgs, runner_config  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
-from protocol.config import WorkerConfig  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec  # noqa: E402
 from protocol.worker import (  # noqa: E402
@@ -210,11 +211,12 @@ def run_workload(
     per_group = [
         g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_config.kv_cache_groups
     ]
-    config = SchedulerConfig(
+    settings = EngineArgs(
+        model="unused",
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=max(len(prompts), 1),
-        max_model_len=max_model_len,
     )
+    config = scheduler_config(settings, max_model_len=max_model_len)
     scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
     scheduler.check_capacity()
     runner.initialize(
@@ -321,17 +323,8 @@ def run_mix(sliding: int, full: int, a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hybrid-kv-") as tmp:
         log(f"mix {sliding}:{full}: a {len(types)}-layer checkpoint (window {a.window})")
         build_checkpoint(Path(tmp), a, types)
-        runner = ModelRunner(
-            WorkerConfig(
-                model=tmp,
-                rank=0,
-                world_size=1,
-                core_address="",
-                block_size=a.block_size,
-                device="cpu",
-                dtype="float32",
-            )
-        )
+        args = EngineArgs(model=tmp, block_size=a.block_size, device="cpu", dtype="float32")
+        runner = ModelRunner(runner_config(args))
     specs = runner.kv_cache_specs()
     layouts = {"hybrid": specs, "all_full": all_full_specs(specs)}
 
@@ -398,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prompt-min", type=int, default=1300)
     w.add_argument("--prompt-max", type=int, default=1800)
     w.add_argument("--decode", type=int, default=256, help="greedy tokens per request")
-    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     w.add_argument("--max-num-batched-tokens", type=int, default=512)
     w.add_argument("--budget-mib", type=float, default=16.0, help="KV storage of the fixed run")
     w.add_argument("--budget-requests", type=int, default=64, help="requests of the fixed run")

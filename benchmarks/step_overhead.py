@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -72,10 +73,11 @@ sys.path.insert(0, str(ROOT))
 
 from peer import PEER_PYTHON, PEER_SCRIPTS, PEERS_DIR, run_peer_script  # noqa: E402
 
+from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.request import Request  # noqa: E402
-from enginecore.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from enginecore.scheduler import Scheduler  # noqa: E402
 from launch.builtin_model import write_llama_checkpoint  # noqa: E402
-from launch.engine import spin_requested  # noqa: E402
+from launch.engine import EngineArgs, core_config, runner_config, worker_config  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
 from protocol.engine import CoreMessage, EngineOutputs, SamplingParams  # noqa: E402
 from protocol.kv_cache import KVCacheConfig  # noqa: E402
@@ -158,13 +160,20 @@ class Setup:
         bs = a.block_size
         self.max_model_len = max(len(p) for p in prompts) + self.max_tokens + bs
         self.num_blocks = sum(-(-(len(p) + self.max_tokens) // bs) for p in prompts) + 16
-        self.sched_config = SchedulerConfig(
+        # The engine's settings for this run, as the launcher takes them; every config
+        # below is made from them, as the launcher makes its own.
+        self.args = EngineArgs(
+            model="unused",  # each run names its checkpoint
+            block_size=bs,
+            num_gpu_blocks=self.num_blocks,
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_num_seqs=a.requests,
             max_model_len=self.max_model_len,
             enable_prefix_caching=True,
             hash_algo=a.hash,
+            device=a.device,
         )
+        self.sched_config = scheduler_config(self.args, max_model_len=self.max_model_len)
         self.params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
 
     def configure(self, kv_config: KVCacheConfig) -> WorkerConfigure:
@@ -260,22 +269,12 @@ def run_inprocess(s: Setup, model_dir: Path, profile_steps: int) -> dict[str, An
     import numpy as np
 
     from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
-    from protocol.config import WorkerConfig
     from worker.model_inputs import prepare_inputs
     from worker.model_runner import ModelRunner
 
     a = s.a
     n = a.requests
-    runner = ModelRunner(
-        WorkerConfig(
-            model=str(model_dir),
-            rank=0,
-            world_size=1,
-            core_address="",
-            block_size=a.block_size,
-            device=a.device,
-        )
-    )
+    runner = ModelRunner(runner_config(dataclasses.replace(s.args, model=str(model_dir))))
     # As Executor.build_kv_cache_config does with a num_gpu_blocks override.
     sized = make_kv_cache_config(runner.kv_cache_specs(), runner.available_kv_memory())
     kv_config = with_num_blocks(sized.kv_cache_groups, s.num_blocks)
@@ -523,37 +522,33 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
     import zmq
 
     from enginecore.executor import Executor
-    from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address, ipc_dir
+    from protocol.config import ipc_address, ipc_dir
 
     a = s.a
     n = a.requests
     directory = ipc_dir()
     worker_address = ipc_address(directory, "workers")
-    spin = spin_requested()  # PAGEDSERVE_SPIN_US, as the launcher reads it
-    core_config = EngineCoreConfig(
+    # spin_us: PAGEDSERVE_SPIN_US, read by EngineArgs as the launcher reads it.
+    args = dataclasses.replace(s.args, model=str(model_dir), startup_timeout_s=120.0)
+    core = core_config(
+        args,
         input_address=ipc_address(directory, "input"),
         output_address=ipc_address(directory, "output"),
         worker_address=worker_address,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_num_seqs=n,
-        max_model_len=s.max_model_len,
-        hash_algo=a.hash,
-        num_gpu_blocks=s.num_blocks,
-        handshake_timeout_s=120.0,
-        spin_us=spin,
+        log_level="WARNING",
     )
-    worker_config = WorkerConfig(
-        model=str(model_dir),
+    worker = worker_config(
+        args,
+        model=args.model,
         rank=0,
         world_size=1,
         core_address=worker_address,
-        block_size=a.block_size,
-        device=a.device,
         parent_pid=os.getpid(),
-        spin_us=spin,
+        log_level="WARNING",
+        spin_us=args.spin_us,
     )
     timings_path = Path(directory) / "worker_timings.json"
-    config_json = msgspec.json.encode(worker_config).decode()
+    config_json = msgspec.json.encode(worker).decode()
     if a.worker_hooks:
         options = {
             "attention": a.attention,
@@ -572,7 +567,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
     else:
         cmd = [sys.executable, "-m", "worker.main", config_json]
     ctx = zmq.Context()
-    executor = Executor(ctx, core_config)
+    executor = Executor(ctx, core)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL)
     try:
         executor.handshake()
@@ -788,9 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
         "with 4096 the host path measured ~1.7x slower here, with 32000 the head alone "
         "takes ~25 ms a step",
     )
-    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default=EngineArgs.hash_algo)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     p.add_argument("--device", default="cpu", help="worker device (cpu, cuda, auto)")
     p.add_argument("--seed", type=int, default=1, help="synthetic prompts")
     p.add_argument(

@@ -18,6 +18,7 @@ import sys
 import traceback
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -47,6 +48,24 @@ from protocol.sockets import send_or_drop
 from protocol.worker import SchedulerOutput, WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
+
+
+# The scheduler's settings that EngineCoreConfig and EngineArgs both carry, by name.
+SCHEDULER_SETTINGS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_prefix_caching",
+    "hash_algo",
+)
+
+
+def scheduler_config(settings: object, **fields: Any) -> SchedulerConfig:
+    """A scheduler's config: SCHEDULER_SETTINGS read from settings (the core's
+    EngineCoreConfig, or EngineArgs where a test or tool runs a Scheduler in-process),
+    plus the fields known only once the workers answered (max_model_len, ...)."""
+    return SchedulerConfig(
+        **{name: getattr(settings, name) for name in SCHEDULER_SETTINGS}, **fields
+    )
 
 
 class ClientGone(RuntimeError):
@@ -107,12 +126,9 @@ class EngineCore:
                 f"positions (max_position_embeddings)"
             )
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
-        sched_config = SchedulerConfig(
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
+        sched_config = scheduler_config(
+            self.config,
             max_model_len=max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            hash_algo=self.config.hash_algo,
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,

@@ -80,11 +80,13 @@ class DuplicateRequestId(ValueError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    hash_algo: HashAlgo = "xxh3_128"
+    # Required: the settings take EngineArgs' values (through enginecore.core's
+    # scheduler_config), max_model_len the core's resolved limit; no second copy here.
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    hash_algo: HashAlgo
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)

@@ -23,7 +23,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address
+from launch.engine import EngineArgs, core_config, worker_config
+from protocol.config import ipc_address
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -58,18 +59,27 @@ def main(argv: list[str] | None = None) -> int:
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(CoreMessage).decode
 
-    core_config = EngineCoreConfig(
+    # The configs have no defaults of their own to fall back on: EngineArgs holds them,
+    # and the launcher's helpers make both configs from it.
+    args = EngineArgs(model=a.model, device="cpu")
+    core = core_config(
+        args,
         input_address=inp,
         output_address=out,
         worker_address=ipc_address(sockets_dir, "workers"),
-        parent_pid=None,
+        log_level="WARNING",
     )
-    worker = WorkerConfig(
-        model=a.model, rank=0, world_size=1, core_address=core_config.worker_address, device="cpu"
+    worker = worker_config(
+        args,
+        model=a.model,
+        rank=0,
+        world_size=1,
+        core_address=core.worker_address,
+        log_level="WARNING",
     )
     procs = [
         subprocess.Popen([sys.executable, "-m", mod, msgspec.json.encode(cfg).decode()])
-        for mod, cfg in (("enginecore.core", core_config), ("worker.main", worker))
+        for mod, cfg in (("enginecore.core", core), ("worker.main", worker))
     ]
     summary: dict = {"tokens": {}, "finish": {}, "rejected": []}
     try:

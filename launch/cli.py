@@ -18,7 +18,7 @@ from typing import Any, get_args
 import msgspec
 
 from launch.engine import EngineArgs
-from protocol.config import DType, GenerationConfigMode, HashAlgo, LogLevel
+from protocol.config import DType, GenerationConfigMode, HashAlgo, LogLevel, WorkerConfig
 from protocol.engine import SamplingParams
 
 
@@ -65,6 +65,10 @@ def _positive(name: str):
         return value
 
     return parse
+
+
+# WorkerConfig's few own defaults (settings no launcher but this one sets).
+_WORKER_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(WorkerConfig)}
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -249,12 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run one worker rank that connects to a core")
     w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
     w.add_argument("--rank", type=int, required=True)
-    w.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive("--tp"), default=1)
+    w.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=_positive("--tp"),
+        default=EngineArgs.tensor_parallel_size,
+    )
     w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
     w.add_argument(
         "--core-timeout",
         type=float,
-        default=300.0,
+        default=_WORKER_DEFAULTS["core_timeout_s"],
         help="seconds to wait for the core to answer before giving up",
     )
     _add_worker_flags(w)

@@ -74,6 +74,50 @@ def worker_config(settings: object, **fields: Any) -> WorkerConfig:
     return WorkerConfig(**{name: getattr(settings, name) for name in WORKER_SETTINGS}, **fields)
 
 
+def runner_config(args: EngineArgs, rank: int = 0, world_size: int = 1) -> WorkerConfig:
+    """The config of a ModelRunner made in this process (tests, benchmarks): no core to
+    connect to, and the process's own logging, so the log level given is never read."""
+    return worker_config(
+        args,
+        model=args.model,
+        rank=rank,
+        world_size=world_size,
+        core_address="",
+        log_level="WARNING",
+    )
+
+
+# EngineArgs settings that EngineCoreConfig carries under the same name.
+CORE_SETTINGS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_prefix_caching",
+    "hash_algo",
+    "prefix_cache_hash_seed",
+    "num_gpu_blocks",
+    "step_timeout_s",
+    "block_size",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "log_kv",
+    "async_scheduling",
+    "check_invariants",
+    "spin_us",
+)
+
+
+def core_config(args: EngineArgs, **fields: Any) -> EngineCoreConfig:
+    """The core's config: args' settings, plus the fields that differ per launch (its
+    sockets, log level, parent, recording)."""
+    return EngineCoreConfig(
+        **{name: getattr(args, name) for name in CORE_SETTINGS},
+        world_size=args.tensor_parallel_size,
+        handshake_timeout_s=args.startup_timeout_s,
+        **fields,
+    )
+
+
 def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
     """`python -m module '<config as JSON>'`: how every engine process starts (in this
     process's environment, unchanged)."""
@@ -269,38 +313,22 @@ class EngineProcesses:
             )
             for rank in range(n)
         ]
-        core_config = EngineCoreConfig(
+        core = core_config(
+            args,
             input_address=input_address,
             output_address=output_address,
             worker_address=worker_address,
-            world_size=n,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=args.enable_prefix_caching,
-            hash_algo=args.hash_algo,
-            prefix_cache_hash_seed=args.prefix_cache_hash_seed,
-            num_gpu_blocks=args.num_gpu_blocks,
-            handshake_timeout_s=args.startup_timeout_s,
-            step_timeout_s=args.step_timeout_s,
-            block_size=args.block_size,
             parent_pid=os.getpid(),
             private_dir=self._dir,
-            kv_events_endpoint=args.kv_events_endpoint,
-            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-            log_kv=args.log_kv,
-            async_scheduling=args.async_scheduling,
             record_dir=None if args.record_dir is None else os.path.abspath(args.record_dir),
             # Without this launch's pid and rendezvous: replay gives its own.
             record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)
             if args.record_dir is not None
             else None,
             log_level=self.log_level,
-            check_invariants=args.check_invariants,
-            spin_us=args.spin_us,
         )
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
-        self.procs["engine core"] = spawn("enginecore.core", core_config)
+        self.procs["engine core"] = spawn("enginecore.core", core)
         for rank in range(0 if args.external_workers else n):
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         return self._wait_ready()

@@ -34,10 +34,10 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.engine import log_level_name, spawn
+from launch.engine import EngineArgs, core_config, log_level_name, spawn
 from launch.replay_tables import CoreBlockTables, ReplayMismatch
 from protocol.codec import Codec
-from protocol.config import EngineCoreConfig, ipc_address, ipc_dir
+from protocol.config import ipc_address, ipc_dir
 from protocol.worker import (
     CoreToWorker,
     ModelRunnerOutput,
@@ -92,17 +92,25 @@ def replay(
     procs: list[subprocess.Popen] = []
     executor = None
     try:
-        # Replay has no client: the core's client addresses stay unused.
+        # Replay has no client and no scheduler: the core's client addresses and its
+        # scheduler settings stay unused; the spin is the machine's own, as the recorded
+        # workers' settings are theirs.
+        args = EngineArgs(
+            model=manifest.model,
+            tensor_parallel_size=manifest.world_size,
+            block_size=manifest.block_size,
+            startup_timeout_s=timeout_s,
+            step_timeout_s=timeout_s,
+            spin_us=None,
+        )
         executor = Executor(
             ctx,
-            EngineCoreConfig(
+            core_config(
+                args,
                 input_address="",
                 output_address="",
                 worker_address=ipc_address(private, "workers"),
-                world_size=manifest.world_size,
-                block_size=manifest.block_size,
-                handshake_timeout_s=timeout_s,
-                step_timeout_s=timeout_s,
+                log_level=level,
             ),
         )
         dist_init = f"file://{os.path.join(private, 'dist-store')}"

@@ -17,26 +17,36 @@ GenerationConfigMode = Literal["auto", "none"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
-class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# Which fields have a default. A setting that has a default in EngineArgs (or another
+# launcher default, like the log level) is required here: a second copy of that default
+# would silently win whenever a launcher forgot to pass the setting, while a missing
+# field fails the process at start-up, naming it. Only two kinds of field default: None
+# where it means "this launch has none" (no parent to watch, no rendezvous, no recording,
+# no events socket, no spin override), never a tuned value; and the few settings that
+# EngineArgs lacks, whose only copy is this one (kv_events_buffer_steps, kv_events_topic;
+# core_timeout_s, which `pagedserve worker --core-timeout` takes as its default).
+# kw_only: a required field can stay next to the fields it belongs with.
+class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     input_address: str  # client -> core (the client binds)
     output_address: str  # core -> client (the client binds)
     worker_address: str  # where the core binds for its workers (see worker_sockets)
-    world_size: int = 1
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's own limit
-    enable_prefix_caching: bool = True
-    hash_algo: HashAlgo = "xxh3_128"
+    world_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int | None  # None: the model's own limit
+    enable_prefix_caching: bool
+    hash_algo: HashAlgo
     # Fixes the secret root of the block hashes (None: random at each start). Replicas
     # behind one KV-aware router need the same one; keep it private.
-    prefix_cache_hash_seed: str | None = None
-    num_gpu_blocks: int | None = None  # None: what the workers' memory allows
-    handshake_timeout_s: float = 300.0
+    prefix_cache_hash_seed: str | None
+    num_gpu_blocks: int | None  # None: what the workers' memory allows
+    handshake_timeout_s: float
     # A step rank 0 has not answered after this long fails the open requests (a stopped
     # or stuck rank would otherwise hang the engine without a word).
-    step_timeout_s: float = 300.0
-    # Workers must have been started with this block size (external ones may differ).
-    block_size: int | None = None
+    step_timeout_s: float
+    # Workers must have been started with this block size (external ones may differ);
+    # None: not checked.
+    block_size: int | None
     parent_pid: int | None = None  # exit when this process is gone
     # The launcher's socket folder; removed by the core if the launcher vanishes.
     private_dir: str | None = None
@@ -47,47 +57,48 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events_buffer_steps: int = 10_000
     kv_events_topic: str = ""
     # One log line per step: each scheduled request's hits, blocks per group, new blocks.
-    log_kv: bool = False
+    log_kv: bool
     # Send step N+1 before step N's answer arrives, so the workers never wait for the
     # core's host path (False: strictly one step at a time).
-    async_scheduling: bool = True
+    async_scheduling: bool
     # Record every core<->worker frame here (enginecore/recording.py); None: off.
     record_dir: str | None = None
     # The settings the workers were started with (rank 0's), kept in the recording's
     # header so that replay starts equal workers.
     record_worker: WorkerConfig | None = None
-    log_level: LogLevel = "WARNING"
+    log_level: LogLevel
     # Walk the KV invariants after every step, and require every block back in the pool
     # whenever no request is open: a debugging aid that costs time per step (the
     # launcher sets it from PAGEDSERVE_CHECK_INVARIANTS=1).
-    check_invariants: bool = False
+    check_invariants: bool
     # Microseconds to poll for a step's answer before blocking (protocol/sockets.py);
     # None: the default for the machine the core runs on.
     spin_us: float | None = None
 
 
-class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# The same rule for which fields default as EngineCoreConfig's (above).
+class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     model: str  # a local Hugging Face directory
     rank: int
     world_size: int
     core_address: str  # the core's worker address (see worker_sockets)
-    block_size: int = 16
-    dtype: DType = "auto"
-    device: str = "auto"
-    kv_cache_memory: int | None = None  # bytes; None: a default (CPU) or what the GPU has
+    block_size: int
+    dtype: DType
+    device: str
+    kv_cache_memory: int | None  # bytes; None: a default (CPU) or what the GPU has
     # The largest step the core schedules: a GPU worker profiles one to keep its
-    # activations out of the KV budget (the defaults match EngineArgs').
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    seed: int = 0
+    # activations out of the KV budget.
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    seed: int
     dist_init: str | None = None  # torch.distributed init method when world_size > 1
     parent_pid: int | None = None
     # How long to wait for the core to answer the connection before giving up.
     core_timeout_s: float = 300.0
     # "auto": generation_config.json's EOS ids stop requests too and its sampling values
     # are the defaults; "none": the file is ignored.
-    generation_config: GenerationConfigMode = "auto"
-    log_level: LogLevel = "WARNING"
+    generation_config: GenerationConfigMode
+    log_level: LogLevel
     # Microseconds to poll for the next step before blocking (protocol/sockets.py);
     # None: the default for the machine the worker runs on.
     spin_us: float | None = None

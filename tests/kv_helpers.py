@@ -6,6 +6,9 @@ from typing import Any
 
 from enginecore import KVCacheManager, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens
+from enginecore.core import scheduler_config
+from enginecore.scheduler import SchedulerConfig
+from launch.engine import EngineArgs
 from protocol.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -14,6 +17,12 @@ from protocol.kv_cache import (
     SlidingWindowSpec,
 )
 from protocol.kv_events import BlockStored
+
+
+def sched_config(max_model_len: int, **settings: Any) -> SchedulerConfig:
+    """The scheduler config the core would make from these EngineArgs settings (its
+    defaults for the rest); the scheduler reads no model."""
+    return scheduler_config(EngineArgs(model="unused", **settings), max_model_len=max_model_len)
 
 
 def full(block_size: int = 4) -> FullAttentionSpec:

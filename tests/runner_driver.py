@@ -17,13 +17,14 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
+from kv_helpers import sched_config
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
+from launch.engine import EngineArgs, runner_config
 from protocol.codec import Codec
-from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure
 from worker.model_runner import ModelRunner
@@ -83,17 +84,8 @@ class RunRecord:
 
 def make_runner(model_dir: str, rank: int = 0, world_size: int = 1) -> ModelRunner:
     """A CPU float32 runner as a worker process builds it (TP joins from the environment)."""
-    config = WorkerConfig(
-        model=model_dir,
-        rank=rank,
-        world_size=world_size,
-        core_address="",
-        device="cpu",
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        seed=7,
-    )
-    return ModelRunner(config)
+    args = EngineArgs(model=model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, seed=7)
+    return ModelRunner(runner_config(args, rank=rank, world_size=world_size))
 
 
 def drive(
@@ -110,9 +102,10 @@ def drive(
     probe = KVCacheManager(with_num_blocks(groups, 2), max_model_len=MAX_MODEL_LEN)
     need = probe.max_blocks_held(LONGEST_REQUEST, MAX_NUM_BATCHED_TOKENS)
     kv_config = with_num_blocks(groups, 1 + need + need // 2)
-    scheduler = Scheduler(
-        SchedulerConfig(MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_MODEL_LEN), kv_config, vocab
+    config = sched_config(
+        MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS
     )
+    scheduler = Scheduler(config, kv_config, vocab)
     runner.initialize(
         WorkerConfigure(kv_config, MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS)
     )

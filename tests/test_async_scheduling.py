@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from cli_helpers import generate_cli
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from kv_helpers import sched_config
 from runner_driver import BLOCK_SIZE, make_runner
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
 from protocol.codec import Codec
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.worker import (
@@ -49,7 +50,8 @@ class Overlapped:
     def __init__(self, runner: ModelRunner, num_blocks: int, eos: tuple[int, ...] = ()) -> None:
         groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
         kv_config = with_num_blocks(groups, num_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(64, 8, MAX_LEN), kv_config, VOCAB, eos)
+        config = sched_config(MAX_LEN, max_num_batched_tokens=64, max_num_seqs=8)
+        self.scheduler = Scheduler(config, kv_config, VOCAB, eos)
         runner.initialize(WorkerConfigure(kv_config, 8, MAX_LEN, 64))
         self.runner = runner
         self.to_worker: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
+from kv_helpers import sched_config
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
+from launch.engine import EngineArgs, runner_config
 from protocol.codec import Codec
-from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
 from protocol.worker import (
     CachedRequestData,
@@ -33,20 +34,12 @@ from worker.model_runner import ModelRunner
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     path = tmp_path_factory.mktemp("qwen2")
     save_checkpoint("qwen2", path)
-    return ModelRunner(
-        WorkerConfig(
-            model=str(path), rank=0, world_size=1, core_address="", block_size=4, device=CPU
-        )
-    )
+    return ModelRunner(runner_config(EngineArgs(model=str(path), block_size=4, device=CPU)))
 
 
 def test_a_step_before_configure_is_refused_by_name(tmp_path) -> None:
     save_checkpoint("qwen2", tmp_path)
-    fresh = ModelRunner(
-        WorkerConfig(
-            model=str(tmp_path), rank=0, world_size=1, core_address="", block_size=4, device=CPU
-        )
-    )
+    fresh = ModelRunner(runner_config(EngineArgs(model=str(tmp_path), block_size=4, device=CPU)))
     step = SchedulerOutput(1, [], CachedRequestData([], [], [], [], []), [], 0, [], [])
     with pytest.raises(ValueError, match="SchedulerOutput before WorkerConfigure"):
         fresh.execute(step)
@@ -59,7 +52,7 @@ def test_worker_tables_follow_the_core(runner: ModelRunner) -> None:
     base = make_kv_cache_config(specs, 1 << 30)
     # 15 usable blocks of 4 tokens: six requests growing to ~30 tokens must preempt.
     kv_config = with_num_blocks(base.kv_cache_groups, 16)
-    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
+    config = sched_config(128, max_num_batched_tokens=32, max_num_seqs=8)
     scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 32))
     to_worker = Codec(CoreToWorker, "core->worker")

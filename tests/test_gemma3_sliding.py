@@ -14,13 +14,14 @@ from pathlib import Path
 
 from cli_helpers import CPU
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from kv_helpers import sched_config
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
 from enginecore.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager
+from launch.engine import EngineArgs, runner_config
 from protocol.codec import Codec
-from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, WorkerConfigure
 from worker.model_runner import ModelRunner
@@ -39,19 +40,12 @@ def cdiv(a: int, b: int) -> int:
 def test_sliding_groups_hold_a_bounded_number_of_blocks_over_a_long_decode(tmp_path: Path) -> None:
     hf_model = save_checkpoint("gemma3", tmp_path)
     runner = ModelRunner(
-        WorkerConfig(
-            model=str(tmp_path),
-            rank=0,
-            world_size=1,
-            core_address="",
-            block_size=BLOCK_SIZE,
-            device=CPU,
-        )
+        runner_config(EngineArgs(model=str(tmp_path), block_size=BLOCK_SIZE, device=CPU))
     )
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
     kv_config = with_num_blocks(groups, NUM_BLOCKS)
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=4, max_model_len=MAX_MODEL_LEN),
+        sched_config(MAX_MODEL_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=4),
         kv_config,
         runner.model_config.vocab_size,
     )

@@ -16,18 +16,19 @@ import pytest
 import torch
 from cli_helpers import CPU
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from kv_helpers import sched_config
 
 from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
 from enginecore.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from launch.engine import EngineArgs, runner_config
 from protocol.codec import Codec
-from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure, WorkerToCore
 from worker.model_runner import ModelRunner
@@ -51,14 +52,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelRunner, torch.
     hf_model = save_checkpoint("qwen2_interleaved", path)
     hf_model.generation_config.eos_token_id = None  # both sides ignore EOS
     runner = ModelRunner(
-        WorkerConfig(
-            model=str(path),
-            rank=0,
-            world_size=1,
-            core_address="",
-            block_size=BLOCK_SIZE,
-            device=CPU,
-        )
+        runner_config(EngineArgs(model=str(path), block_size=BLOCK_SIZE, device=CPU))
     )
     return runner, hf_model
 
@@ -70,10 +64,8 @@ class Engine:
         specs = runner.kv_cache_specs()
         groups = make_kv_cache_config(specs, 1 << 30).kv_cache_groups
         kv_config = with_num_blocks(groups, num_blocks)
-        config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=8,
-            max_model_len=MAX_MODEL_LEN,
+        config = sched_config(
+            MAX_MODEL_LEN, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8
         )
         self.scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
         runner.initialize(WorkerConfigure(kv_config, 8, MAX_MODEL_LEN, max_num_batched_tokens))

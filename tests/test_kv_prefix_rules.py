@@ -235,10 +235,15 @@ def test_the_hash_root_is_a_per_deployment_secret() -> None:
     """Without a seed each engine start draws its own root, so block hashes cannot be
     predicted (or collisions crafted) from outside; equal seeds give equal hashes."""
     from enginecore.core import hash_seed
+    from launch.engine import EngineArgs, core_config
     from protocol.config import EngineCoreConfig
 
-    unseeded = EngineCoreConfig("ipc://a", "ipc://b", "ipc://c")
-    seeded = EngineCoreConfig("ipc://a", "ipc://b", "ipc://c", prefix_cache_hash_seed="s3cret")
+    def config(seed: str | None) -> EngineCoreConfig:
+        args = EngineArgs(model="unused", prefix_cache_hash_seed=seed)
+        sockets = {f"{name}_address": f"ipc://{name}" for name in ("input", "output", "worker")}
+        return core_config(args, **sockets, log_level="WARNING")
+
+    unseeded, seeded = config(None), config("s3cret")
     starts = [hash_seed(unseeded) for _ in range(2)] + [hash_seed(seeded) for _ in range(2)]
     hashes = [Request("r", PROMPT, BlockHasher(4, seed=seed)).block_hashes for seed in starts]
     assert hashes[0] != hashes[1]  # two starts without a seed

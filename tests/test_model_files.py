@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import CPU
+from kv_helpers import sched_config
 
 from enginecore.kv_cache_config import make_kv_cache_config
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
 from launch import LLM, Prompt, SamplingParams
 from launch.chat import ChatTemplate, ChatTemplateError
 from protocol.engine import SamplingDefaults
@@ -40,7 +41,7 @@ def copy_model(src: Path, dst: Path, generation_config: dict | None = None) -> P
 def test_unset_fields_take_the_defaults_and_set_ones_stay() -> None:
     config = make_kv_cache_config({"l0": FullAttentionSpec(16, 1, 8, "float32")}, 1 << 20)
     defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64), config, 100, [2, 7], defaults)
+    scheduler = Scheduler(sched_config(64), config, 100, [2, 7], defaults)
     cases = {
         "unset": (SamplingParams(), (0.6, 0.9, 20)),
         "temperature": (SamplingParams(temperature=1.5), (1.5, 0.9, 20)),

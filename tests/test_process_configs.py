@@ -1,11 +1,14 @@
 """The core's and workers' logging and self-checks come in their configs, not in the
 environment: the log level given to LLM reaches both processes, a bad one is refused
 before any starts, and PAGEDSERVE_CHECK_INVARIANTS=1 is read by the launcher and handed
-to the core, which then checks."""
+to the core, which then checks. The configs hold no second copy of EngineArgs' defaults:
+a setting a launcher leaves out stops the process, naming it."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,8 +17,8 @@ import pytest
 from cli_helpers import CPU, children_of
 
 from launch import LLM, AsyncLLM, SamplingParams
-from launch.engine import CHECK_INVARIANTS_ENV
-from protocol.config import EngineCoreConfig
+from launch.engine import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
+from protocol.config import EngineCoreConfig, WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 # INFO lines each process writes once at start-up.
@@ -78,3 +81,61 @@ def test_pagedserve_check_invariants_reaches_the_core_in_its_config(
     err = capfd.readouterr().err
     assert (CHECKS_ON in err) is checked, err
     assert "Traceback" not in err, err
+
+
+# The fields a config may leave out, by the rule in protocol/config.py: None where it
+# means "none for this launch", and the only copy of a setting EngineArgs lacks. Any
+# other default would be a second copy of EngineArgs'.
+NONE_FOR_THIS_LAUNCH = {
+    EngineCoreConfig: {
+        "parent_pid",
+        "private_dir",
+        "kv_events_endpoint",
+        "kv_events_replay_endpoint",
+        "record_dir",
+        "record_worker",
+        "spin_us",
+    },
+    WorkerConfig: {"dist_init", "parent_pid", "spin_us"},
+}
+ONLY_COPY = {
+    EngineCoreConfig: {"kv_events_buffer_steps", "kv_events_topic"},
+    WorkerConfig: {"core_timeout_s"},
+}
+
+
+@pytest.mark.parametrize("config", [EngineCoreConfig, WorkerConfig], ids=lambda c: c.__name__)
+def test_only_fields_that_restate_no_setting_have_defaults(config: type[msgspec.Struct]) -> None:
+    defaults = {f.name: f.default for f in msgspec.structs.fields(config) if not f.required}
+    assert defaults.keys() == NONE_FOR_THIS_LAUNCH[config] | ONLY_COPY[config]
+    assert {name: defaults[name] for name in NONE_FOR_THIS_LAUNCH[config]} == dict.fromkeys(
+        NONE_FOR_THIS_LAUNCH[config]
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "left_out"),
+    [("enginecore.core", "max_num_seqs"), ("worker.main", "max_num_batched_tokens")],
+)
+def test_a_config_without_a_setting_stops_the_process_naming_it(module: str, left_out: str) -> None:
+    # As the launcher makes them, less one setting: as if it had forgotten to pass it.
+    args = EngineArgs(model="unused", device=CPU)
+    config = (
+        core_config(
+            args, input_address="", output_address="", worker_address="", log_level="WARNING"
+        )
+        if module == "enginecore.core"
+        else worker_config(
+            args, model="unused", rank=0, world_size=1, core_address="", log_level="WARNING"
+        )
+    )
+    fields = msgspec.to_builtins(config)
+    del fields[left_out]
+    proc = subprocess.run(
+        [sys.executable, "-m", module, msgspec.json.encode(fields).decode()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"bad configuration: Object missing required field `{left_out}`" in proc.stderr

@@ -378,6 +378,21 @@ def test_a_recording_of_an_older_version_is_refused_by_name(
     assert f"{what} {ours}" in proc.stderr, proc.stderr
 
 
+def test_a_recording_whose_worker_settings_lack_one_is_refused_naming_it(
+    recordings, tmp_path: Path
+) -> None:
+    # As format 1 recordings made before WorkerConfig carried log_level are: no default
+    # stands in for a setting, so the one missing is named (exit 2: cannot be replayed).
+    old = tmp_path / "old"
+    shutil.copytree(recordings("prefix-hits"), old)
+    manifest = json.loads((old / MANIFEST).read_text())
+    del manifest["worker"]["log_level"]
+    (old / MANIFEST).write_text(json.dumps(manifest))
+    proc = replay_cli(old)
+    assert proc.returncode == 2
+    assert "missing required field `log_level` - at `$.worker`" in proc.stderr, proc.stderr
+
+
 def test_a_crashed_run_replays_up_to_its_last_whole_record(recordings, tmp_path: Path) -> None:
     crashed = tmp_path / "crashed"
     shutil.copytree(recordings("prefix-hits"), crashed)

@@ -250,14 +250,16 @@ def test_min_tokens_keeps_eos_back(eos_first: tuple[Path, int], hf: HFReference)
 
 def test_the_core_stops_on_eos_only_after_min_tokens() -> None:
     # The core's own rule, fed tokens directly: it holds even if a worker let EOS through.
+    from kv_helpers import sched_config
+
     from enginecore.kv_cache_config import make_kv_cache_config
     from enginecore.request import Request
-    from enginecore.scheduler import Scheduler, SchedulerConfig
+    from enginecore.scheduler import Scheduler
     from protocol.kv_cache import FullAttentionSpec
     from protocol.worker import ModelRunnerOutput
 
     config = make_kv_cache_config({"l0": FullAttentionSpec(16, 1, 8, "float32")}, 1 << 20)
-    sched = Scheduler(SchedulerConfig(max_model_len=64), config, 100, [2])
+    sched = Scheduler(sched_config(64), config, 100, [2])
     params = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[9])
     req = Request("r", [5, 6, 7], sched.kv_cache_manager.block_hasher, sampling_params=params)
     assert sched.add_request(req) is None

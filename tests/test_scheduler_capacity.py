@@ -4,11 +4,11 @@ once and alone, and the requests around it run exactly as they would without it.
 from __future__ import annotations
 
 import pytest
-from kv_helpers import full, window
+from kv_helpers import full, sched_config, window
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.worker import ModelRunnerOutput
@@ -18,9 +18,7 @@ VOCAB = 100
 
 def scheduler(num_blocks: int, *specs, max_model_len: int = 64, chunk: int = 64) -> Scheduler:
     groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs or (full(),))]
-    config = SchedulerConfig(
-        max_num_batched_tokens=chunk, max_num_seqs=8, max_model_len=max_model_len
-    )
+    config = sched_config(max_model_len, max_num_batched_tokens=chunk, max_num_seqs=8)
     return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from kv_helpers import sched_config
 from test_model_vs_hf import (
     GEN_TOKENS,
     _PagedHarness,
@@ -33,9 +34,9 @@ from test_model_vs_hf import (
 
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
-from enginecore.scheduler import Scheduler, SchedulerConfig
+from enginecore.scheduler import Scheduler
+from launch.engine import EngineArgs, runner_config
 from protocol.codec import Codec
-from protocol.config import WorkerConfig
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, WorkerConfigure
 from worker.layers import ParallelLMHead, VocabParallelEmbedding
@@ -123,8 +124,8 @@ def _drive_runner(runner: ModelRunner) -> list[tuple[list[str], list[int]]]:
     their tokens differed."""
     base = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30)
     kv_config = with_num_blocks(base.kv_cache_groups, 64)
-    sched_config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
-    scheduler = Scheduler(sched_config, kv_config, runner.model_config.vocab_size)
+    config = sched_config(128, max_num_batched_tokens=16, max_num_seqs=8)
+    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
     runner.initialize(WorkerConfigure(kv_config, 8, 128, 16))
     codec = Codec(CoreToWorker, "core->worker")
     prompts = paged_prompts()
@@ -145,15 +146,8 @@ def _tp2_rank(rank: int, world_size: int, init_method: str, dirs: dict, out_dir:
     _child_setup()
     # The runner joins the group itself, from the launcher's environment variable.
     os.environ[DIST_INIT_ENV] = init_method
-    config = WorkerConfig(
-        model=dirs["qwen2"],
-        rank=rank,
-        world_size=world_size,
-        core_address="",
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        seed=7,
-    )
+    args = EngineArgs(model=dirs["qwen2"], device="cpu", block_size=BLOCK_SIZE, seed=7)
+    config = runner_config(args, rank=rank, world_size=world_size)
     runner = ModelRunner(config)
     try:
         results: dict[str, Any] = {
@@ -299,8 +293,6 @@ def test_runner_needs_the_rendezvous_address(
     checkpoints: dict[str, tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(DIST_INIT_ENV, raising=False)
-    config = WorkerConfig(
-        model=checkpoints["qwen2"][0], rank=0, world_size=2, core_address="", device="cpu"
-    )
+    config = runner_config(EngineArgs(model=checkpoints["qwen2"][0], device="cpu"), world_size=2)
     with pytest.raises(ValueError, match=DIST_INIT_ENV):
         ModelRunner(config)

@@ -16,15 +16,13 @@ from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
 from enginecore.kv_cache_config import make_kv_cache_config
-from protocol.config import WorkerConfig
+from launch.engine import EngineArgs, runner_config
 from protocol.worker import WorkerConfigure
 from worker.model_runner import DEFAULT_CPU_KV_CACHE_MEMORY, ModelRunner
 
 
 def runner(path: Path, device: str = CPU, **kw) -> ModelRunner:
-    return ModelRunner(
-        WorkerConfig(model=str(path), rank=0, world_size=1, core_address="", device=device, **kw)
-    )
+    return ModelRunner(runner_config(EngineArgs(model=str(path), device=device, **kw)))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_interleaved", "mistral", "gemma3"])
