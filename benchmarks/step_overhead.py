@@ -77,7 +77,13 @@ from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler  # noqa: E402
 from launch.builtin_model import write_llama_checkpoint  # noqa: E402
-from launch.engine import EngineArgs, core_config, runner_config, worker_config  # noqa: E402
+from launch.engine import (  # noqa: E402
+    DEFAULT_LOG_LEVEL,
+    EngineArgs,
+    core_config,
+    runner_config,
+    worker_config,
+)
 from protocol.codec import Codec  # noqa: E402
 from protocol.engine import CoreMessage, EngineOutputs, SamplingParams  # noqa: E402
 from protocol.kv_cache import KVCacheConfig  # noqa: E402
@@ -535,7 +541,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
         input_address=ipc_address(directory, "input"),
         output_address=ipc_address(directory, "output"),
         worker_address=worker_address,
-        log_level="WARNING",
+        log_level=DEFAULT_LOG_LEVEL,
     )
     worker = worker_config(
         args,
@@ -544,7 +550,7 @@ def run_multiprocess(s: Setup, model_dir: Path) -> dict[str, Any]:
         world_size=1,
         core_address=worker_address,
         parent_pid=os.getpid(),
-        log_level="WARNING",
+        log_level=DEFAULT_LOG_LEVEL,
         spin_us=args.spin_us,
     )
     timings_path = Path(directory) / "worker_timings.json"

@@ -60,7 +60,9 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     world_size: int
     block_size: int
     model: str
-    worker: WorkerConfig  # rank 0's start-up settings; replay changes only rank and sockets
+    # rank 0's start-up settings; replay keeps every setting and gives each rank its own
+    # rank, sockets, rendezvous, parent and log level (and the model path if moved)
+    worker: WorkerConfig
     complete: bool = False
     frames_bytes: int = 0
     records: dict[str, int] = {}

@@ -23,7 +23,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.engine import EngineArgs, core_config, worker_config
+from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
 from protocol.config import ipc_address
 from protocol.engine import (
     AbortRequests,
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         input_address=inp,
         output_address=out,
         worker_address=ipc_address(sockets_dir, "workers"),
-        log_level="WARNING",
+        log_level=DEFAULT_LOG_LEVEL,
     )
     worker = worker_config(
         args,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         rank=0,
         world_size=1,
         core_address=core.worker_address,
-        log_level="WARNING",
+        log_level=DEFAULT_LOG_LEVEL,
     )
     procs = [
         subprocess.Popen([sys.executable, "-m", mod, msgspec.json.encode(cfg).decode()])

@@ -43,7 +43,13 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from launch.engine import CORE_REPORT_TIMEOUT_S, EngineArgs, EngineDeadError, EngineProcesses
+from launch.engine import (
+    CORE_REPORT_TIMEOUT_S,
+    DEFAULT_LOG_LEVEL,
+    EngineArgs,
+    EngineDeadError,
+    EngineProcesses,
+)
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
 from launch.sequence import SequenceOutput, SequenceState, fan_out, merge
 from protocol.engine import (
@@ -223,7 +229,9 @@ class AsyncLLM:
     directory or a Hub id (org/name[@revision]); None runs the built-in model. Keyword
     arguments are EngineArgs fields."""
 
-    def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
+    def __init__(
+        self, model: str | None = None, *, log_level: str = DEFAULT_LOG_LEVEL, **kwargs: Any
+    ):
         self.inputs = InputProcessor.load(model)
         self.model = self.inputs.model_dir
         self.tokenizer = self.inputs.tokenizer

@@ -17,7 +17,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from launch.engine import EngineArgs
+from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
 from protocol.config import DType, GenerationConfigMode, HashAlgo, LogLevel, WorkerConfig
 from protocol.engine import SamplingParams
 
@@ -122,7 +122,7 @@ def _add_log_level(p: argparse.ArgumentParser, processes: str) -> None:
         "--log-level",
         type=str.upper,
         choices=get_args(LogLevel),
-        default="WARNING",
+        default=DEFAULT_LOG_LEVEL,
         metavar="LEVEL",
         help=f"log level of {processes}: {', '.join(get_args(LogLevel))} (default: WARNING)",
     )

@@ -83,7 +83,7 @@ def runner_config(args: EngineArgs, rank: int = 0, world_size: int = 1) -> Worke
         rank=rank,
         world_size=world_size,
         core_address="",
-        log_level="WARNING",
+        log_level=DEFAULT_LOG_LEVEL,
     )
 
 
@@ -132,6 +132,10 @@ def _check_choice(name: str, value: object, choices: object) -> None:
     allowed = get_args(choices)
     if value not in allowed:
         raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}, not {value!r}")
+
+
+# What every launcher logs at unless told otherwise (LLM, AsyncLLM, the CLI, replay).
+DEFAULT_LOG_LEVEL: LogLevel = "WARNING"
 
 
 def log_level_name(level: str) -> LogLevel:
@@ -258,7 +262,7 @@ class EngineArgs:
 class EngineProcesses:
     """A running engine: core + workers, and the client side of the core's sockets."""
 
-    def __init__(self, args: EngineArgs, log_level: str = "WARNING") -> None:
+    def __init__(self, args: EngineArgs, log_level: str = DEFAULT_LOG_LEVEL) -> None:
         args.validate()
         self.args = args
         self.log_level = log_level_name(log_level)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launch.chat import ChatTemplate
-from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
+from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
 from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
@@ -60,7 +60,9 @@ class LLM:
     directory or a Hugging Face Hub id (org/name[@revision]); None runs the built-in
     small random Llama, offline. Keyword arguments are EngineArgs fields."""
 
-    def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **kwargs: Any):
+    def __init__(
+        self, model: str | None = None, *, log_level: str = DEFAULT_LOG_LEVEL, **kwargs: Any
+    ):
         self.inputs = InputProcessor.load(model)
         self.model = self.inputs.model_dir
         self.tokenizer: Tokenizer | None = self.inputs.tokenizer

@@ -34,7 +34,7 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.engine import EngineArgs, core_config, log_level_name, spawn
+from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, log_level_name, spawn
 from launch.replay_tables import CoreBlockTables, ReplayMismatch
 from protocol.codec import Codec
 from protocol.config import ipc_address, ipc_dir
@@ -79,7 +79,7 @@ def replay(
     directory: str | Path,
     model: str | None = None,
     timeout_s: float = 300.0,
-    log_level: str = "WARNING",
+    log_level: str = DEFAULT_LOG_LEVEL,
 ) -> ReplaySummary:
     """Replay a recording; ReplayMismatch at the first difference, RecordingError when it
     cannot be replayed at all (version, damage, other model)."""
