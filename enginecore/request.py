@@ -94,7 +94,7 @@ class Request:
         self.finish_reason: str | None = None
         # Prefix-cache hit at first admission (-1: not admitted yet), reported to clients.
         self.num_cached_tokens = -1
-        # Where it stops by length; the scheduler caps it at max_model_len on admission.
+        # Where it stops by length; Scheduler.add_request caps it at max_model_len.
         self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
         # Once a worker holds its state, finishing it must be announced to the worker.
         self.known_to_worker = False

@@ -161,16 +161,14 @@ SPIN_ENV = "PAGEDSERVE_SPIN_US"
 
 
 def spin_requested() -> float | None:
+    """SPIN_ENV as a number (its range is checked with the other args, in validate)."""
     value = os.environ.get(SPIN_ENV)
     if value is None:
         return None
     try:
-        spin = float(value)
+        return float(value)
     except ValueError:
         raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {value!r}") from None
-    if not 0 <= spin <= 1e6:
-        raise ValueError(f"{SPIN_ENV} must be in [0, 1000000] microseconds, got {value!r}")
-    return spin
 
 
 class EngineDeadError(RuntimeError):
@@ -235,7 +233,9 @@ class EngineArgs:
                 raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
             check_core_memory(self.num_gpu_blocks)  # before any process starts
         if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
-            raise ValueError(f"spin_us must be in [0, 1000000], got {self.spin_us}")
+            raise ValueError(
+                f"spin_us must be in [0, 1000000] microseconds ({SPIN_ENV}), got {self.spin_us}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         _check_choice("dtype", self.dtype, DType)

@@ -139,6 +139,7 @@ class InputBatch:
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 
     def num_computed_of(self, req_id: str) -> int:
+        """req_id's computed tokens (its row's, while it has one)."""
         row = self.req_id_to_row.get(req_id)
         if row is None:
             return self.requests[req_id].num_computed_tokens
