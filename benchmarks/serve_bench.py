@@ -297,12 +297,21 @@ class Result:
     error: str | None = None
 
 
-_CREATE = {
-    "temperature": 0,
-    "stream": True,
-    "stream_options": {"include_usage": True},
-    "extra_body": {"ignore_eos": True, "return_token_ids": True},
-}
+def _create_args(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streaming completion's arguments. The prompt's token ids ride in extra_body,
+    the same JSON on the wire: the SDK's typed transform walks a list of ids one element
+    at a time (~3 ms of client CPU per 300-token prompt here, before anything is sent),
+    which made up most of the TTFT the client saw over the server's own, and at 64
+    streams spread each wave's arrivals over ~200 ms."""
+    return {
+        "model": model,
+        "prompt": "",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"prompt": prompt, "ignore_eos": True, "return_token_ids": True},
+    }
 
 
 class _Clock:
@@ -330,9 +339,7 @@ async def _one_typed(client: Any, model: str, prompt: list[int], max_tokens: int
     res = Result()
     clock = _Clock(res)
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, **_CREATE
-        )
+        stream = await client.completions.create(**_create_args(model, prompt, max_tokens))
         async for chunk in stream:
             if chunk.choices:
                 choice = chunk.choices[0]
@@ -360,7 +367,7 @@ async def _one_raw(client: Any, model: str, prompt: list[int], max_tokens: int) 
     clock = _Clock(res)
     try:
         async with client.completions.with_streaming_response.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, **_CREATE
+            **_create_args(model, prompt, max_tokens)
         ) as response:
             async for line in response.iter_lines():
                 if not line.startswith("data: "):

@@ -135,10 +135,10 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),
-        # h11 is pure Python and always there; its ASGI spec version (2.3) makes Starlette
-        # watch for a client's disconnect while a stream waits for tokens, not only when
-        # it next writes.
-        http="h11",
+        # httptools (a dependency; h11 only where it cannot be imported). Both report ASGI
+        # spec 2.3 from uvicorn 0.33, so Starlette watches for a client's disconnect
+        # while a stream waits for tokens, not only when it next writes.
+        http="auto",
         lifespan="on",
         log_level=args.log_level.lower(),
         access_log=False,
