@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
 
+from launch.async_llm import run as run_async  # noqa: E402
 from launch.inputs import InputProcessor  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 
@@ -468,7 +469,9 @@ def server_run(
     reset_server_cache(url)
     m0 = server_counters(url)
     s0, c0, e0 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
-    results, seconds = asyncio.run(_drive(url, model, w.prompts, a, concurrency))
+    # The clients' loop on uvloop, as the server's: on two cores the client's CPU per
+    # token (~55 us, ~15% less than on asyncio's loop) is taken from the engine's.
+    results, seconds = run_async(_drive(url, model, w.prompts, a, concurrency))
     s1, c1, e1 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
     m1 = server_counters(url)
     q, h, ttft_s, n = (m1[k] - m0[k] for k in COUNTERS)

@@ -41,6 +41,24 @@ from launch.openai_api import (
 from protocol.engine import Logprobs, SamplingParams
 
 _json = msgspec.json.Encoder()
+# JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
+# str.splitlines (httpx's iter_lines, for one) end a line there, inside an event: such
+# a client loses the token. Escaped, the JSON decodes to the same text. (In UTF-8 these
+# byte pairs and triples occur only as these characters.)
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def sse_event(body: object) -> bytes:
+    """One server-sent event: `data: <JSON>` and a blank line, no line break inside."""
+    data = _json.encode(body)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def json_response(body: object, status: int = 200) -> Response:
@@ -340,7 +358,7 @@ class _Call:
         return answer
 
     def _event(self, body: object) -> bytes:
-        return b"data: " + _json.encode(body) + b"\n\n"
+        return sse_event(body)
 
     async def events(self) -> AsyncIterator[bytes]:
         ids_too = self.body.return_token_ids

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_model_files import CONVERSATION, copy_model, word_tokenizer
 
 from launch import LLM, SamplingParams
+from launch.server import sse_event
 
 MODEL_NAME = "tiny"
 PROMPT_TEXT = "What is 2 + 2 ? And 3"
@@ -279,6 +280,16 @@ def test_concurrent_streams_finish_and_disconnects_free_every_block(
     assert post(f"{server.url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})[0] == 200
     m = metrics(server.url)
     assert m["vllm:kv_cache_usage_perc"] == 0.0 and m["vllm:num_requests_running"] == 0
+
+
+def test_an_event_breaks_no_line_inside_its_json() -> None:
+    """Text with the characters str.splitlines ends lines at (U+0085, U+2028, U+2029):
+    a client reading lines that way (httpx's iter_lines) still gets one whole event."""
+    text = 'a\u2028b\x85c\u2029d\u00e9\n"}'
+    event = sse_event({"text": text}).decode()
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert event[:-2].splitlines() == [event[:-2]]
+    assert json.loads(event[len("data: ") : -2]) == {"text": text}
 
 
 BAD_BODIES = {
