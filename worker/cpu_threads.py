@@ -9,10 +9,18 @@ other, descheduled; sleeping instead of spinning, OMP_WAIT_POLICY=passive, makes
 threads no faster than one here, since wake-ups are slow). Neither count is right on
 every machine at every moment, so the worker tries both: at start-up it times a matrix
 product of a decode step's size on each (a prompt's first step can take seconds, and
-must not wait for evidence from steps), and while it runs it now and then times a pair
-of steps on the other count against the pair before, and switches when that is clearly
+must not wait for evidence from steps), and while it runs it now and then times a few
+steps on the other count against as many before, and switches when that is clearly
 faster. A probe that loses doubles the wait before the next one, so a busy machine pays
 little for the check.
+
+Counts are compared by their steps' mean time, which is what throughput sees, not by the
+fastest step: contention that follows the count (the server and its clients waking beside
+a step, preempting one of two threads) scatters two-thread steps, a few fast among many
+slow. Behind `pagedserve serve` at 64 streams on two cores (built-in model, 64-token
+decode steps, us per token): one thread p10/p50/p90 104/117/145, fastest 97; two threads
+125/173/220, fastest 80. The fastest step picked two threads and held them there (server
+4400-5500 tok/s against 6100 on one thread).
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ log = logging.getLogger("pagedserve.worker")
 FIRST_PROBE_AFTER = 4  # steps: an idle machine gets the faster count early
 PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
 MAX_PROBE_PERIOD = 1024
-PROBE_STEPS = 2  # steps timed on each count per probe; the fastest of each counts
+PROBE_STEPS = 4  # steps timed on each count per probe; their mean time counts
+# A probe's first step on the other count is not timed: it pays for the switch (the
+# weights cached by the cores that ran the last steps), 10-40% more here.
+PROBE_WARMUP = 1
 # Shorter steps gain little from a second thread and lose much when another process
 # wants the core (the built-in model's 2 ms decode steps: 1.6 ms on one thread, 2.1 on
 # two, idle): they run on the low count, unprobed, until a step takes twice this again.
@@ -152,18 +163,20 @@ class CpuThreadTuner:
             del self._recent[:-PROBE_STEPS]
             return
         probe.append(seconds)
-        if len(probe) < PROBE_STEPS:
+        if len(probe) < PROBE_WARMUP + PROBE_STEPS:
             return
         self._probe = None
         self._since_probe = 0
-        mine = min(self._recent)
-        if min(probe) < MARGIN * mine:
+        del probe[:PROBE_WARMUP]
+        mine = sum(self._recent) / len(self._recent)
+        theirs = sum(probe) / len(probe)
+        if theirs < MARGIN * mine:
             log.info(
                 "CPU threads: %d -> %d (%.1f ms -> %.1f ms a step)",
                 self.threads,
                 self.other,
                 mine * 1e3,
-                min(probe) * 1e3,
+                theirs * 1e3,
             )
             self.threads = self.other
             self.switches += 1
