@@ -662,10 +662,15 @@ def run_setting(
     pid = server.proc.pid if server is not None else None
     engine_pids = children(pid) if pid is not None else []
     model = json.loads(_get(f"{url}/v1/models"))["data"][0]["id"]
-    warm = next(iter(workloads.values()))
-    # First runs pay for lazy start-up work (allocator, caches): not part of any cell.
-    server_run(url, model, Workload("warm-up", warm.prompts[:4]), a, 4)
-    llm_run(llm, Workload("warm-up", warm.prompts[:4]), a, 4)
+    # First runs pay for lazy start-up work (allocator, caches) and for the CPU worker's
+    # choice of thread count, probed in the first ~70 steps of a large batch (a server
+    # runs long; a cell lasts ~250 steps): one wave at the highest concurrency, not part
+    # of any cell, for the server and the LLM alike.
+    top = max(c for _, c in workloads)
+    warm = next(w for (_, c), w in workloads.items() if c == top)
+    warm_up = Workload("warm-up", warm.prompts[:top])
+    server_run(url, model, warm_up, a, top)
+    llm_run(llm, warm_up, a, top)
     for (name, c), w in workloads.items():
         step = engine_step_time(llm, w.prompts, a) if c == 1 else None
         if step is not None:
@@ -681,7 +686,13 @@ def run_setting(
             ids: dict[str, list[list[int]]] = {}
             for variant in order:
                 if variant == "server":
+                    seen = len(server.lines) if server is not None else 0
                     row["server"], ids["server"] = server_run(url, model, w, a, c, pid, engine_pids)
+                    if server is not None:
+                        # The CPU worker's thread-count switches during the run, if any.
+                        row["server"]["worker_threads"] = [
+                            line.strip() for line in server.lines[seen:] if "CPU threads" in line
+                        ]
                 else:
                     row["llm"], ids["llm"] = llm_run(llm, w, a, c)
             if step is not None:
