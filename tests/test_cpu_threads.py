@@ -36,9 +36,9 @@ def test_switches_to_the_faster_count_and_stays() -> None:
     used = run(tuner, {1: 0.150, 2: 0.100}, 200)
     assert used[0] == 1
     assert tuner.threads == 2 and tuner.switches == 1
-    # After the switch only probes run on one thread: PROBE_STEPS per period, backing off.
-    probe = cpu_threads.PROBE_WARMUP + cpu_threads.PROBE_STEPS
-    assert used.count(1) < cpu_threads.FIRST_PROBE_AFTER + probe * 4
+    # After the switch only probes run on one thread: two steps each (long steps), backing
+    # off.
+    assert used.count(1) < cpu_threads.FIRST_PROBE_AFTER + 2 * 4
     assert used[-1] == 2
 
 
@@ -49,8 +49,8 @@ def test_keeps_the_safe_count_when_the_other_is_slower_and_backs_off() -> None:
     probes = sum(1 for a, b in zip([1, *used], used) if a == 1 and b == 2)
     # Periods 4, 8, 16, ..., capped: a handful of probes in 1000 steps, not 1000 / 4.
     assert 3 <= probes <= 10
-    # Each losing probe costs its slow steps.
-    assert used.count(2) == probes * (cpu_threads.PROBE_WARMUP + cpu_threads.PROBE_STEPS)
+    # Each losing probe costs its slow steps: two, for steps this long.
+    assert used.count(2) == probes * cpu_threads.MIN_PROBE_STEPS
 
 
 def test_a_small_gain_is_not_a_switch() -> None:
@@ -68,12 +68,12 @@ def test_switches_back_when_the_machine_gets_busy() -> None:
 
 
 def test_a_count_whose_steps_scatter_loses_on_its_mean() -> None:
-    """Two threads beside a busy server: a fast step among slow ones (mean 140 ms against
-    a steady 117 on one thread). The fastest step would pick two threads; the mean keeps
+    """Two threads beside a busy server: a fast step among slow ones (mean 14 ms against a
+    steady 11.7 on one thread). The fastest step would pick two threads; the mean keeps
     one, and leaves two when started there."""
 
     def scattered(count: int, i: int) -> float:
-        return 0.117 if count == 1 else (0.080, 0.200)[i % 2]
+        return 0.0117 if count == 1 else (0.008, 0.020)[i % 2]
 
     for start in (1, 2):
         tuner = CpuThreadTuner(1, 2)
@@ -84,17 +84,32 @@ def test_a_count_whose_steps_scatter_loses_on_its_mean() -> None:
         assert tuner.threads == 1, f"started on {start}"
 
 
-def test_the_first_step_after_a_switch_is_not_timed() -> None:
-    """A step on a count the last steps did not run on pays for the switch (100 -> 150 ms
+def test_a_short_steps_first_step_after_a_switch_is_not_timed() -> None:
+    """A step on a count the last steps did not run on pays for the switch (10 -> 15 ms
     here); steady, two threads are 15% faster, and win."""
     tuner = CpuThreadTuner(1, 2)
     last = 1
+    used = []
     for _ in range(100):
         tuner.before_step(64)
         count = torch.get_num_threads()
-        tuner.after_step(0.150 if count != last else (0.100 if count == 1 else 0.085))
+        used.append(count)
+        tuner.after_step(0.015 if count != last else (0.010 if count == 1 else 0.0085))
         last = count
     assert tuner.threads == 2
+    # The first probe: one untimed step, then 40 ms worth of timed ones (4 of 10 ms).
+    first = used.index(2)
+    assert used[first : first + 5] == [2] * 5
+
+
+def test_long_steps_are_probed_two_at_a_time() -> None:
+    """SmolLM2's ~130 ms steps, one thread slower (180 ms): a probe costs two steps."""
+    tuner = CpuThreadTuner(1, 2)
+    tuner.threads = 2
+    used = run(tuner, {1: 0.180, 2: 0.130}, 300)
+    assert tuner.threads == 2
+    runs = "".join(map(str, used)).split("2")
+    assert {len(r) for r in runs if r} == {cpu_threads.MIN_PROBE_STEPS}
 
 
 def test_short_steps_and_changing_batches_are_never_probed() -> None:

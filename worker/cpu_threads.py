@@ -26,6 +26,7 @@ decode steps, us per token): one thread p10/p50/p90 104/117/145, fastest 97; two
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 
@@ -36,10 +37,18 @@ log = logging.getLogger("pagedserve.worker")
 FIRST_PROBE_AFTER = 4  # steps: an idle machine gets the faster count early
 PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
 MAX_PROBE_PERIOD = 1024
-PROBE_STEPS = 4  # steps timed on each count per probe; their mean time counts
-# A probe's first step on the other count is not timed: it pays for the switch (the
-# weights cached by the cores that ran the last steps), 10-40% more here.
-PROBE_WARMUP = 1
+# A probe times steps on the other count until they add up to PROBE_S (at least
+# MIN_PROBE_STEPS, at most MAX_PROBE_STEPS) and compares their mean with as many steps
+# before: 4 of the built-in model's ~10 ms steps behind a busy server, whose jitter is
+# large, and 2 of SmolLM2's ~130 ms ones, where each probe step on the slower count costs
+# ~50 ms (three steps instead of two cost 4% of a 26 s run, measured).
+PROBE_S = 0.04
+MIN_PROBE_STEPS = 2
+MAX_PROBE_STEPS = 8
+# Steps shorter than this also get one untimed step first: the first step on the other
+# count pays for the switch (the weights cached by the cores that ran the last steps),
+# 1-3 ms here, 10-40% of a 10 ms step and noise in a long one.
+WARMUP_BELOW_S = 0.05
 # Shorter steps gain little from a second thread and lose much when another process
 # wants the core (the built-in model's 2 ms decode steps: 1.6 ms on one thread, 2.1 on
 # two, idle): they run on the low count, unprobed, until a step takes twice this again.
@@ -78,6 +87,8 @@ class CpuThreadTuner:
         self._tokens = -1  # the current step's token count
         self._recent: list[float] = []  # the last steps of this token count, chosen count
         self._probe: list[float] | None = None  # times on the other count, while probing
+        self._probe_steps = MIN_PROBE_STEPS  # this probe's timed steps
+        self._probe_warmup = 0  # and untimed ones before them
         # Steps too short for threads to pay: they run on `low` and are never probed.
         self._short = False
         self.switches = 0
@@ -140,7 +151,11 @@ class CpuThreadTuner:
             return  # the probe's steps run on the other count
         if self._short:
             self._apply(self.low)
-        elif self._since_probe >= self._period and len(self._recent) >= PROBE_STEPS:
+        elif self._since_probe >= self._period and len(self._recent) >= MIN_PROBE_STEPS:
+            step_s = sum(self._recent) / len(self._recent)
+            wanted = math.ceil(PROBE_S / step_s) if step_s > 0 else MAX_PROBE_STEPS
+            self._probe_steps = min(max(wanted, MIN_PROBE_STEPS), MAX_PROBE_STEPS)
+            self._probe_warmup = 1 if step_s < WARMUP_BELOW_S else 0
             self._probe = []
             self._apply(self.other)
         else:
@@ -160,15 +175,16 @@ class CpuThreadTuner:
                 return
             self._since_probe += 1
             self._recent.append(seconds)
-            del self._recent[:-PROBE_STEPS]
+            del self._recent[:-MAX_PROBE_STEPS]
             return
         probe.append(seconds)
-        if len(probe) < PROBE_WARMUP + PROBE_STEPS:
+        if len(probe) < self._probe_warmup + self._probe_steps:
             return
         self._probe = None
         self._since_probe = 0
-        del probe[:PROBE_WARMUP]
-        mine = sum(self._recent) / len(self._recent)
+        del probe[: self._probe_warmup]
+        recent = self._recent[-len(probe) :]
+        mine = sum(recent) / len(recent)
         theirs = sum(probe) / len(probe)
         if theirs < MARGIN * mine:
             log.info(
