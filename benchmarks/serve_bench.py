@@ -169,7 +169,9 @@ class ServerProcess:
     Ctrl-C reaches only us, and we stop it in order (SIGTERM, then SIGKILL)."""
 
     def __init__(self, a: argparse.Namespace, prefix_caching: bool) -> None:
-        cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0"]
+        # INFO: the CPU worker logs its thread-count choices (reported per run); nothing
+        # is logged per step or per request at that level.
+        cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0", "--log-level", "INFO"]
         if a.profile_server:
             # cProfile writes its file when serve returns (SIGTERM ends it with status 0).
             out = f"{a.profile_server}.{'on' if prefix_caching else 'off'}.prof"
@@ -671,6 +673,10 @@ def run_setting(
     warm_up = Workload("warm-up", warm.prompts[:top])
     server_run(url, model, warm_up, a, top)
     llm_run(llm, warm_up, a, top)
+    if server is not None:
+        for line in server.lines:
+            if "CPU threads" in line:
+                log(f"prefix caching {tag}, server's worker: {line.strip()}")
     for (name, c), w in workloads.items():
         step = engine_step_time(llm, w.prompts, a) if c == 1 else None
         if step is not None:
@@ -741,6 +747,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--step-probe-tokens", type=int, default=16, help="tokens per engine-alone request"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        help="fix the CPU workers' torch threads (server and LLM alike; OMP_NUM_THREADS), "
+        "so the ratio compares the API layer alone: by default each worker picks its "
+        "count, and on a small machine LLM.generate's takes the core that the server's "
+        "HTTP side and these clients need",
+    )
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument(
@@ -770,6 +784,10 @@ def _interrupt(_sig: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.worker_threads is not None:
+        if a.worker_threads < 1:
+            raise SystemExit("--worker-threads must be >= 1")
+        os.environ["OMP_NUM_THREADS"] = str(a.worker_threads)  # every engine started here
     inputs = InputProcessor.load(a.model)
     workloads = {}
     for name in a.workloads:
@@ -794,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         "url": a.url,
         "device": a.device or "engine default",
         "cpus": os.cpu_count(),
+        "worker_threads": a.worker_threads or "each engine's choice",
         "max_tokens": a.max_tokens,
         "request_rate": a.request_rate,
         "client": a.client,
