@@ -41,7 +41,7 @@ MAX_PROBE_PERIOD = 1024
 # MIN_PROBE_STEPS, at most MAX_PROBE_STEPS) and compares their mean with as many steps
 # before: 4 of the built-in model's ~10 ms steps behind a busy server, whose jitter is
 # large, and 2 of SmolLM2's ~130 ms ones, where each probe step on the slower count costs
-# ~50 ms (three steps instead of two cost 4% of a 26 s run, measured).
+# ~50 ms (five steps instead of two cost ~4% of a 26 s run, measured).
 PROBE_S = 0.04
 MIN_PROBE_STEPS = 2
 MAX_PROBE_STEPS = 8
