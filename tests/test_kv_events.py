@@ -107,6 +107,17 @@ class Subscriber:
                 self.apply(seq, payload)
         return n
 
+    def sync(self, last_seq: int, drop: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Receive until every batch up to last_seq is applied; a quiet spell asks the
+        replay socket (a lost batch is noticed only when a later one comes). Waits as long
+        as the machine needs: a loaded one may deliver seconds late, and the publisher's
+        bounded buffer must not move past a gap before it is asked."""
+        deadline = time.monotonic() + 120  # only so that a broken publisher cannot hang CI
+        while self.next_seq <= last_seq:
+            assert time.monotonic() < deadline, f"stuck at batch {self.next_seq}"
+            if not self.poll(200, drop):
+                self.catch_up()
+
     def catch_up(self) -> None:
         assert self.replay_endpoint is not None, "a gap, and no replay socket"
         self.replays += 1
@@ -179,16 +190,13 @@ def test_subscriber_rebuilds_the_cached_hashes(specs: tuple) -> None:
         sub.next_seq, sub.cached = publisher.next_seq, {}
         assert manager.reset_prefix_cache()
         publisher.publish(manager.take_events())
-        sub.poll(1000)
+        sub.sync(publisher.next_seq - 1)
         drop = {sub.next_seq + 5, sub.next_seq + 6, sub.next_seq + 40}
         for chunk in range(6):
+            # 50 batches a chunk, fewer than the replay buffer's 64: a gap is still
+            # buffered when the subscriber notices it.
             churn(manager, publisher, 50, seed=chunk)
-            sub.poll(1000, drop)
-        # Tail batches past the last drop have all arrived or are in flight.
-        deadline = time.monotonic() + 30
-        while sub.next_seq < publisher.next_seq and time.monotonic() < deadline:
-            if not sub.poll(200):
-                sub.catch_up()
+            sub.sync(publisher.next_seq - 1, drop)
         assert sub.next_seq == publisher.next_seq
         assert sub.replays >= 1
         assert manager.block_pool.num_evictions > 100
