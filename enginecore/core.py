@@ -281,7 +281,12 @@ class EngineCore:
                     self._send(EngineOutputs(outputs, scheduler.stats()))
         if in_flight and (len(in_flight) == self._max_in_flight or not sent):
             so = in_flight.popleft()
-            result = self.executor.wait_output()
+            # Poll for the answer only when the workers have nothing after it: with a
+            # further step queued, waking late costs nothing (the step we send next is
+            # needed only once that one runs), and polling takes a CPU from the worker
+            # and the I/O threads. benchmarks/overlap.py with the CPU forward cut short
+            # (attention skipped), async: 743-753 -> 774-908 steps/s.
+            result = self.executor.wait_output(spin=not in_flight)
             try:
                 outputs = scheduler.update_from_output(so, result)
             except InvariantViolation:
