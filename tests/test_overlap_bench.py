@@ -3,14 +3,18 @@ file): its JSON is complete and both modes generate the same tokens. No timing a
 
 from __future__ import annotations
 
+import pytest
 from cli_helpers import run_json_script
 
 
-def test_overlap_benchmark_smoke() -> None:
+@pytest.mark.parametrize("attention", ["real", "skip"])
+def test_overlap_benchmark_smoke(attention: str) -> None:
     result = run_json_script(
         "benchmarks/overlap.py",
         *("--requests", "8", "--tokens", "6", "--rounds", "1", "--delay-ms", "50"),
+        *("--attention", attention),
     )
+    assert result["attention"] == attention
     assert result["tokens_equal"] is True
     assert result["delay_ms"] == 50.0
     modes = [r["mode"] for r in result["runs"]]

@@ -6,6 +6,11 @@ PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens keeps a modelled dev
   launch's end; collecting the step's tokens waits for it (a sleep: the CPU stays free).
   So a benchmark can give the model step a known length on any machine, and the worker
   can do host work meanwhile (benchmarks/overlap.py).
+PAGEDSERVE_BENCH_SKIP_ATTENTION=1: every attention layer returns zeros instead of
+  attending (the cache is still written), so the worker's CPU forward shrinks to what a
+  GPU's launch would roughly cost its thread, while the delay above stands in for the
+  device (benchmarks/overlap.py --attention skip). Outputs are meaningless, but the same
+  in every scheduling mode.
 PAGEDSERVE_BENCH_WORKER_TIMING: a file the worker writes at exit, as JSON: the steps it
   ran, and how many of them it planned while their predecessor ran; the seconds its
   host thread spent on them (from planning a step to answering it, overlaps counted
@@ -18,9 +23,35 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
 
 DELAY_ENV = "PAGEDSERVE_BENCH_STEP_DELAY_MS"
 TIMING_ENV = "PAGEDSERVE_BENCH_WORKER_TIMING"
+SKIP_ATTENTION_ENV = "PAGEDSERVE_BENCH_SKIP_ATTENTION"
+
+
+def skip_attention_requested() -> bool:
+    value = os.environ.get(SKIP_ATTENTION_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SKIP_ATTENTION_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _no_attention(query: torch.Tensor, *_args: object, **_kwargs: object) -> torch.Tensor:
+    return torch.zeros_like(query)
+
+
+def skip_attention(layers: Iterable[Any]) -> None:
+    """Give every attention layer kernels whose attention returns zeros."""
+    for layer in layers:
+        k = layer.kernels
+        layer.kernels = replace(
+            k, name=f"{k.name}, attention skipped", paged_attention=_no_attention
+        )
 
 
 class DeviceClock:

@@ -27,7 +27,7 @@ from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
 from worker.attention import AttentionMetadata
-from worker.bench_clock import DeviceClock
+from worker.bench_clock import DeviceClock, skip_attention, skip_attention_requested
 from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
@@ -153,6 +153,8 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._in_flight: InFlight | None = None  # launched, not yet collected
         self.clock = DeviceClock.from_env()  # benchmarks only
+        if skip_attention_requested():  # benchmarks only
+            skip_attention(self.model.attention_layers().values())
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
