@@ -429,13 +429,10 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
     With attention "skip" the layer's paged attention returns zeros, so the model is
     embedding, MLP and LM head (what the issue's no-layer model costs). Pure decode
     steps after the first `profile_after` are cProfiled, the model's calls excluded."""
-    import torch
-
-    import kernels.cpu as kernels_cpu
-    import kernels.reference as kernels_reference
     import worker.main as worker_main
     import worker.model_runner as mr
     import worker.models.llama as llama
+    from worker.bench_clock import SKIP_ATTENTION_ENV
     from worker.block_table import MultiGroupBlockTable
     from worker.input_batch import InputBatch
 
@@ -464,18 +461,12 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
 
         return wrapper
 
-    if options["attention"] == "skip":
-
-        def no_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            return torch.zeros_like(query)
-
-        # The model picks its kernels at construction (kernels.select_kernels), which
-        # happens after this: replace every CPU kernel the selection can hand out (the
-        # batched one is the default since the fast CPU path; skipping only the reference
-        # left real attention in, ~5 ms a step at 256 x 1100 tokens, which evicted the
-        # host path's data and put the core's CPU to sleep).
-        kernels_reference.paged_attention = no_attention
-        kernels_cpu.paged_attention = no_attention
+    # The worker's own benchmark setting (worker/bench_clock.py), read when the runner is
+    # built below: it replaces whatever kernels the layers were given. (Replacing only
+    # the reference kernel once left the batched CPU one running, ~5 ms a step at
+    # 256 x 1100 tokens, which evicted the host path's data and put the core's CPU to
+    # sleep.)
+    os.environ[SKIP_ATTENTION_ENV] = "1" if options["attention"] == "skip" else "0"
     model_cls = llama.LlamaForCausalLM
     Codec.decode = timed("decode", Codec.decode, opens_step=True)  # type: ignore[method-assign]
     Codec.encode = timed("encode", Codec.encode)  # type: ignore[method-assign]

@@ -357,16 +357,13 @@ class _Call:
             answer["usage"] = usage  # OpenAI: null on every chunk but the last
         return answer
 
-    def _event(self, body: object) -> bytes:
-        return sse_event(body)
-
     async def events(self) -> AsyncIterator[bytes]:
         ids_too = self.body.return_token_ids
         try:
             if self.chat:
                 for i in range(len(self.choices)):
                     first = {"role": "assistant", "content": ""}
-                    yield self._event(self._envelope([self._chunk(i, first, None, None)], None))
+                    yield sse_event(self._envelope([self._chunk(i, first, None, None)], None))
             async for out in self._outputs():
                 c = self.choices[out.index]
                 text, finish = out.text, out.finish_reason
@@ -383,11 +380,11 @@ class _Call:
                     choice["stop_reason"] = c.stop_reason
                 c.sent = len(c.ids)
                 c.offset += len(text)
-                yield self._event(self._envelope([choice], None))
+                yield sse_event(self._envelope([choice], None))
             if self.body.include_usage:
-                yield self._event(self._envelope([], self._usage()))
+                yield sse_event(self._envelope([], self._usage()))
         except APIError as e:
-            yield self._event(e.body())
+            yield sse_event(e.body())
         yield b"data: [DONE]\n\n"
 
     def _chunk(
