@@ -20,10 +20,15 @@ weighs on both). The worker reports its steps, busy and idle seconds
 idle / (busy + idle), from its first step to its last. Tokens are checked equal between
 the modes. Progress on stderr; the last line of stdout is one JSON object.
 
---attention skip makes every attention layer return zeros in the worker: on the CPU the
-worker's own forward (1.2-1.6 ms a step at 256 requests even for the tiny layer, mostly
-the attention plan and kernels) is then ~0.7 ms, nearer what queueing a step costs a
-GPU host thread, so the overlap measured is the host path's against the modelled device.
+On the CPU the worker's thread runs the model itself (1.2-1.6 ms a step at 256 requests
+even for the tiny layer, mostly the attention plan and kernels), work that a GPU's host
+thread only queues; under async scheduling that thread must also plan the next step, so
+the forward's CPU time, which the delay already models as device time, would count twice.
+--skip (a benchmark-only worker setting, worker/bench_clock.py) cuts it short: attention
+makes every attention layer return zeros (~0.7 ms a step left); layers passes every
+decoder layer's input through (embedding, norm, LM head and sampling left, as cheap as
+queueing a small model's kernels), so the overlap measured is the host path's against
+the modelled device.
 
 --model builtin runs the built-in model (4 layers) instead, and --device cuda runs on a
 GPU (its default dtype), where the model step is the device's and no delay is needed
@@ -49,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from launch.builtin_model import builtin_model_dir  # noqa: E402
 from launch.llm import LLM  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
-from worker.bench_clock import DELAY_ENV, SKIP_ATTENTION_ENV, TIMING_ENV  # noqa: E402
+from worker.bench_clock import DELAY_ENV, SKIP_ENV, SKIPS, TIMING_ENV  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 # The one-tiny-layer Llama of the step-overhead benchmark: the worker's compute stays
@@ -121,15 +126,15 @@ def main() -> None:
     p.add_argument("--model", choices=("tiny", "builtin"), default="tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--attention",
-        choices=("real", "skip"),
-        default="real",
-        help="skip: attention layers return zeros (worker/bench_clock.py), so the worker's "
-        "CPU forward shrinks toward what a GPU launch costs its thread and the delay is "
-        "the device; tokens are meaningless but still compared between the modes",
+        "--skip",
+        choices=("none", *SKIPS),
+        default="none",
+        help="what of the worker's CPU forward to skip (worker/bench_clock.py), so that it "
+        "shrinks toward what a GPU launch costs its thread and the delay is the device; "
+        "tokens are meaningless but still compared between the modes",
     )
     a = p.parse_args()
-    os.environ[SKIP_ATTENTION_ENV] = "1" if a.attention == "skip" else "0"
+    os.environ[SKIP_ENV] = "" if a.skip == "none" else a.skip
     rng = random.Random(0)
     prompts = [
         # Byte ids: valid in both vocabularies.
@@ -189,7 +194,7 @@ def main() -> None:
         "benchmark": "overlap",
         "model": a.model,
         "device": a.device,
-        "attention": a.attention,
+        "skip": a.skip,
         "requests": a.requests,
         "tokens": a.tokens,
         "delay_ms": round(delay, 3),

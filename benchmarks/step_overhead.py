@@ -432,7 +432,7 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
     import worker.main as worker_main
     import worker.model_runner as mr
     import worker.models.llama as llama
-    from worker.bench_clock import SKIP_ATTENTION_ENV
+    from worker.bench_clock import SKIP_ENV
     from worker.block_table import MultiGroupBlockTable
     from worker.input_batch import InputBatch
 
@@ -466,7 +466,7 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
     # the reference kernel once left the batched CPU one running, ~5 ms a step at
     # 256 x 1100 tokens, which evicted the host path's data and put the core's CPU to
     # sleep.)
-    os.environ[SKIP_ATTENTION_ENV] = "1" if options["attention"] == "skip" else "0"
+    os.environ[SKIP_ENV] = "attention" if options["attention"] == "skip" else ""
     model_cls = llama.LlamaForCausalLM
     Codec.decode = timed("decode", Codec.decode, opens_step=True)  # type: ignore[method-assign]
     Codec.encode = timed("encode", Codec.encode)  # type: ignore[method-assign]

@@ -7,14 +7,14 @@ import pytest
 from cli_helpers import run_json_script
 
 
-@pytest.mark.parametrize("attention", ["real", "skip"])
-def test_overlap_benchmark_smoke(attention: str) -> None:
+@pytest.mark.parametrize("skip", ["none", "attention", "layers"])
+def test_overlap_benchmark_smoke(skip: str) -> None:
     result = run_json_script(
         "benchmarks/overlap.py",
         *("--requests", "8", "--tokens", "6", "--rounds", "1", "--delay-ms", "50"),
-        *("--attention", attention),
+        *("--skip", skip),
     )
-    assert result["attention"] == attention
+    assert result["skip"] == skip
     assert result["tokens_equal"] is True
     assert result["delay_ms"] == 50.0
     modes = [r["mode"] for r in result["runs"]]

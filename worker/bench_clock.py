@@ -6,11 +6,14 @@ PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens keeps a modelled dev
   launch's end; collecting the step's tokens waits for it (a sleep: the CPU stays free).
   So a benchmark can give the model step a known length on any machine, and the worker
   can do host work meanwhile (benchmarks/overlap.py).
-PAGEDSERVE_BENCH_SKIP_ATTENTION=1: every attention layer returns zeros instead of
-  attending (the cache is still written), so the worker's CPU forward shrinks to what a
-  GPU's launch would roughly cost its thread, while the delay above stands in for the
-  device (benchmarks/overlap.py --attention skip). Outputs are meaningless, but the same
-  in every scheduling mode.
+PAGEDSERVE_BENCH_SKIP=attention|layers: on the CPU the worker's thread runs the model
+  itself, work a GPU's host thread only queues; with the delay above standing in for the
+  device, this shrinks that forward toward a launch's cost (benchmarks/overlap.py --skip).
+  "attention": every attention layer returns zeros instead of attending (the cache is
+  still written). "layers": every decoder layer passes its input through, so a step is
+  the embedding, the final norm, the LM head and sampling; each token still depends on
+  the one fed in (so placeholder tokens are still checked) but no cache is written.
+  Outputs are meaningless, but the same in every scheduling mode.
 PAGEDSERVE_BENCH_WORKER_TIMING: a file the worker writes at exit, as JSON: the steps it
   ran, and how many of them it planned while their predecessor ran; the seconds its
   host thread spent on them (from planning a step to answering it, overlaps counted
@@ -31,27 +34,45 @@ import torch
 
 DELAY_ENV = "PAGEDSERVE_BENCH_STEP_DELAY_MS"
 TIMING_ENV = "PAGEDSERVE_BENCH_WORKER_TIMING"
-SKIP_ATTENTION_ENV = "PAGEDSERVE_BENCH_SKIP_ATTENTION"
+SKIP_ENV = "PAGEDSERVE_BENCH_SKIP"
+SPIN_S = 2e-4  # the modelled device's end is waited for spinning this long
+SKIPS = ("attention", "layers")
 
 
-def skip_attention_requested() -> bool:
-    value = os.environ.get(SKIP_ATTENTION_ENV, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{SKIP_ATTENTION_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+def skip_requested() -> str | None:
+    """What of the forward the worker skips: None, "attention" or "layers"."""
+    value = os.environ.get(SKIP_ENV, "")
+    if value == "":
+        return None
+    if value not in SKIPS:
+        raise ValueError(f"{SKIP_ENV} must be one of {', '.join(SKIPS)} or empty, got {value!r}")
+    return value
 
 
 def _no_attention(query: torch.Tensor, *_args: object, **_kwargs: object) -> torch.Tensor:
     return torch.zeros_like(query)
 
 
-def skip_attention(layers: Iterable[Any]) -> None:
-    """Give every attention layer kernels whose attention returns zeros."""
-    for layer in layers:
-        k = layer.kernels
-        layer.kernels = replace(
-            k, name=f"{k.name}, attention skipped", paged_attention=_no_attention
-        )
+def _pass_through(x: torch.Tensor, *_args: object, **_kwargs: object) -> torch.Tensor:
+    return x
+
+
+def skip(what: str, decoder_layers: Iterable[Any]) -> None:
+    """Skip `what` (one of SKIPS) in every decoder layer; the attention kernels' name says
+    so (the worker logs it)."""
+    if what not in SKIPS:
+        raise ValueError(f"cannot skip {what!r}: one of {', '.join(SKIPS)}")
+    for layer in decoder_layers:
+        attention = layer.self_attn
+        k = attention.kernels
+        if what == "attention":
+            attention.kernels = replace(
+                k, name=f"{k.name}, attention skipped", paged_attention=_no_attention
+            )
+        else:
+            attention.kernels = replace(k, name=f"{k.name}, layers skipped")
+            # An instance attribute: nn.Module.__call__ looks forward up on the instance.
+            layer.forward = _pass_through
 
 
 class DeviceClock:
@@ -108,13 +129,20 @@ class DeviceClock:
         self._device_end = end
 
     def time_left(self) -> float:
-        return self._device_end - time.perf_counter()
+        """Seconds the host may block before the device's step ends (less the spin)."""
+        return self._device_end - SPIN_S - time.perf_counter()
 
     def sync(self) -> None:
-        """Wait for the device to finish the launched step."""
-        wait = self.time_left()
+        """Wait for the device to finish the launched step: asleep, then spinning for its
+        last SPIN_S, as a GPU's synchronize spins, so the tokens are taken when the
+        device finishes. A sleep alone overshot by 70-180 us on this 2-core VM (30-80 us
+        when idle), which the modelled device idled for, every step."""
+        end = self._device_end
+        wait = end - SPIN_S - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
+        while time.perf_counter() < end:
+            pass
 
     def collected(self) -> None:
         self.steps += 1

@@ -26,8 +26,9 @@ from protocol.config import WorkerConfig, available_host_memory
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
+from worker import bench_clock
 from worker.attention import AttentionMetadata
-from worker.bench_clock import DeviceClock, skip_attention, skip_attention_requested
+from worker.bench_clock import DeviceClock
 from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
@@ -153,8 +154,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._in_flight: InFlight | None = None  # launched, not yet collected
         self.clock = DeviceClock.from_env()  # benchmarks only
-        if skip_attention_requested():  # benchmarks only
-            skip_attention(self.model.attention_layers().values())
+        skipped = bench_clock.skip_requested()  # benchmarks only
+        if skipped is not None:
+            bench_clock.skip(skipped, self.model.model.layers)
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
