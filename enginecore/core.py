@@ -44,7 +44,7 @@ from protocol.engine import (
     ShutdownCore,
 )
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
-from protocol.sockets import send_or_drop
+from protocol.sockets import lower_timer_slack, send_or_drop
 from protocol.worker import SchedulerOutput, WorkerConfigure
 
 log = logging.getLogger("pagedserve.core")
@@ -97,6 +97,7 @@ class EngineCore:
         # step is sent while one runs (at most two: the workers never idle between steps,
         # and the core never plans further ahead than one step it has not seen).
         self._in_flight: deque[SchedulerOutput] = deque()
+        self._pending: EngineOutputs | None = None  # the last answer's, until _flush
         self._max_in_flight = 2 if config.async_scheduling else 1
         self._check = config.check_invariants
         if config.log_kv:
@@ -209,9 +210,12 @@ class EngineCore:
                 return
             if in_flight or scheduler.has_unfinished_requests():
                 self._step()
+            if not (in_flight or scheduler.has_unfinished_requests()):
+                self._flush()  # no step to send first
             if kv_events is not None:
                 kv_events.publish(scheduler.take_kv_events())  # a prefix-cache reset
                 kv_events.serve_replays()
+        self._flush()
 
     def _drain_input(self) -> None:
         scheduler = self.scheduler
@@ -279,14 +283,10 @@ class EngineCore:
                 outputs = [] if in_flight else scheduler.fail_unschedulable()
                 if outputs:
                     self._send(EngineOutputs(outputs, scheduler.stats()))
+        self._flush()
         if in_flight and (len(in_flight) == self._max_in_flight or not sent):
             so = in_flight.popleft()
-            # Poll for the answer only when the workers have nothing after it: with a
-            # further step queued, waking late costs nothing (the step we send next is
-            # needed only once that one runs), and polling takes a CPU from the worker
-            # and the I/O threads. benchmarks/overlap.py with the CPU forward cut short
-            # (attention skipped), async: 743-753 -> 774-908 steps/s.
-            result = self.executor.wait_output(spin=not in_flight)
+            result = self.executor.wait_output()
             try:
                 outputs = scheduler.update_from_output(so, result)
             except InvariantViolation:
@@ -295,9 +295,20 @@ class EngineCore:
                 raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
             if self._check:
                 scheduler.check_invariants()
-            self._send(EngineOutputs(outputs, scheduler.stats()))
+            # Published once the next step is on its way (_flush): the workers start on
+            # it while the client's outputs are encoded and sent, instead of after.
+            self._pending = EngineOutputs(outputs, scheduler.stats())
+
+    def _flush(self) -> None:
+        """Send the outputs of the last answer, if not sent yet."""
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._send(pending)
 
     def _send(self, msg: object) -> None:
+        if self._pending is not None:
+            self._flush()  # a request's outputs must reach the client in order
         if self.kv_events is not None:
             # A step's events go out before its outputs: a router that sees a request
             # finish already knows the blocks it left cached.
@@ -360,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"enginecore: bad configuration: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s: %(message)s")
+    lower_timer_slack()  # the executor's due waits are sub-millisecond
     try:
         core = EngineCore(config)
     except ConfigError as e:  # e.g. the worker address is taken

@@ -288,17 +288,15 @@ class Executor:
             if monitor in events:
                 raise WorkerDied(self.describe_loss(rank, "next step"))
 
-    def wait_output(self, spin: bool = True) -> ModelRunnerOutput:
-        """The oldest step's answer. spin=False blocks at once: the caller's wake-up
-        latency is hidden (the workers hold a further step)."""
+    def wait_output(self) -> ModelRunnerOutput:
+        """The oldest step's answer."""
         timeout = self.config.step_timeout_s
         msg: WorkerToCore | None
-        if spin and self._due.ready(self.results):  # a short step's answer: no wake-up
+        if self._due.ready(self.results):  # a short step's answer: no wake-up
             msg = self._take_result()
         else:
             msg = self._recv(time.monotonic() + timeout, "model output")
-            if spin:  # the wait that ready() timed
-                self._due.arrived()
+            self._due.arrived()
         if msg is None:
             raise WorkerDied(
                 f"worker rank 0 did not answer a step within {timeout:g} s (--step-timeout): "

@@ -68,6 +68,9 @@ class InputBatch:
         # only non-trivial inside apply(): it ends dense with _end == num_reqs.
         self._end = 0
         self._holes: list[int] = []
+        # Rows emptied or moved so far: a step launched before an apply() finds its
+        # sampling rows where it left them while this is unchanged.
+        self.row_changes = 0
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
@@ -396,6 +399,7 @@ class InputBatch:
 
     def _remove(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id)
+        self.row_changes += 1
         self._row_to_req[row] = None
         self.num_extras -= bool(self.extras[row])
         for arr in self._row_arrays:
@@ -407,6 +411,7 @@ class InputBatch:
     def _move(self, src: int, dst: int) -> None:
         req_id = self._row_to_req[src]
         assert req_id is not None and self._row_to_req[dst] is None
+        self.row_changes += 1
         n = int(self.num_tokens[src])
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in self._row_arrays:

@@ -8,11 +8,9 @@ so the core can name the rank and the reason.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
-import select
 import signal
 import socket
 import sys
@@ -25,7 +23,13 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
-from protocol.sockets import DueWait, send_or_drop, spin_budget
+from protocol.sockets import (
+    DueWait,
+    lower_timer_slack,
+    send_or_drop,
+    spin_budget,
+    wait_for_message,
+)
 from protocol.worker import (
     PROTOCOL_VERSION,
     BlockTables,
@@ -48,9 +52,6 @@ if TYPE_CHECKING:
     from worker.model_runner import InFlight, ModelRunner
 
 log = logging.getLogger("pagedserve.worker")
-
-PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
-TIMER_SLACK_NS = 1000
 
 
 def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
@@ -167,33 +168,14 @@ def wait_for_next(pull: zmq.Socket, runner: ModelRunner, flight: InFlight) -> bo
     no longer than the step (a serial core sends nothing until it has the answer).
 
     Under async scheduling the next step's arrival is on the critical path (the core sent
-    it right after taking the previous answer), so it is waited for on the socket's file
-    descriptor with a timeout in microseconds: ZeroMQ's own poll takes milliseconds, and
-    the 0.1 ms sleeps between non-blocking polls used before noticed a step 0.1-0.2 ms
-    late (benchmarks/overlap.py)."""
-    fd = pull.FD
+    it right after taking the previous answer): the 0.1 ms sleeps between non-blocking
+    polls used before noticed it 0.1-0.2 ms late (benchmarks/overlap.py)."""
     while True:
-        # The descriptor only signals a change: EVENTS says whether a message waits,
-        # and reading it rearms the descriptor.
-        if pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            return True
         left = runner.time_left(flight)
         if left <= 0:
-            return False
-        select.select((fd,), (), (), left)
-
-
-def lower_timer_slack() -> None:
-    """Ask Linux to end this process's timed waits within ~1 us instead of the default
-    50 us of slack: a worker waits for its device with timeouts well under a millisecond
-    (wait_for_next). Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: the default slack only costs latency
-        pass
+            return bool(pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if wait_for_message(pull, left):
+            return True
 
 
 def core_alive(config: WorkerConfig, monitor: zmq.Socket) -> bool:

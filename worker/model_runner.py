@@ -103,8 +103,8 @@ class InFlight:
     tokens: torch.Tensor | None  # [K] on the device; None when no request samples
     logits: torch.Tensor | None  # kept for the logprobs, when some request asked
     done: torch.cuda.Event | None  # recorded after the step's work on a GPU
-    # The batch was applied since launch: the sampling rows may have moved.
-    rows_moved: bool = False
+    # The batch's row_changes at launch: while equal, the sampling rows are where they were.
+    rows_at_launch: int = 0
 
 
 class ModelRunner:
@@ -379,8 +379,6 @@ class ModelRunner:
         batch = self._configured("SchedulerOutput")
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
-        if self._in_flight is not None:
-            self._in_flight.rows_moved = True  # apply may move rows and drop requests
         batch.apply(so)
         if so.total_num_scheduled_tokens == 0:
             return None
@@ -496,7 +494,13 @@ class ModelRunner:
             done.record()
         if clock is not None:
             clock.launch_end()
-        flight = InFlight(step, tokens, logits if step.logprob_rows is not None else None, done)
+        flight = InFlight(
+            step,
+            tokens,
+            logits if step.logprob_rows is not None else None,
+            done,
+            self.batch.row_changes,
+        )
         self._in_flight = flight
         return flight
 
@@ -529,7 +533,11 @@ class ModelRunner:
             step.logprobs = logprobs
         self._in_flight = None
         self.batch.fill_reserved(
-            step.sampling_req_ids, tokens, None if flight.rows_moved else step.sampling_rows
+            step.sampling_req_ids,
+            tokens,
+            # A step planned meanwhile that finished, preempted or moved no request (a
+            # steady decode) left the rows in place: one indexed write, no lookups.
+            step.sampling_rows if self.batch.row_changes == flight.rows_at_launch else None,
         )
         if self.clock is not None:
             self.clock.collected()
