@@ -286,7 +286,8 @@ class EngineCore:
         self._flush()
         if in_flight and (len(in_flight) == self._max_in_flight or not sent):
             so = in_flight.popleft()
-            result = self.executor.wait_output()
+            # With a further step queued the answer comes at the device's pace: nap.
+            result = self.executor.wait_output(nap=bool(in_flight))
             try:
                 outputs = scheduler.update_from_output(so, result)
             except InvariantViolation:

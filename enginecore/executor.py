@@ -288,11 +288,12 @@ class Executor:
             if monitor in events:
                 raise WorkerDied(self.describe_loss(rank, "next step"))
 
-    def wait_output(self) -> ModelRunnerOutput:
-        """The oldest step's answer."""
+    def wait_output(self, nap: bool = False) -> ModelRunnerOutput:
+        """The oldest step's answer. nap: sleep through most of the wait (DueWait), for a
+        step with another queued behind it."""
         timeout = self.config.step_timeout_s
         msg: WorkerToCore | None
-        if self._due.ready(self.results):  # a short step's answer: no wake-up
+        if self._due.ready(self.results, nap):  # a short step's answer: no wake-up
             msg = self._take_result()
         else:
             msg = self._recv(time.monotonic() + timeout, "model output")

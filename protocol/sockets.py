@@ -32,8 +32,8 @@ SEND_RETRY_MS = 200
 # blocking, 93-100 us polling up to 200 us, 87-88 us up to 1 ms, 82-91 us up to 3 ms.
 # The launcher's PAGEDSERVE_SPIN_US overrides the budget (0: off) through the configs.
 DEFAULT_SPIN_S = 0.001
-# A due wait sleeps until this long before the message is expected (the previous wait's
-# length), then spins: the wake-up latency above, on a loaded 2-core VM, with margin.
+# A napping due wait sleeps until this long before the message is expected (the previous
+# wait's length), then spins: the wake-up latency above, on a loaded 2-core VM, with margin.
 SPIN_BEFORE_S = 2e-4
 # Timed waits of the core and the workers (DueWait, a worker's wait for its device) are
 # sub-millisecond; Linux's default timer slack of 50 us ends them up to 80 us late here.
@@ -52,15 +52,17 @@ def spin_budget(world_size: int, override_us: float | None = None) -> float:
 
 
 class DueWait:
-    """The wait for a message that is due (a step's answer, the next step): while the
-    previous such wait fit in the budget, sleeps on the socket until SPIN_BEFORE_S before
-    the time that wait took, then polls without blocking until the message comes or the
-    budget is spent; the caller blocks as usual when ready() says no, then reports the
-    arrival. Sleeping first leaves the CPU to the other processes for most of a wait
-    that the workers' next step makes long: under async scheduling the core's wait for an
-    answer, spun through (~0.85 ms of a 1.2 ms step), took a CPU from the worker and both
-    processes' I/O threads, and blocking through it woke the core 0.4 ms after the answer
-    came (benchmarks/overlap.py, 2-core VM)."""
+    """The wait for a message that is due (a step's answer, the next step): polls without
+    blocking for up to the budget while the previous such wait fit in it; the caller
+    blocks as usual when ready() says no, then reports the arrival.
+
+    ready(sock, nap=True) first sleeps on the socket until SPIN_BEFORE_S before the time
+    the previous wait took: for a wait that a step queued behind it makes long and
+    regular, the core's wait for an answer under async scheduling. Spun through (~0.85 ms
+    of a 1.2 ms step) it took a CPU from the worker and both processes' I/O threads;
+    blocked through, the core woke 0.4 ms after the answer came (benchmarks/overlap.py,
+    2-core VM). A serial step's waits are less regular: napping there cost the IPC round
+    trip 68-88 -> 114-126 us (benchmarks/step_overhead.py)."""
 
     __slots__ = ("_start", "budget", "last")
 
@@ -69,12 +71,12 @@ class DueWait:
         self.last = 0.0  # seconds the previous due message took to come
         self._start = 0.0
 
-    def ready(self, sock: zmq.Socket) -> bool:
+    def ready(self, sock: zmq.Socket, nap: bool = False) -> bool:
         """True as soon as a message waits on sock; False once waiting here does not pay."""
         start = self._start = time.perf_counter()
         if self.last > self.budget:
             return False
-        asleep = self.last - SPIN_BEFORE_S
+        asleep = self.last - SPIN_BEFORE_S if nap else 0.0
         if not (
             (asleep > 0 and wait_for_message(sock, asleep))
             or spin_for_message(sock, self.budget - max(asleep, 0.0))
