@@ -1,15 +1,23 @@
-"""protocol/sockets.py: polling before blocking, and when it is allowed."""
+"""protocol/sockets.py: polling before blocking, and when it is allowed; waiting on a
+socket to the microsecond, and napping before the spin."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
 from launch.engine import SPIN_ENV, EngineArgs
-from protocol.sockets import DEFAULT_SPIN_S, DueWait, spin_budget, spin_for_message
+from protocol.sockets import (
+    DEFAULT_SPIN_S,
+    DueWait,
+    spin_budget,
+    spin_for_message,
+    wait_for_message,
+)
 
 
 def test_spin_budget_only_when_every_process_has_a_cpu() -> None:
@@ -74,3 +82,28 @@ def test_due_wait_spins_only_while_the_last_wait_was_short(pair) -> None:
     off = DueWait(0.0)
     a.send(b"step")
     assert not off.ready(b)  # no budget: always the blocking wait
+
+
+def test_wait_for_message_wakes_on_arrival_and_times_out_without_one(pair) -> None:
+    a, b = pair
+    assert not wait_for_message(b, 0.0)
+    assert not wait_for_message(b, 0.002)  # nothing sent: the timeout ends it
+    sender = threading.Timer(0.01, a.send, args=(b"step",))
+    sender.start()
+    assert wait_for_message(b, 60.0)  # woken by the arrival, long before the timeout
+    sender.join()
+    assert b.recv(zmq.NOBLOCK) == b"step"
+
+
+def test_a_napping_due_wait_sleeps_then_takes_the_message(pair) -> None:
+    a, b = pair
+    due = DueWait(60.0)
+    due.last = 30.0  # the previous answer took 30 s: nap until shortly before that
+    sender = threading.Timer(0.01, a.send, args=(b"step",))
+    sender.start()
+    assert due.ready(b, nap=True)  # it came during the nap, which it ends
+    sender.join()
+    assert b.recv(zmq.NOBLOCK) == b"step"
+    assert due.last < 30.0  # the next nap is sized by this wait
+    due.last = 61.0  # longer than the budget: no nap, no spin, the caller blocks
+    assert not due.ready(b, nap=True)
