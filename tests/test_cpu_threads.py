@@ -116,8 +116,8 @@ def test_short_steps_and_changing_batches_are_never_probed() -> None:
     tuner = CpuThreadTuner(1, 2)
     assert run(tuner, {1: 0.001, 2: 0.0001}, 200) == [1] * 200  # too short to matter
     used = []
-    for i in range(200):  # every step a different size: nothing to compare
-        tuner.before_step(64 + i)
+    for i in range(200):  # every step a different decode size: nothing to compare
+        tuner.before_step(64 + i % 128)
         used.append(torch.get_num_threads())
         tuner.after_step(0.150 if used[-1] == 1 else 0.050)
     assert used == [1] * 200
@@ -168,3 +168,32 @@ def test_short_steps_run_on_the_low_count_even_when_every_core_won() -> None:
     used = run(tuner, {1: 0.150, 2: 0.100}, 10, tokens=128)
     assert used[0] == 1 and used[1:] == [2] * 9
     assert tuner.threads == 2
+
+
+def test_prefills_get_their_own_count_compared_per_token() -> None:
+    """Prefill-sized steps of changing sizes, two threads faster per token, interleaved
+    with decode steps on which one thread is faster (a server's mix): each kind ends on
+    its own count."""
+    tuner = CpuThreadTuner(1, 2)
+    per_token = {1: 20e-6, 2: 13e-6}  # prefill, as measured behind the server
+    decode_s = {1: 0.0075, 2: 0.011}
+    large_used = []
+    for i in range(400):
+        size = cpu_threads.LARGE_STEP_TOKENS + (i * 37) % 700
+        tuner.before_step(size)
+        large_used.append(torch.get_num_threads())
+        tuner.after_step(size * per_token[torch.get_num_threads()])
+        for _ in range(4):
+            tuner.before_step(64)
+            tuner.after_step(decode_s[torch.get_num_threads()])
+    assert tuner.large_threads == 2 and tuner.threads == 1
+    assert large_used[-50:].count(2) > 40  # only probes leave it
+
+
+def test_prefills_stay_on_the_low_count_when_it_is_faster() -> None:
+    tuner = CpuThreadTuner(1, 2)
+    for i in range(300):
+        size = 300 + (i * 53) % 500
+        tuner.before_step(size)
+        tuner.after_step(size * (10e-6 if torch.get_num_threads() == 1 else 30e-6))
+    assert tuner.large_threads == 1 and tuner.switches == 0

@@ -14,6 +14,9 @@ steps on the other count against as many before, and switches when that is clear
 faster. A probe that loses doubles the wait before the next one, so a busy machine pays
 little for the check.
 
+Prefills are tuned apart from decode steps (LARGE_STEP_TOKENS): they are products big
+enough for a second thread to pay where a decode step's are not.
+
 Counts are compared by their steps' mean time, which is what throughput sees, not by the
 fastest step: contention that follows the count (the server and its clients waking beside
 a step, preempting one of two threads) scatters two-thread steps, a few fast among many
@@ -54,6 +57,13 @@ WARMUP_BELOW_S = 0.05
 # two, idle): they run on the low count, unprobed, until a step takes twice this again.
 MIN_STEP_S = 0.005
 MARGIN = 0.9  # the other count must take at most this share of the time to win
+# Steps of at least this many tokens (prefills, chunks of them) are tuned apart from the
+# decode steps, compared by their time per token (their sizes vary too much to ever be
+# equal): big products gain from a second thread even where a decode step loses. Behind
+# `pagedserve serve` at 64 streams, prefix caching off (built-in model): prefill 13.1 us
+# a token on two threads, 19.6 on one, while decode stayed faster on one; keeping
+# prefills on the decode steps' count cost the server 10-20% of its throughput.
+LARGE_STEP_TOKENS = 256
 
 
 def usable_cores() -> int:
@@ -70,30 +80,130 @@ def pick_cpu_threads(world_size: int) -> int:
     return max(1, (usable_cores() - 1) // world_size)
 
 
+class _Tuning:
+    """The choice between two counts for one kind of step, and its probes. Compares the
+    time per token of the steps before a probe and in it. `exact` kinds (decode steps)
+    compare only steps of one token count (a steady batch: a new count starts over), and
+    their short steps run on `low` unprobed."""
+
+    def __init__(self, low: int, high: int, threads: int, period: int, exact: bool) -> None:
+        self.low, self.high = low, high
+        self.threads = threads
+        self.exact = exact
+        self.switches = 0
+        self._period = period
+        self._since_probe = 0
+        self._tokens = -1  # the current step's token count
+        self._recent: list[tuple[float, int]] = []  # (seconds, tokens), chosen count
+        self._probe: list[tuple[float, int]] | None = None  # on the other count
+        self._probe_steps = MIN_PROBE_STEPS  # this probe's timed steps
+        self._probe_warmup = 0  # and untimed ones before them
+        # Steps too short for threads to pay: they run on `low` and are never probed.
+        self._short = False
+
+    @property
+    def other(self) -> int:
+        return self.high if self.threads == self.low else self.low
+
+    def choose(self, num_tokens: int) -> int:
+        """The count to run a step of num_tokens on."""
+        if self.exact and num_tokens != self._tokens:
+            self._tokens = num_tokens
+            self._recent.clear()
+            self._probe = None  # the batch changed mid-probe: no comparison
+        if self._probe is not None:
+            return self.other  # the probe's steps run on the other count
+        if self._short:
+            return self.low
+        if self._since_probe >= self._period and len(self._recent) >= MIN_PROBE_STEPS:
+            step_s = sum(s for s, _ in self._recent) / len(self._recent)
+            wanted = math.ceil(PROBE_S / step_s) if step_s > 0 else MAX_PROBE_STEPS
+            self._probe_steps = min(max(wanted, MIN_PROBE_STEPS), MAX_PROBE_STEPS)
+            self._probe_warmup = 1 if step_s < WARMUP_BELOW_S else 0
+            self._probe = []
+            return self.other
+        return self.threads
+
+    def record(self, seconds: float, num_tokens: int) -> None:
+        probe = self._probe
+        if probe is None:
+            if self._short:
+                # Hysteresis: a step that was short on every core may not be on one.
+                if seconds >= 2 * MIN_STEP_S:
+                    self._short = False
+                return
+            if seconds < MIN_STEP_S and self.exact:  # a prefill's count is measured
+                self._short = True
+                self._recent.clear()
+                return
+            self._since_probe += 1
+            self._recent.append((seconds, num_tokens))
+            del self._recent[:-MAX_PROBE_STEPS]
+            return
+        probe.append((seconds, num_tokens))
+        if len(probe) < self._probe_warmup + self._probe_steps:
+            return
+        self._probe = None
+        self._since_probe = 0
+        del probe[: self._probe_warmup]
+        mine = _per_token(self._recent[-len(probe) :])
+        theirs = _per_token(probe)
+        if theirs < MARGIN * mine:
+            log.info(
+                "CPU threads%s: %d -> %d (%.2f us -> %.2f us a token)",
+                "" if self.exact else f" for steps of {LARGE_STEP_TOKENS}+ tokens",
+                self.threads,
+                self.other,
+                mine * 1e6,
+                theirs * 1e6,
+            )
+            self.threads = self.other
+            self.switches += 1
+            self._period = PROBE_PERIOD
+            self._recent = probe
+        else:
+            self._period = min(self._period * 2, MAX_PROBE_PERIOD)
+
+
+def _per_token(steps: list[tuple[float, int]]) -> float:
+    return sum(s for s, _ in steps) / max(1, sum(n for _, n in steps))
+
+
 class CpuThreadTuner:
     """Picks torch's intra-op thread count between `low` and `high`, step by step.
 
     Call before_step(num_tokens) before a step's compute and after_step(seconds) after.
-    Only steps of equal token count (a steady decode batch) are compared; short steps
-    run on `low`."""
+    Decode-sized steps are compared only at equal token counts (a steady batch); steps of
+    LARGE_STEP_TOKENS or more have their own choice; short steps run on `low`."""
 
     def __init__(self, low: int, high: int) -> None:
         if not 1 <= low < high:
             raise ValueError(f"thread counts must satisfy 1 <= low < high, got {low}, {high}")
         self.low, self.high = low, high
-        self.threads = low
-        self._period = FIRST_PROBE_AFTER
-        self._since_probe = 0
-        self._tokens = -1  # the current step's token count
-        self._recent: list[float] = []  # the last steps of this token count, chosen count
-        self._probe: list[float] | None = None  # times on the other count, while probing
-        self._probe_steps = MIN_PROBE_STEPS  # this probe's timed steps
-        self._probe_warmup = 0  # and untimed ones before them
-        # Steps too short for threads to pay: they run on `low` and are never probed.
-        self._short = False
-        self.switches = 0
+        self._decode = _Tuning(low, high, low, FIRST_PROBE_AFTER, exact=True)
+        self._large = _Tuning(low, high, low, FIRST_PROBE_AFTER, exact=False)
+        self._step = self._decode  # the kind of the step running
+        self._step_tokens = 0
         self._applied = low
         torch.set_num_threads(low)
+
+    @property
+    def threads(self) -> int:
+        """The count chosen for decode-sized steps."""
+        return self._decode.threads
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        self._decode.threads = n
+
+    @property
+    def large_threads(self) -> int:
+        """The count chosen for steps of LARGE_STEP_TOKENS or more."""
+        return self._large.threads
+
+    @property
+    def switches(self) -> int:
+        return self._decode.switches + self._large.switches
 
     @classmethod
     def for_worker(cls, device: torch.device, world_size: int) -> CpuThreadTuner | None:
@@ -120,8 +230,9 @@ class CpuThreadTuner:
                 if rep:  # the first round starts the threads
                     best[n] = min(best[n], time.perf_counter() - start)
         if best[self.high] < MARGIN * best[self.low]:
-            self.threads = self.high
-            self._period = PROBE_PERIOD
+            for kind in (self._decode, self._large):
+                kind.threads = self.high
+                kind._period = PROBE_PERIOD
         torch.set_num_threads(self.threads)
         self._applied = self.threads
         log.info(
@@ -133,70 +244,16 @@ class CpuThreadTuner:
             self.high,
         )
 
-    @property
-    def other(self) -> int:
-        return self.high if self.threads == self.low else self.low
-
     def _apply(self, threads: int) -> None:
         if threads != self._applied:
             torch.set_num_threads(threads)
             self._applied = threads
 
     def before_step(self, num_tokens: int) -> None:
-        if num_tokens != self._tokens:
-            self._tokens = num_tokens
-            self._recent.clear()
-            self._probe = None  # the batch changed mid-probe: no comparison
-        if self._probe is not None:
-            return  # the probe's steps run on the other count
-        if self._short:
-            self._apply(self.low)
-        elif self._since_probe >= self._period and len(self._recent) >= MIN_PROBE_STEPS:
-            step_s = sum(self._recent) / len(self._recent)
-            wanted = math.ceil(PROBE_S / step_s) if step_s > 0 else MAX_PROBE_STEPS
-            self._probe_steps = min(max(wanted, MIN_PROBE_STEPS), MAX_PROBE_STEPS)
-            self._probe_warmup = 1 if step_s < WARMUP_BELOW_S else 0
-            self._probe = []
-            self._apply(self.other)
-        else:
-            self._apply(self.threads)
+        kind = self._large if num_tokens >= LARGE_STEP_TOKENS else self._decode
+        self._step = kind
+        self._step_tokens = num_tokens
+        self._apply(kind.choose(num_tokens))
 
     def after_step(self, seconds: float) -> None:
-        probe = self._probe
-        if probe is None:
-            if self._short:
-                # Hysteresis: a step that was short on every core may not be on one.
-                if seconds >= 2 * MIN_STEP_S:
-                    self._short = False
-                return
-            if seconds < MIN_STEP_S:
-                self._short = True
-                self._recent.clear()
-                return
-            self._since_probe += 1
-            self._recent.append(seconds)
-            del self._recent[:-MAX_PROBE_STEPS]
-            return
-        probe.append(seconds)
-        if len(probe) < self._probe_warmup + self._probe_steps:
-            return
-        self._probe = None
-        self._since_probe = 0
-        del probe[: self._probe_warmup]
-        recent = self._recent[-len(probe) :]
-        mine = sum(recent) / len(recent)
-        theirs = sum(probe) / len(probe)
-        if theirs < MARGIN * mine:
-            log.info(
-                "CPU threads: %d -> %d (%.1f ms -> %.1f ms a step)",
-                self.threads,
-                self.other,
-                mine * 1e3,
-                theirs * 1e3,
-            )
-            self.threads = self.other
-            self.switches += 1
-            self._period = PROBE_PERIOD
-            self._recent = probe
-        else:
-            self._period = min(self._period * 2, MAX_PROBE_PERIOD)
+        self._step.record(seconds, self._step_tokens)
