@@ -8,13 +8,14 @@ Clients: the official `openai` client (AsyncOpenAI) on its aiohttp transport
 (DefaultAioHttpClient, the `openai[aiohttp]` extra: on this 2-core machine, where the
 clients share the CPUs with the server and the engine, its C HTTP parser halves the
 clients' CPU per streamed token, 56-62 -> 32 us, against httpx's pure-Python one), one
-streaming completion per request, prompts sent as token ids so the server and LLM.generate see identical ids;
-greedy, ignore_eos, fixed max_tokens, so every variant generates the same tokens
-(checked: the server's ids, from the `return_token_ids` extension, must equal
-LLM.generate's). That extension also makes every step's tokens a chunk, so ITL is per
-step even when a token ends inside a character. Load: --concurrency C keeps C streams
-open (a closed loop: a client sends its next request when one ends); --request-rate R
-sends requests at Poisson arrivals of R per second instead (still capped at C open).
+streaming completion per request, prompts sent as token ids so the server and
+LLM.generate see identical ids; greedy, ignore_eos, fixed max_tokens, so every variant
+generates the same tokens (checked: the server's ids, from the `return_token_ids`
+extension, must equal LLM.generate's). That extension also makes every step's tokens a
+chunk, so ITL is per step even when a token ends inside a character. Load: --concurrency
+C keeps C streams open (a closed loop: a client sends its next request when one ends);
+--request-rate R sends requests at Poisson arrivals of R per second instead (still
+capped at C open).
 
 Workloads (prompts are words in the model's tokenizer, cut to a token count):
 - random: prompts of random words, no two sharing their first block.
