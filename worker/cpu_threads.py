@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger("pagedserve.worker")
 
-FIRST_PROBE_AFTER = 4  # steps: an idle machine gets the faster count early
+FIRST_PROBE_AFTER = 4  # steps: the start-up guess is checked early
 PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
 MAX_PROBE_PERIOD = 1024
 # A probe times steps on the other count until they add up to PROBE_S (at least
@@ -230,9 +230,11 @@ class CpuThreadTuner:
                 if rep:  # the first round starts the threads
                     best[n] = min(best[n], time.perf_counter() - start)
         if best[self.high] < MARGIN * best[self.low]:
+            # Still probed after FIRST_PROBE_AFTER steps: the product runs alone, while
+            # behind a server decode steps share the cores (one run here started the
+            # server's decode on two threads and lost ~10% of its throughput to it).
             for kind in (self._decode, self._large):
                 kind.threads = self.high
-                kind._period = PROBE_PERIOD
         torch.set_num_threads(self.threads)
         self._applied = self.threads
         log.info(
