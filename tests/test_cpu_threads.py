@@ -180,7 +180,7 @@ def test_prefills_get_their_own_count_compared_per_token() -> None:
     large_used = []
     for i in range(400):
         size = cpu_threads.LARGE_STEP_TOKENS + (i * 37) % 700
-        tuner.before_step(size)
+        tuner.before_step(size, 8)  # 8 requests, some of them prefilling
         large_used.append(torch.get_num_threads())
         tuner.after_step(size * per_token[torch.get_num_threads()])
         for _ in range(4):
@@ -194,6 +194,23 @@ def test_prefills_stay_on_the_low_count_when_it_is_faster() -> None:
     tuner = CpuThreadTuner(1, 2)
     for i in range(300):
         size = 300 + (i * 53) % 500
-        tuner.before_step(size)
+        tuner.before_step(size, 4)
         tuner.after_step(size * (10e-6 if torch.get_num_threads() == 1 else 30e-6))
     assert tuner.large_threads == 1 and tuner.switches == 0
+
+
+def test_a_large_decode_batch_is_a_decode_step() -> None:
+    """256 requests decoding are 256 tokens: compared at equal counts, and short ones run
+    on the low count unprobed, whatever prefills chose."""
+    tuner = CpuThreadTuner(1, 2)
+    for i in range(200):
+        size = 300 + (i * 53) % 500
+        tuner.before_step(size, 4)
+        tuner.after_step(size * (30e-6 if torch.get_num_threads() == 1 else 10e-6))
+    assert tuner.large_threads == 2
+    used = []
+    for _ in range(200):
+        tuner.before_step(256, 256)
+        used.append(torch.get_num_threads())
+        tuner.after_step(0.0004 if used[-1] == 1 else 0.0006)
+    assert used[1:] == [1] * 199 and tuner.threads == 1

@@ -57,12 +57,13 @@ WARMUP_BELOW_S = 0.05
 # two, idle): they run on the low count, unprobed, until a step takes twice this again.
 MIN_STEP_S = 0.005
 MARGIN = 0.9  # the other count must take at most this share of the time to win
-# Steps of at least this many tokens (prefills, chunks of them) are tuned apart from the
-# decode steps, compared by their time per token (their sizes vary too much to ever be
-# equal): big products gain from a second thread even where a decode step loses. Behind
-# `pagedserve serve` at 64 streams, prefix caching off (built-in model): prefill 13.1 us
-# a token on two threads, 19.6 on one, while decode stayed faster on one; keeping
-# prefills on the decode steps' count cost the server 10-20% of its throughput.
+# Steps of at least this many tokens that hold a prefill (or a chunk of one) are tuned
+# apart from the decode steps, compared by their time per token (their sizes vary too
+# much to ever be equal): big products gain from a second thread even where a decode
+# step loses. Behind `pagedserve serve` at 64 streams, prefix caching off (built-in
+# model): prefill 13.1 us a token on two threads, 19.6 on one, while decode stayed
+# faster on one; keeping prefills on the decode steps' count cost the server 10-20% of
+# its throughput.
 LARGE_STEP_TOKENS = 256
 
 
@@ -172,9 +173,10 @@ def _per_token(steps: list[tuple[float, int]]) -> float:
 class CpuThreadTuner:
     """Picks torch's intra-op thread count between `low` and `high`, step by step.
 
-    Call before_step(num_tokens) before a step's compute and after_step(seconds) after.
-    Decode-sized steps are compared only at equal token counts (a steady batch); steps of
-    LARGE_STEP_TOKENS or more have their own choice; short steps run on `low`."""
+    Call before_step(num_tokens, num_reqs) before a step's compute and after_step(seconds)
+    after. Decode steps are compared only at equal token counts (a steady batch); steps
+    with a prefill and LARGE_STEP_TOKENS or more tokens have their own choice; short
+    decode steps run on `low`."""
 
     def __init__(self, low: int, high: int) -> None:
         if not 1 <= low < high:
@@ -251,8 +253,14 @@ class CpuThreadTuner:
             torch.set_num_threads(threads)
             self._applied = threads
 
-    def before_step(self, num_tokens: int) -> None:
-        kind = self._large if num_tokens >= LARGE_STEP_TOKENS else self._decode
+    def before_step(self, num_tokens: int, num_reqs: int | None = None) -> None:
+        """num_reqs: the requests the step schedules (None: as many as tokens). A step
+        with more tokens than requests holds a prefill or extend chunk; one of at least
+        LARGE_STEP_TOKENS is tuned apart. A decode step is never: a batch of 256 decoding
+        requests is 256 tokens, and behind the overlap benchmark's 0.4 ms steps probing it
+        on two threads cost async scheduling a quarter of its steps/s."""
+        prefill = num_reqs is not None and num_tokens > num_reqs
+        kind = self._large if prefill and num_tokens >= LARGE_STEP_TOKENS else self._decode
         self._step = kind
         self._step_tokens = num_tokens
         self._apply(kind.choose(num_tokens))

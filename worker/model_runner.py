@@ -477,7 +477,7 @@ class ModelRunner:
             clock.launch_begin()
         tuner = self.cpu_threads
         if tuner is not None:
-            tuner.before_step(len(step.positions))
+            tuner.before_step(len(step.positions), len(step.attn.query_start_loc) - 1)
             start = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
         tokens = logits = None
