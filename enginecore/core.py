@@ -210,7 +210,7 @@ class EngineCore:
                 return
             if in_flight or scheduler.has_unfinished_requests():
                 self._step()
-            if not (in_flight or scheduler.has_unfinished_requests()):
+            if self._pending is not None and not (in_flight or scheduler.has_unfinished_requests()):
                 self._flush()  # no step to send first
             if kv_events is not None:
                 kv_events.publish(scheduler.take_kv_events())  # a prefix-cache reset
@@ -308,8 +308,7 @@ class EngineCore:
             self._send(pending)
 
     def _send(self, msg: object) -> None:
-        if self._pending is not None:
-            self._flush()  # a request's outputs must reach the client in order
+        self._flush()  # a request's outputs must reach the client in order
         if self.kv_events is not None:
             # A step's events go out before its outputs: a router that sees a request
             # finish already knows the blocks it left cached.

@@ -87,12 +87,12 @@ class _Tuning:
     compare only steps of one token count (a steady batch: a new count starts over), and
     their short steps run on `low` unprobed."""
 
-    def __init__(self, low: int, high: int, threads: int, period: int, exact: bool) -> None:
+    def __init__(self, low: int, high: int, exact: bool) -> None:
         self.low, self.high = low, high
-        self.threads = threads
+        self.threads = low  # until calibrate() or a probe says otherwise
         self.exact = exact
         self.switches = 0
-        self._period = period
+        self._period = FIRST_PROBE_AFTER
         self._since_probe = 0
         self._tokens = -1  # the current step's token count
         self._recent: list[tuple[float, int]] = []  # (seconds, tokens), chosen count
@@ -182,8 +182,8 @@ class CpuThreadTuner:
         if not 1 <= low < high:
             raise ValueError(f"thread counts must satisfy 1 <= low < high, got {low}, {high}")
         self.low, self.high = low, high
-        self._decode = _Tuning(low, high, low, FIRST_PROBE_AFTER, exact=True)
-        self._large = _Tuning(low, high, low, FIRST_PROBE_AFTER, exact=False)
+        self._decode = _Tuning(low, high, exact=True)
+        self._large = _Tuning(low, high, exact=False)
         self._step = self._decode  # the kind of the step running
         self._step_tokens = 0
         self._applied = low
