@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 # auto: the CUDA kernels on a GPU where they support the dtype and head size, the batched
-# CPU kernels (kernels.cpu) on the CPU, else the torch reference. cpu: the batched CPU
-# kernels or an error. reference: the per-request torch reference anywhere (the oracle;
-# debugging, bisecting a kernel). cuda: the CUDA kernels or an error. emulated: the CUDA
-# sources run on the CPU through kernels.cuda_emulator (very slow; lets the CPU tests drive
-# the CUDA kernels through the whole engine).
+# CPU kernels (kernels.cpu, with the C kernel of kernels.cpu_native for decode rows where it
+# builds; PAGEDSERVE_NATIVE_KERNELS=0 turns it off) on the CPU, else the torch reference.
+# cpu: the batched CPU kernels or an error. reference: the per-request torch reference
+# anywhere (the oracle; debugging, bisecting a kernel). cuda: the CUDA kernels or an error.
+# emulated: the CUDA sources run on the CPU through kernels.cuda_emulator (very slow; lets
+# the CPU tests drive the CUDA kernels through the whole engine).
 KERNELS_ENV = "PAGEDSERVE_ATTENTION"
 CHOICES = ("auto", "cpu", "reference", "cuda", "emulated")
 
@@ -62,5 +63,10 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> A
     if choice == "cpu" and device.type != "cpu":
         raise ValueError(f"{KERNELS_ENV}=cpu needs the CPU device, the worker runs on {device}")
     if device.type == "cpu" and choice in ("auto", "cpu"):
-        return AttentionKernels("torch cpu (batched)", cpu.write_kv_cache, cpu.paged_attention)
+        from kernels import cpu_native
+
+        name = "torch cpu (batched)"
+        if cpu_native.library() is not None:
+            name += ", C kernel for decode"
+        return AttentionKernels(name, cpu.write_kv_cache, cpu.paged_attention)
     return AttentionKernels("torch reference", reference.write_kv_cache, reference.paged_attention)

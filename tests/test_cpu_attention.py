@@ -1,4 +1,5 @@
-"""The batched CPU kernels (kernels.cpu) against the torch reference, their oracle."""
+"""The CPU kernels (kernels.cpu, with and without the C kernel of kernels.cpu_native)
+against the torch reference, their oracle."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import KERNELS_ENV, cpu, reference, select_kernels
+from kernels import KERNELS_ENV, cpu, cpu_native, reference, select_kernels
 from kernels.testing import random_paged_batch
 
 BLOCK_SIZES = (1, 8, 16, 32)
@@ -33,6 +34,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["native", "gather"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Both CPU paths: decode and short extends in the C kernel (the default wherever a C
+    compiler exists, as on CI), and everything gathered for torch."""
+    native = request.param == "native"
+    monkeypatch.setenv(cpu_native.NATIVE_ENV, "1" if native else "0")
+    cpu_native.library.cache_clear()
+    if native:
+        assert cpu_native.library() is not None, "the C kernel did not build (see the log)"
+    yield request.param
+    cpu_native.library.cache_clear()
 
 
 @dataclass
@@ -106,7 +120,7 @@ def strided_caches(
     return views[0], views[1]
 
 
-def run_both(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def run_both(case: Case, seed: int, head_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
     gen = torch.Generator().manual_seed(seed)
     num_q_heads, num_kv_heads = case.heads
     query, key_cache, value_cache, table, qsl, lens = random_paged_batch(
@@ -116,7 +130,7 @@ def run_both(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         case.block_size,
         num_kv_heads,
         num_q_heads,
-        16,
+        head_dim,
         case.dtype,
         pad_rows=case.pad_rows,
         released_window=case.window,  # blocks no window reaches point at the NaN block 0
@@ -127,7 +141,7 @@ def run_both(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_random_mixed_batches_equal_the_reference(dtype: torch.dtype) -> None:
+def test_random_mixed_batches_equal_the_reference(dtype: torch.dtype, path: str) -> None:
     rng = random.Random(str(dtype))
     for index in range(120):
         case = draw_case(rng, dtype, index)
@@ -140,7 +154,7 @@ def test_random_mixed_batches_equal_the_reference(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 5, 16])
-def test_released_window_blocks_are_never_read(window: int) -> None:
+def test_released_window_blocks_are_never_read(window: int, path: str) -> None:
     # Long decodes and an extend whose early blocks the scheduler released to block 0.
     case = Case([97, 64, 150], [1, 12, 1], 8, (4, 2), window, None, torch.float32, 0, "contiguous")
     got, want, _ = run_both(case, seed=window)
@@ -149,7 +163,7 @@ def test_released_window_blocks_are_never_read(window: int) -> None:
 
 
 def test_soft_cap_on_a_long_prefill_is_computed_in_query_slices(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     # A small logits budget forces several slices through the explicit soft-cap path.
     monkeypatch.setattr(cpu, "LOGITS_ELEMENTS", 4096)
@@ -159,7 +173,9 @@ def test_soft_cap_on_a_long_prefill_is_computed_in_query_slices(
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_stale_values_past_a_request_s_keys_never_reach_its_output(window: int | None) -> None:
+def test_stale_values_past_a_request_s_keys_never_reach_its_output(
+    window: int | None, path: str
+) -> None:
     # Decode gathers whole blocks: the tail of each request's last block (NaN values, inf
     # keys, as a previous owner may leave) is read but must be masked out, not multiplied
     # by a probability of 0.
@@ -175,7 +191,9 @@ def test_stale_values_past_a_request_s_keys_never_reach_its_output(window: int |
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
-def test_decode_chunks_split_by_size_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_chunks_split_by_size_give_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
     # One request per chunk and all in one chunk must agree (chunking is only for speed).
     case = Case([40, 9, 70, 23, 5], [1] * 5, 8, (4, 2), None, None, torch.float32, 0, "contiguous")
     monkeypatch.setattr(cpu, "CHUNK_BYTES", 1)
@@ -186,7 +204,7 @@ def test_decode_chunks_split_by_size_give_the_same_result(monkeypatch: pytest.Mo
     torch.testing.assert_close(large, want, **TOLERANCE[torch.float32])
 
 
-def test_a_changed_layout_with_the_same_tensors_is_not_served_a_stale_plan() -> None:
+def test_a_changed_layout_with_the_same_tensors_is_not_served_a_stale_plan(path: str) -> None:
     gen = torch.Generator().manual_seed(5)
     query, kc, vc, table, qsl, lens = random_paged_batch(
         gen, [30, 12], [1, 1], 8, 2, 4, 16, torch.float32
@@ -197,6 +215,36 @@ def test_a_changed_layout_with_the_same_tensors_is_not_served_a_stale_plan() -> 
     got = cpu.paged_attention(query, kc, vc, table, qsl, lens, 0.25)
     want = reference.paged_attention(query, kc, vc, table, qsl, lens, 0.25)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: no unrolled copy, d is a variable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_decodes_and_extends_across_softmax_tiles(
+    head_dim: int, dtype: torch.dtype, path: str
+) -> None:
+    # Keys past the C kernel's tile of 256 rescale the running softmax; a window and a soft
+    # cap on some; GQA 9/3 as SmolLM2.
+    rng = random.Random(head_dim)
+    for index in range(6):
+        n = 8
+        lens = [rng.randint(200, 900) for _ in range(n)]
+        queries = [rng.choice([1, 1, 3, 4, 6]) for _ in range(n)]
+        window = [None, 300, None, 40, None, 700][index]
+        soft_cap = [None, None, 5.0, None, 2.0, None][index]
+        case = Case(lens, queries, 16, (9, 3), window, soft_cap, dtype, 1, "kv_per_block")
+        got, want, _ = run_both(case, seed=index, head_dim=head_dim)
+        assert torch.isfinite(got).all(), case
+        torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m, c=case: f"{c}\n{m}")
+
+
+def test_the_c_kernel_shares_torch_s_thread_pool() -> None:
+    # One OpenMP runtime: torch.set_num_threads (the worker's tuner) sizes the C kernel's
+    # parallel regions, and no second pool of threads spins beside torch's.
+    lib = cpu_native.library()
+    assert lib is not None, "the C kernel did not build (see the log)"
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        assert lib.ps_max_threads() == threads
 
 
 def test_write_kv_cache_matches_the_reference_and_skips_padding() -> None:

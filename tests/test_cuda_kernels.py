@@ -174,7 +174,7 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import KERNELS_ENV, select_kernels
 
     cpu = torch.device("cpu")
-    assert select_kernels(cpu, torch.bfloat16, 128).name == "torch cpu (batched)"
+    assert select_kernels(cpu, torch.bfloat16, 128).name.startswith("torch cpu (batched)")
     monkeypatch.setenv(KERNELS_ENV, "reference")
     assert select_kernels(cpu, torch.bfloat16, 128).name == "torch reference"
     monkeypatch.setenv(KERNELS_ENV, "emulated")

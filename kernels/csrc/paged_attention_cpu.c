@@ -1,0 +1,325 @@
+/* Paged attention on the CPU, reading K/V in place through the block table.
+
+   kernels.reference.paged_attention's semantics for the rows of the requests it is given:
+   request b's queries are rows query_start_loc[b] .. query_start_loc[b+1]-1 at positions
+   ending at seq_lens[b]-1; a query at p reads keys max(0, p-window+1) .. p. The batched torch
+   path (kernels/cpu.py) gathers every key into a padded buffer first and reads it again in
+   scaled_dot_product_attention; for a decode step that copy is most of the time, and this
+   kernel reads each key and value once.
+
+   Work items are a request and a range of its kv heads, spread over OpenMP threads: all of
+   its heads when there are enough requests to keep every thread busy, so each block's slots
+   are read front to back (a block is slots x heads x d contiguous: reading one head's rows
+   of it at a stride stalled on memory, 3.0 ms where the same work from cache took 1.2).
+   The library is loaded into a process that already holds torch, whose bundled libgomp has
+   the same soname, so the threads are torch's own pool and torch.set_num_threads sizes them.
+
+   For each query the keys are walked in tiles of TILE: the scores of the tile for every
+   query head (each key read once for the query heads that share it), an online softmax that
+   rescales the running sums when the tile's maximum grows, then the values of the tile.
+   Everything is float32; half-precision caches are widened as they are read. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* libmvec's vector variants, which <math.h> declares only under -ffast-math (whose other
+   licences we do not want): the softmax's exponentials become 16 at a time. */
+#if defined __x86_64__
+__attribute__((simd("notinbranch"))) float expf(float);
+__attribute__((simd("notinbranch"))) float tanhf(float);
+#endif
+
+#define TILE 256
+#define MAX_HEAD_DIM 512
+/* Items per thread worth splitting a request's heads for (load balance vs locality). */
+#define ITEMS_PER_THREAD 4
+
+enum { PS_F32 = 0, PS_BF16 = 1, PS_F16 = 2 };
+
+/* What every work item of one call shares. Strides are in elements. */
+typedef struct {
+    const char *k, *v;
+    int64_t k_block, k_slot, k_head, v_block, v_slot, v_head;
+    int64_t q_head, out_head;
+    int block_size, group;
+    float scale, soft_cap;
+} ps_call;
+
+static inline float ps_load(const char *p, int dtype, int64_t i) {
+    if (dtype == PS_F32) return ((const float *)p)[i];
+    if (dtype == PS_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+/* One cache row of d elements as float32: in place for float32, else widened into buf. */
+static inline const float *ps_widen(const char *row, int dtype, int d, float *buf) {
+    if (dtype == PS_F32) return (const float *)row;
+    for (int i = 0; i < d; i++) buf[i] = ps_load(row, dtype, i);
+    return buf;
+}
+
+/* Scratch of one thread: scores [heads * TILE], acc [heads * d], running max and sum
+   [heads], one widened row [d]; heads = the query heads of one work item. */
+typedef struct {
+    float *scores, *acc, *max, *sum, *widened;
+} ps_scratch;
+
+/* The same place in the block after pos's (NULL past last_key): read while this block is
+   computed, as the hardware prefetcher stops at each 4 KiB page and blocks lie anywhere. */
+static inline const char *ps_next_block(const char *base, int64_t block_stride,
+                                        const int32_t *table, int pos, int last_key, int bs,
+                                        int esize, int64_t offset) {
+    const int next = pos / bs + 1;
+    if (next * bs > last_key) return NULL;
+    return base + (table[next] * block_stride + offset) * esize;
+}
+
+static inline void ps_prefetch(const char *ahead, int64_t at, int64_t bytes) {
+    if (ahead == NULL) return;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + at + b, 0, 3);
+}
+
+/* One query position's attention for query heads [h0 * group, (h0 + nh) * group), keys
+   first_key .. last_key. Inlined into one copy per (cache dtype, head size) below: with
+   both constant, the loops over d are unrolled vector code and the dtype switch is gone. */
+static inline __attribute__((always_inline)) void ps_attend(
+    const ps_call *c, const int dtype, const int d, const float *q, float *out,
+    const int32_t *table, int first_key, int last_key, int h0, int nh, ps_scratch *w) {
+    const int group = c->group, heads = nh * group, bs = c->block_size;
+    const int esize = dtype == PS_F32 ? 4 : 2;
+    /* The bytes of one slot's heads h0 .. h0+nh-1 (contiguous when heads are dense). */
+    const int64_t row_bytes = ((int64_t)(nh - 1) * c->k_head + d) * esize;
+    for (int r = 0; r < heads; r++) {
+        w->max[r] = -INFINITY;
+        w->sum[r] = 0.0f;
+    }
+    memset(w->acc, 0, sizeof(float) * heads * d);
+
+    for (int tile_start = first_key; tile_start <= last_key; tile_start += TILE) {
+        const int tile_end = tile_start + TILE - 1 < last_key ? tile_start + TILE - 1 : last_key;
+        const int n = tile_end - tile_start + 1;
+
+        /* Block by block (one table lookup each), slot by slot, head by head: memory order. */
+        for (int pos = tile_start; pos <= tile_end;) {
+            const int slot = pos % bs;
+            const int count = bs - slot < tile_end - pos + 1 ? bs - slot : tile_end - pos + 1;
+            const char *row = c->k + (table[pos / bs] * c->k_block + slot * c->k_slot +
+                                      h0 * c->k_head) * esize;
+            const char *ahead = ps_next_block(c->k, c->k_block, table, pos, last_key, bs, esize,
+                                              slot * c->k_slot + h0 * c->k_head);
+            for (int s = 0; s < count; s++, row += c->k_slot * esize) {
+                const int j = pos - tile_start + s;
+                ps_prefetch(ahead, s * c->k_slot * esize, row_bytes);
+                for (int h = 0; h < nh; h++) {
+                    const float *k = ps_widen(row + h * c->k_head * esize, dtype, d, w->widened);
+                    for (int g = 0; g < group; g++) {
+                        const int r = h * group + g;
+                        const float *qr = q + r * c->q_head;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int i = 0; i < d; i++) dot += qr[i] * k[i];
+                        w->scores[r * TILE + j] = dot * c->scale;
+                    }
+                }
+            }
+            pos += count;
+        }
+
+        for (int r = 0; r < heads; r++) {
+            float *s = w->scores + r * TILE;
+            if (c->soft_cap > 0.0f) {
+                const float cap = c->soft_cap, inv = 1.0f / cap;
+#pragma omp simd
+                for (int j = 0; j < n; j++) s[j] = cap * tanhf(s[j] * inv);
+            }
+            float tile_max = -INFINITY;
+            for (int j = 0; j < n; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
+            const float new_max = tile_max > w->max[r] ? tile_max : w->max[r];
+            /* The first tile: exp(-inf) rescales the empty sums to 0. */
+            const float rescale = expf(w->max[r] - new_max);
+            w->max[r] = new_max;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < n; j++) {
+                s[j] = expf(s[j] - new_max);
+                sum += s[j];
+            }
+            w->sum[r] = w->sum[r] * rescale + sum;
+            if (rescale != 1.0f) {
+                float *a = w->acc + r * d;
+#pragma omp simd
+                for (int i = 0; i < d; i++) a[i] *= rescale;
+            }
+        }
+
+        for (int pos = tile_start; pos <= tile_end;) {
+            const int slot = pos % bs;
+            const int count = bs - slot < tile_end - pos + 1 ? bs - slot : tile_end - pos + 1;
+            const char *row = c->v + (table[pos / bs] * c->v_block + slot * c->v_slot +
+                                      h0 * c->v_head) * esize;
+            const char *ahead = ps_next_block(c->v, c->v_block, table, pos, last_key, bs, esize,
+                                              slot * c->v_slot + h0 * c->v_head);
+            for (int s = 0; s < count; s++, row += c->v_slot * esize) {
+                const int j = pos - tile_start + s;
+                ps_prefetch(ahead, s * c->v_slot * esize, row_bytes);
+                for (int h = 0; h < nh; h++) {
+                    const float *v = ps_widen(row + h * c->v_head * esize, dtype, d, w->widened);
+                    for (int g = 0; g < group; g++) {
+                        const int r = h * group + g;
+                        const float p = w->scores[r * TILE + j];
+                        float *a = w->acc + r * d;
+#pragma omp simd
+                        for (int i = 0; i < d; i++) a[i] += p * v[i];
+                    }
+                }
+            }
+            pos += count;
+        }
+    }
+
+    for (int r = 0; r < heads; r++) {
+        const float inv = 1.0f / w->sum[r];
+        float *o = out + r * c->out_head;
+        const float *a = w->acc + r * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) o[i] = a[i] * inv;
+    }
+}
+
+typedef void (*ps_attend_fn)(const ps_call *, int, const float *, float *, const int32_t *, int,
+                             int, int, int, ps_scratch *);
+
+/* D_ARG is the head size a copy computes with: a constant, or its argument d. */
+#define PS_SPECIALIZE(NAME, DTYPE, D_ARG)                                                    \
+    static void NAME(const ps_call *c, int d, const float *q, float *out,                    \
+                     const int32_t *table, int first_key, int last_key, int h0, int nh,      \
+                     ps_scratch *w) {                                                        \
+        (void)d;                                                                             \
+        ps_attend(c, DTYPE, D_ARG, q, out, table, first_key, last_key, h0, nh, w);          \
+    }
+#define PS_FOR_DTYPES(D, SUFFIX)                       \
+    PS_SPECIALIZE(ps_attend_f32_##SUFFIX, PS_F32, D)   \
+    PS_SPECIALIZE(ps_attend_bf16_##SUFFIX, PS_BF16, D) \
+    PS_SPECIALIZE(ps_attend_f16_##SUFFIX, PS_F16, D)
+
+/* The head sizes of common models (and the tests' 16 and 32) get unrolled copies; any
+   other size runs the same code with d a variable. */
+PS_FOR_DTYPES(16, 16)
+PS_FOR_DTYPES(32, 32)
+PS_FOR_DTYPES(64, 64)
+PS_FOR_DTYPES(80, 80)
+PS_FOR_DTYPES(96, 96)
+PS_FOR_DTYPES(128, 128)
+PS_FOR_DTYPES(256, 256)
+PS_FOR_DTYPES(d, any)
+
+static ps_attend_fn ps_pick(int dtype, int d) {
+#define PS_CASE(D)                                                        \
+    case D:                                                               \
+        return dtype == PS_F32    ? ps_attend_f32_##D                     \
+               : dtype == PS_BF16 ? ps_attend_bf16_##D                    \
+                                  : ps_attend_f16_##D;
+    switch (d) {
+        PS_CASE(16)
+        PS_CASE(32)
+        PS_CASE(64)
+        PS_CASE(80)
+        PS_CASE(96)
+        PS_CASE(128)
+        PS_CASE(256)
+    }
+#undef PS_CASE
+    return dtype == PS_F32    ? ps_attend_f32_any
+           : dtype == PS_BF16 ? ps_attend_bf16_any
+                              : ps_attend_f16_any;
+}
+
+static int ps_max_threads_now(void);
+
+/* Returns 0, or a negative code for arguments the kernel cannot take (the Python side
+   checks them first; this is the last line). */
+int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_stride,
+                       const void *key_cache, int64_t k_block_stride, int64_t k_slot_stride,
+                       int64_t k_head_stride, const void *value_cache, int64_t v_block_stride,
+                       int64_t v_slot_stride, int64_t v_head_stride, int dtype,
+                       const int32_t *block_table, int64_t table_stride, const int32_t *reqs,
+                       int num_reqs, const int32_t *query_start_loc, const int32_t *seq_lens,
+                       int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                       float scale, int window, float soft_cap, float *out,
+                       int64_t out_tok_stride, int64_t out_head_stride) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || block_size <= 0) return -1;
+    if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || dtype < PS_F32 || dtype > PS_F16) return -2;
+    const ps_call call = {
+        (const char *)key_cache, (const char *)value_cache,
+        k_block_stride, k_slot_stride, k_head_stride,
+        v_block_stride, v_slot_stride, v_head_stride,
+        q_head_stride, out_head_stride,
+        block_size, num_q_heads / num_kv_heads,
+        scale, soft_cap,
+    };
+    const ps_attend_fn attend = ps_pick(dtype, head_dim);
+    /* The fewest head ranges per request (a divisor of the kv heads) that still give every
+       thread a few items. */
+    int splits = 1;
+    while (splits < num_kv_heads &&
+           (num_kv_heads % splits != 0 ||
+            num_reqs * splits < ITEMS_PER_THREAD * ps_max_threads_now()))
+        splits++;
+    const int nh = num_kv_heads / splits, items = num_reqs * splits;
+    const int heads = nh * call.group;
+    int failed = 0;
+
+#pragma omp parallel
+    {
+        ps_scratch w;
+        float *mem = malloc(sizeof(float) * ((size_t)heads * (TILE + head_dim + 2) + head_dim));
+        if (mem == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            w.scores = mem;
+            w.acc = w.scores + (size_t)heads * TILE;
+            w.max = w.acc + (size_t)heads * head_dim;
+            w.sum = w.max + heads;
+            w.widened = w.sum + heads;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < items; item++) {
+                const int b = reqs[item / splits], h0 = (item % splits) * nh;
+                const int start = query_start_loc[b], end = query_start_loc[b + 1];
+                const int first_query_pos = seq_lens[b] - (end - start);
+                const int32_t *table = block_table + b * table_stride;
+                for (int row = start; row < end; row++) {
+                    const int pos = first_query_pos + (row - start);
+                    const int first_key = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                    const int64_t q0 = (int64_t)h0 * call.group;
+                    attend(&call, head_dim, query + row * q_tok_stride + q0 * q_head_stride,
+                           out + row * out_tok_stride + q0 * out_head_stride, table, first_key,
+                           pos, h0, nh, &w);
+                }
+            }
+        }
+        free(mem);
+    }
+    return failed ? -3 : 0;
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+static int ps_max_threads_now(void) { return omp_get_max_threads(); }
+#else
+static int ps_max_threads_now(void) { return 1; }
+#endif
+
+/* The OpenMP runtime's thread count for a region the calling thread starts: the loader
+   checks it equals torch.get_num_threads() (one runtime, shared). */
+int ps_max_threads(void) { return ps_max_threads_now(); }
