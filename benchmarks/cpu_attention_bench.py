@@ -1,24 +1,28 @@
 #!/usr/bin/env python3
-"""CPU paged attention: kernels.cpu (batched) against kernels.reference (a loop per request).
+"""CPU paged attention: kernels.cpu with the C kernel (kernels.cpu_native, decode and short
+extends), kernels.cpu gathering everything for torch, and kernels.reference (a loop per
+request).
 
     python benchmarks/cpu_attention_bench.py [--threads N] [--rounds R] [--quick] [--out FILE]
 
-One layer's attention per case, the fast and the reference path timed alternately in the
-same run (R rounds each, median reported), on shuffled pages of a block-16 cache. Cases:
+One layer's attention per case, the three paths timed alternately in the same run (R rounds
+each, median reported), on shuffled pages of a block-16 cache. Cases:
 decode of 32 requests x 264 tokens and of 256 x 512, a prefill of 2048 tokens, and a mixed
 step (decodes of assorted lengths, an extend after a cached prefix, a short prefill).
 Shapes default to 32 query heads, 8 kv heads, head dim 128, float32 (--heads Q KV D for
-others). Each case also checks the two outputs agree. The fast path's plan cache is hit
-after the first call, as in every layer after a forward's first.
+others; `--heads 9 3 64` is SmolLM2). Each case also checks the outputs agree. The plan
+cache is hit after the first call, as in every layer after a forward's first. Without a C
+compiler the native column is missing (null).
 
-The last line printed is the JSON object (also written to --out), with ratios
-reference_ms / fast_ms per case.
+The last line printed is the JSON object (also written to --out), with ratios per case:
+reference_ms / native_ms and gather_ms / native_ms (reference_ms / gather_ms without it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kernels import cpu, reference  # noqa: E402
+from kernels import cpu, cpu_native, reference  # noqa: E402
 from kernels.testing import random_paged_batch  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -50,19 +54,25 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
     return out[:1] + out[3:] if quick else out
 
 
-def time_pair(
-    fast: Callable[[], torch.Tensor], ref: Callable[[], torch.Tensor], rounds: int
-) -> tuple[list[float], list[float]]:
-    """Alternating timings, so load from other processes weighs on both alike."""
-    fast()
-    ref()
-    fast_ms, ref_ms = [], []
+def with_native(on: bool, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        os.environ[cpu_native.NATIVE_ENV] = "1" if on else "0"
+        return fn()
+
+    return call
+
+
+def time_all(fns: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+    """Alternating timings, so load from other processes weighs on every path alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        for fn, out in ((fast, fast_ms), (ref, ref_ms)):
+        for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            out.append((time.perf_counter() - start) * 1e3)
-    return fast_ms, ref_ms
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def run_case(
@@ -80,23 +90,33 @@ def run_case(
     )
     scale = d**-0.5
     args = (query, kc, vc, table, qsl, lens, scale)
-    fast_ms, ref_ms = time_pair(
-        lambda: cpu.paged_attention(*args), lambda: reference.paged_attention(*args), rounds
-    )
-    err = (cpu.paged_attention(*args).float() - reference.paged_attention(*args).float()).abs()
-    fast, ref = statistics.median(fast_ms), statistics.median(ref_ms)
-    return {
+    fns = {
+        "gather": with_native(False, lambda: cpu.paged_attention(*args)),
+        "reference": lambda: reference.paged_attention(*args),
+    }
+    if with_native(True, cpu_native.library)() is not None:
+        fns = {"native": with_native(True, lambda: cpu.paged_attention(*args)), **fns}
+    times = time_all(fns, rounds)
+    want = reference.paged_attention(*args).float()
+    row: dict[str, Any] = {
         "case": name,
         "requests": len(seq_lens),
         "query_tokens": sum(query_lens),
         "kv_tokens": sum(seq_lens),
-        "fast_ms": round(fast, 2),
-        "reference_ms": round(ref, 2),
-        "ratio": round(ref / fast, 2),
-        "fast_ms_all": [round(t, 2) for t in fast_ms],
-        "reference_ms_all": [round(t, 2) for t in ref_ms],
-        "max_abs_err": float(err.max()),
+        "native_ms": None,
     }
+    for path, fn in fns.items():
+        row[f"{path}_ms"] = round(statistics.median(times[path]), 2)
+        row[f"{path}_ms_all"] = [round(t, 2) for t in times[path]]
+        if path != "reference":
+            row[f"{path}_max_abs_err"] = float((fn().float() - want).abs().max())
+    fastest = "native" if row["native_ms"] is not None else "gather"
+    row["ratios"] = {
+        f"reference/{fastest}": round(row["reference_ms"] / row[f"{fastest}_ms"], 2),
+    }
+    if fastest == "native":
+        row["ratios"]["gather/native"] = round(row["gather_ms"] / row["native_ms"], 2)
+    return row
 
 
 def main() -> int:
@@ -123,7 +143,8 @@ def main() -> int:
         "block_size": BLOCK_SIZE,
         "torch": torch.__version__,
         "cases": rows,
-        "ratios": {r["case"]: r["ratio"] for r in rows},
+        "native": with_native(True, cpu_native.library)() is not None,
+        "ratios": {r["case"]: r["ratios"] for r in rows},
     }
     text = json.dumps(report)
     if args.out:

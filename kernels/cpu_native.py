@@ -64,13 +64,17 @@ def enabled() -> bool:
     return value == "1"
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (why is logged once): disabled, no compiler, or a build
-    that failed. Concurrent workers may build at once; each writes a temporary file and
-    renames it into place, so a reader never sees half a library."""
-    if not enabled():
-        return None
+    """The built library, or None: turned off (read at each call, so a benchmark or test can
+    switch), or not built (why is logged once)."""
+    return _load() if enabled() else None
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    """Build (once per source, flags, compiler and CPU model) and load. Concurrent workers
+    may build at once; each writes a temporary file and renames it into place, so a reader
+    never sees half a library."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU attention runs the batched torch path only")
@@ -84,6 +88,14 @@ def library() -> ctypes.CDLL | None:
     lib.ps_paged_attention.argtypes = _SIGNATURE
     lib.ps_paged_attention.restype = ctypes.c_int
     lib.ps_max_threads.restype = ctypes.c_int
+    if lib.ps_max_threads() != torch.get_num_threads():
+        # Correct still, but a second pool of threads beside torch's that the thread tuner
+        # does not size (a torch built with another OpenMP runtime).
+        log.warning(
+            "the CPU attention kernel has its own OpenMP runtime (%d threads, torch %d)",
+            lib.ps_max_threads(),
+            torch.get_num_threads(),
+        )
     return lib
 
 

@@ -3,9 +3,13 @@ against the torch reference, their oracle."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,16 +41,13 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(params=["native", "gather"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both CPU paths: decode and short extends in the C kernel (the default wherever a C
     compiler exists, as on CI), and everything gathered for torch."""
     native = request.param == "native"
     monkeypatch.setenv(cpu_native.NATIVE_ENV, "1" if native else "0")
-    cpu_native.library.cache_clear()
-    if native:
-        assert cpu_native.library() is not None, "the C kernel did not build (see the log)"
-    yield request.param
-    cpu_native.library.cache_clear()
+    assert (cpu_native.library() is not None) == native, "the C kernel did not build (see the log)"
+    return request.param
 
 
 @dataclass
@@ -271,3 +272,19 @@ def test_auto_selects_the_batched_kernels_on_the_cpu_and_reference_still_selects
     monkeypatch.setenv(KERNELS_ENV, "cpu")
     with pytest.raises(ValueError, match="needs the CPU device"):
         select_kernels(torch.device("cuda"), torch.float32, 64)
+
+
+def test_attention_benchmark_times_the_three_paths_and_they_agree() -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "cpu_attention_bench.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--heads", "4", "2", "16", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["native"] is True
+    for row in report["cases"]:
+        assert row["native_max_abs_err"] < 1e-5 and row["gather_max_abs_err"] < 1e-5, row
+        assert set(row["ratios"]) == {"reference/native", "gather/native"}
