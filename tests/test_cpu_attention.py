@@ -238,9 +238,10 @@ def test_long_decodes_and_extends_across_softmax_tiles(
         torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m, c=case: f"{c}\n{m}")
 
 
-def test_the_c_kernel_shares_torch_s_thread_pool() -> None:
+def test_the_c_kernel_shares_torch_s_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     # One OpenMP runtime: torch.set_num_threads (the worker's tuner) sizes the C kernel's
     # parallel regions, and no second pool of threads spins beside torch's.
+    monkeypatch.setenv(cpu_native.NATIVE_ENV, "1")
     lib = cpu_native.library()
     assert lib is not None, "the C kernel did not build (see the log)"
     for threads in (2, 1):
