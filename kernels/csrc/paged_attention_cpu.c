@@ -38,10 +38,15 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 
 enum { PS_F32 = 0, PS_BF16 = 1, PS_F16 = 2 };
 
+/* One cache: its base and strides, in elements. */
+typedef struct {
+    const char *base;
+    int64_t block, slot, head;
+} ps_cache;
+
 /* What every work item of one call shares. Strides are in elements. */
 typedef struct {
-    const char *k, *v;
-    int64_t k_block, k_slot, k_head, v_block, v_slot, v_head;
+    ps_cache k, v;
     int64_t q_head, out_head;
     int block_size, group;
     float scale, soft_cap;
@@ -71,14 +76,20 @@ typedef struct {
     float *scores, *acc, *max, *sum, *widened;
 } ps_scratch;
 
-/* The same place in the block after pos's (NULL past last_key): read while this block is
-   computed, as the hardware prefetcher stops at each 4 KiB page and blocks lie anywhere. */
-static inline const char *ps_next_block(const char *base, int64_t block_stride,
-                                        const int32_t *table, int pos, int last_key, int bs,
-                                        int esize, int64_t offset) {
-    const int next = pos / bs + 1;
-    if (next * bs > last_key) return NULL;
-    return base + (table[next] * block_stride + offset) * esize;
+/* The keys from pos to the end of its block or to tile_end: returns how many, with the row
+   of pos's head h0 and the same row of the next block (NULL past last_key), which is read
+   ahead while this block is computed: the hardware prefetcher stops at each 4 KiB page,
+   and blocks lie anywhere. */
+static inline int ps_run(const ps_cache *m, const int32_t *table, int pos, int tile_end,
+                         int last_key, int bs, int esize, int h0, const char **row,
+                         const char **ahead) {
+    const int slot = pos % bs, block = pos / bs;
+    const int64_t offset = slot * m->slot + h0 * m->head;
+    *row = m->base + (table[block] * m->block + offset) * esize;
+    *ahead = (block + 1) * bs > last_key
+                 ? NULL
+                 : m->base + (table[block + 1] * m->block + offset) * esize;
+    return bs - slot < tile_end - pos + 1 ? bs - slot : tile_end - pos + 1;
 }
 
 static inline void ps_prefetch(const char *ahead, int64_t at, int64_t bytes) {
@@ -95,7 +106,7 @@ static inline __attribute__((always_inline)) void ps_attend(
     const int group = c->group, heads = nh * group, bs = c->block_size;
     const int esize = dtype == PS_F32 ? 4 : 2;
     /* The bytes of one slot's heads h0 .. h0+nh-1 (contiguous when heads are dense). */
-    const int64_t row_bytes = ((int64_t)(nh - 1) * c->k_head + d) * esize;
+    const int64_t row_bytes = ((int64_t)(nh - 1) * c->k.head + d) * esize;
     for (int r = 0; r < heads; r++) {
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
@@ -107,18 +118,14 @@ static inline __attribute__((always_inline)) void ps_attend(
         const int n = tile_end - tile_start + 1;
 
         /* Block by block (one table lookup each), slot by slot, head by head: memory order. */
-        for (int pos = tile_start; pos <= tile_end;) {
-            const int slot = pos % bs;
-            const int count = bs - slot < tile_end - pos + 1 ? bs - slot : tile_end - pos + 1;
-            const char *row = c->k + (table[pos / bs] * c->k_block + slot * c->k_slot +
-                                      h0 * c->k_head) * esize;
-            const char *ahead = ps_next_block(c->k, c->k_block, table, pos, last_key, bs, esize,
-                                              slot * c->k_slot + h0 * c->k_head);
-            for (int s = 0; s < count; s++, row += c->k_slot * esize) {
+        for (int pos = tile_start, count; pos <= tile_end; pos += count) {
+            const char *row, *ahead;
+            count = ps_run(&c->k, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
+            for (int s = 0; s < count; s++, row += c->k.slot * esize) {
                 const int j = pos - tile_start + s;
-                ps_prefetch(ahead, s * c->k_slot * esize, row_bytes);
+                ps_prefetch(ahead, s * c->k.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
-                    const float *k = ps_widen(row + h * c->k_head * esize, dtype, d, w->widened);
+                    const float *k = ps_widen(row + h * c->k.head * esize, dtype, d, w->widened);
                     for (int g = 0; g < group; g++) {
                         const int r = h * group + g;
                         const float *qr = q + r * c->q_head;
@@ -129,7 +136,6 @@ static inline __attribute__((always_inline)) void ps_attend(
                     }
                 }
             }
-            pos += count;
         }
 
         for (int r = 0; r < heads; r++) {
@@ -159,18 +165,14 @@ static inline __attribute__((always_inline)) void ps_attend(
             }
         }
 
-        for (int pos = tile_start; pos <= tile_end;) {
-            const int slot = pos % bs;
-            const int count = bs - slot < tile_end - pos + 1 ? bs - slot : tile_end - pos + 1;
-            const char *row = c->v + (table[pos / bs] * c->v_block + slot * c->v_slot +
-                                      h0 * c->v_head) * esize;
-            const char *ahead = ps_next_block(c->v, c->v_block, table, pos, last_key, bs, esize,
-                                              slot * c->v_slot + h0 * c->v_head);
-            for (int s = 0; s < count; s++, row += c->v_slot * esize) {
+        for (int pos = tile_start, count; pos <= tile_end; pos += count) {
+            const char *row, *ahead;
+            count = ps_run(&c->v, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
+            for (int s = 0; s < count; s++, row += c->v.slot * esize) {
                 const int j = pos - tile_start + s;
-                ps_prefetch(ahead, s * c->v_slot * esize, row_bytes);
+                ps_prefetch(ahead, s * c->v.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
-                    const float *v = ps_widen(row + h * c->v_head * esize, dtype, d, w->widened);
+                    const float *v = ps_widen(row + h * c->v.head * esize, dtype, d, w->widened);
                     for (int g = 0; g < group; g++) {
                         const int r = h * group + g;
                         const float p = w->scores[r * TILE + j];
@@ -180,7 +182,6 @@ static inline __attribute__((always_inline)) void ps_attend(
                     }
                 }
             }
-            pos += count;
         }
     }
 
@@ -257,9 +258,8 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || block_size <= 0) return -1;
     if (head_dim <= 0 || head_dim > MAX_HEAD_DIM || dtype < PS_F32 || dtype > PS_F16) return -2;
     const ps_call call = {
-        (const char *)key_cache, (const char *)value_cache,
-        k_block_stride, k_slot_stride, k_head_stride,
-        v_block_stride, v_slot_stride, v_head_stride,
+        {(const char *)key_cache, k_block_stride, k_slot_stride, k_head_stride},
+        {(const char *)value_cache, v_block_stride, v_slot_stride, v_head_stride},
         q_head_stride, out_head_stride,
         block_size, num_q_heads / num_kv_heads,
         scale, soft_cap,
