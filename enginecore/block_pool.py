@@ -208,8 +208,6 @@ class BlockPool:
         index = self.cached_block_hash_to_block[group_id]
         null = self.null_block
         events = self.enable_kv_events
-        # Hashes evicted earlier in this step (None when events are off).
-        removed = self._removed[group_id] if events else None
         run_start = num_cached_blocks  # first block of the current run of newly findable hashes
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -230,10 +228,6 @@ class BlockPool:
             entry = index.get(block_hash)
             if entry is None:
                 index[block_hash] = block
-                if removed and block_hash in removed:
-                    # Evicted earlier in this step: subscribers must see the removal
-                    # before this store (runs stored before it are in _events already).
-                    self._flush_removed()
                 continue
             # Equal content already findable under this hash: subscribers know it.
             if entry.__class__ is KVCacheBlock:
@@ -269,6 +263,12 @@ class BlockPool:
         else:
             block_hashes = [hashes[(i + 1) * stride - 1] for i in range(first, last)]
             parent = hashes[first * stride - 1] if first else None
+        removed = self._removed[group_id]
+        if removed and not removed.keys().isdisjoint(block_hashes):
+            # Content evicted earlier in this step and stored again: subscribers must see
+            # the removal first. Checked per event, in C, not per block in the store loop
+            # (a hash is rarely both; the loop's per-block test cost 1-2% of a replay).
+            self._flush_removed()
         self._events.append(
             BlockStored(
                 block_hashes,
