@@ -38,10 +38,11 @@ variant runs in the same run (schedule() + update_from_output() with a fake mode
 one process, like our run 1), then run 1 is repeated and both runs' steps are pooled,
 so a load change on a shared machine weighs on both sides alike. Reported:
 schedule_update_us (run 1: schedule() + update_from_output() + stats()), total_us
-(run 2), their ratios to the peer, and every piece's median and p90. After run 2, the
-bare baseline: the same-sized frames ping-ponged between this process and a child over a
-ZeroMQ PAIR ipc socket with nothing else done, both sides polling without blocking
-(bare_pingpong_poll_us) and both blocking in recv (bare_pingpong_block_us); the engine's
+(run 2), their ratios to the peer, and every piece's median and p90. Before and after
+run 2 (half the rounds each, pooled), the bare baseline: the same-sized frames ping-ponged
+between this process and a child over a ZeroMQ PAIR ipc socket with nothing else done,
+both sides polling without blocking (bare_pingpong_poll_us) and both blocking in recv
+(bare_pingpong_block_us); the engine's
 IPC round trip is judged against the first (ipc_vs_bare_poll). Progress goes to stderr;
 the last line of stdout is one JSON object. About 30 s here with the defaults.
 """
@@ -697,11 +698,12 @@ def pingpong_entry(address: str, mode: str, reply_bytes: str) -> int:
     return 0
 
 
-def bare_pingpong(frame_bytes: int, reply_bytes: int, mode: str, rounds: int) -> dict[str, Any]:
+def bare_pingpong(frame_bytes: int, reply_bytes: int, mode: str, rounds: int) -> list[int]:
     """Round trips of a SchedulerOutput-sized frame and a ModelRunnerOutput-sized answer
     between this process and a child over a ZeroMQ PAIR ipc socket, nothing else done:
     both sides spinning on the socket's state ("poll") or blocking in recv ("block").
-    What IPC alone costs on this machine, for the engine's round trip to be judged by."""
+    What IPC alone costs on this machine, for the engine's round trip to be judged by:
+    the round trips in nanoseconds."""
     import zmq
 
     directory = tempfile.mkdtemp(prefix="pingpong-")
@@ -734,7 +736,7 @@ def bare_pingpong(frame_bytes: int, reply_bytes: int, mode: str, rounds: int) ->
         sock.close(linger=0)
         ctx.term()
         shutil.rmtree(directory, ignore_errors=True)
-    return summarize(times)
+    return times
 
 
 # -- the peer ----------------------------------------------------------------------------
@@ -847,15 +849,27 @@ def main(argv: list[str] | None = None) -> int:
         log(f"in-process run done in {time.perf_counter() - t0:.1f} s")
         multi = None
         if a.multiprocess == "on":
+            frame = int(statistics.median(runs[0]["rec"]["so_bytes"]))
+            reply = int(statistics.median(runs[0]["rec"]["mro_bytes"]))
+            # The bare baseline before and after the engine's run, pooled: measured once,
+            # its ~0.1 s window caught whatever the shared machine did then (poll medians
+            # of 49-83 us across runs whose engine round trip stayed at 86-94).
+            samples: dict[str, list[list[int]]] = {"poll": [], "block": []}
+            half = max(2, a.ipc_steps // 2)
+            for mode in samples:
+                samples[mode].append(bare_pingpong(frame, reply, mode, half))
             log(f"multi-process run: core here, worker.main in a child, {a.ipc_steps} steps")
             t0 = time.perf_counter()
             multi = run_multiprocess(s, model_dir)
             log(f"multi-process run done in {time.perf_counter() - t0:.1f} s")
-            frame = statistics.median(runs[0]["rec"]["so_bytes"])
-            reply = statistics.median(runs[0]["rec"]["mro_bytes"])
+            for mode in samples:
+                samples[mode].append(bare_pingpong(frame, reply, mode, half))
             bare = {
-                mode: bare_pingpong(int(frame), int(reply), mode, a.ipc_steps)
-                for mode in ("poll", "block")
+                mode: {
+                    **summarize([t for window in windows for t in window]),
+                    "median_us_before_after": [summarize(w)["median_us"] for w in windows],
+                }
+                for mode, windows in samples.items()
             }
             log(
                 "bare ZeroMQ ping-pong: "
@@ -880,6 +894,7 @@ def main(argv: list[str] | None = None) -> int:
             result["worker_model_us"] = multi["worker_model"]["median_us"]
             result["bare_pingpong_poll_us"] = bare["poll"]["median_us"]
             result["bare_pingpong_block_us"] = bare["block"]["median_us"]
+            result["bare_pingpong_poll_us_before_after"] = bare["poll"]["median_us_before_after"]
             result["ipc_vs_bare_poll"] = round(
                 result["ipc_round_trip_us"] / result["bare_pingpong_poll_us"], 3
             )
