@@ -14,6 +14,7 @@ parallel regions too and no second pool of spinning threads competes for the cor
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -72,9 +73,7 @@ def library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _load() -> ctypes.CDLL | None:
-    """Build (once per source, flags, compiler and CPU model) and load. Concurrent workers
-    may build at once; each writes a temporary file and renames it into place, so a reader
-    never sees half a library."""
+    """Build (once per source, flags, compiler and CPU model) and load."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU attention runs the batched torch path only")
@@ -113,21 +112,28 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(target.parent / "build.lock", "w") as lock:
+        # Tensor-parallel ranks start together: one builds, the others wait and load it.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        log.info("building the CPU attention kernel (once per machine): %s", target)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run(
+                [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            # A reader never sees half a library: the finished file is renamed into place.
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     log.info("built %s", target)
     return target
 
