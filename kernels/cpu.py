@@ -355,8 +355,11 @@ def _plan_for(
     )
     if bool(native.any()):
         plan.native_reqs = torch.nonzero(native).flatten().to(torch.int32)
+        # From the plan's own copies: the caller's tensors may share memory that the
+        # worker rewrites for another step while this plan stays cached.
         plan.native_args = tuple(
-            t.to(torch.int32).contiguous() for t in (block_table, query_start_loc, seq_lens)
+            t.to(torch.int32).contiguous()
+            for t in (plan.block_table, plan.query_start_loc, plan.seq_lens)
         )
     _PLANS.insert(0, plan)
     del _PLANS[PLAN_CACHE_SIZE:]

@@ -249,6 +249,22 @@ def test_the_c_kernel_shares_torch_s_thread_pool(monkeypatch: pytest.MonkeyPatch
         assert lib.ps_max_threads() == threads
 
 
+def test_a_cached_plan_keeps_its_own_copy_of_the_metadata(path: str) -> None:
+    # The plan made for tensors A is found again for new tensors B of A's old contents,
+    # after A was rewritten in place (the worker reuses its buffers): it must not read A.
+    gen = torch.Generator().manual_seed(6)
+    query, kc, vc, table, qsl, lens = random_paged_batch(
+        gen, [30, 45, 12], [1, 1, 1], 8, 2, 4, 16, torch.float32
+    )
+    first = (table.clone(), qsl.clone(), lens.clone())
+    cpu.paged_attention(query, kc, vc, table, qsl, lens, 0.25)
+    table.numpy()[:] = table.numpy()[::-1].copy()
+    lens.numpy()[:] = lens.numpy()[::-1].copy()
+    got = cpu.paged_attention(query, kc, vc, *first, 0.25)
+    want = reference.paged_attention(query, kc, vc, *first, 0.25)
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
 def test_write_kv_cache_matches_the_reference_and_skips_padding() -> None:
     key, value = torch.randn(6, 2, 16), torch.randn(6, 2, 16)
     slots = torch.tensor([13, -1, 2, 7, -1, 19])
