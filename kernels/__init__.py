@@ -66,6 +66,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> A
         from kernels import cpu_native
 
         name = "torch cpu (batched)"
+        # Builds the C kernel here, at start-up (once per machine), not in the first step.
         if cpu_native.library() is not None:
             name += ", C kernel for decode"
         return AttentionKernels(name, cpu.write_kv_cache, cpu.paged_attention)

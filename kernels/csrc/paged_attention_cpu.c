@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* libmvec's vector variants, which <math.h> declares only under -ffast-math (whose other
    licences we do not want): the softmax's exponentials become 16 at a time. */
@@ -242,7 +245,14 @@ static ps_attend_fn ps_pick(int dtype, int d) {
                               : ps_attend_f16_any;
 }
 
-static int ps_max_threads_now(void);
+/* Threads a parallel region started by the calling thread gets. */
+static int ps_max_threads_now(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 /* Returns 0, or a negative code for arguments the kernel cannot take (the Python side
    checks them first; this is the last line). */
@@ -312,13 +322,6 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     }
     return failed ? -3 : 0;
 }
-
-#ifdef _OPENMP
-#include <omp.h>
-static int ps_max_threads_now(void) { return omp_get_max_threads(); }
-#else
-static int ps_max_threads_now(void) { return 1; }
-#endif
 
 /* The OpenMP runtime's thread count for a region the calling thread starts: the loader
    checks it equals torch.get_num_threads() (one runtime, shared). */
