@@ -35,6 +35,7 @@ class BlockPool:
         enable_caching: bool = True,
         enable_kv_events: bool = False,
         event_medium: str = MEDIUM_GPU,
+        event_group_info: Sequence[tuple[str, int | None]] | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(
@@ -64,6 +65,15 @@ class BlockPool:
         # store. A subscriber applying the step in order ends with the core's index.
         self._removed: list[dict[bytes, None]] = [{} for _ in range(num_groups)]
         self.event_medium = event_medium  # where the workers keep KV, named for subscribers
+        # Per group: (kv_cache_spec_kind, kv_cache_spec_sliding_window) for stored events.
+        if event_group_info is None:
+            event_group_info = [("full_attention", None)] * num_groups
+        if len(event_group_info) != num_groups:
+            raise ValueError(
+                f"event_group_info describes {len(event_group_info)} groups, "
+                f"the pool has {num_groups}"
+            )
+        self._event_group_info = list(event_group_info)
 
     # -- capacity ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -269,6 +279,7 @@ class BlockPool:
             # the removal first. Checked per event, in C, not per block in the store loop
             # (a hash is rarely both; the loop's per-block test cost 1-2% of a replay).
             self._flush_removed()
+        kind, window = self._event_group_info[group_id]
         self._events.append(
             BlockStored(
                 block_hashes,
@@ -280,6 +291,8 @@ class BlockPool:
                 None,  # lora_name
                 extra,
                 group_id,
+                kind,
+                window,
             )
         )
 

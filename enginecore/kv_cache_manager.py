@@ -11,7 +11,7 @@ from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.request import Request
 from protocol.kv_cache import KVCacheConfig
-from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
+from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
 
 
 @dataclass
@@ -54,6 +54,7 @@ class KVCacheManager:
             enable_caching,
             enable_kv_events,
             kv_events_medium,
+            [group_event_info(g.kv_cache_spec) for g in groups],
         )
         hash_block_size = 0
         for group in groups:

@@ -33,13 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from enginecore.block_hash import BlockHasher
 from launch import LLM, SamplingParams
-from protocol.kv_events import (
-    END_OF_REPLAY,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
+from protocol.kv_events import END_OF_REPLAY, CachedPrefixView, KVEventBatch
 
 SEED = "router-demo-secret"  # every replica behind one router: the same private seed
 
@@ -49,7 +43,8 @@ def log(msg: str) -> None:
 
 
 class EngineView:
-    """What the router knows of one engine: the block hashes it holds, per KV group."""
+    """What the router knows of one engine: its event streams and, from them, the block
+    hashes each KV group holds (protocol.kv_events.CachedPrefixView)."""
 
     def __init__(self, ctx: zmq.Context, llm: LLM) -> None:
         ready = llm.engine.ready
@@ -63,21 +58,13 @@ class EngineView:
         self.replay.connect(ready.kv_events_replay_endpoint)
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.next_seq = 0
-        self.groups: dict[int, set[bytes]] = {}
+        self.cache = CachedPrefixView()
 
     def _apply(self, seq: int, payload: bytes) -> None:
         if seq != self.next_seq:
             return  # a duplicate (SUB and replay both delivered it) or out of order
         self.next_seq += 1
-        for event in self.decoder.decode(payload).events:
-            if isinstance(event, BlockStored):
-                self.groups.setdefault(event.group_idx or 0, set()).update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.groups.setdefault(event.group_idx or 0, set()).difference_update(
-                    event.block_hashes
-                )
-            elif isinstance(event, AllBlocksCleared):
-                self.groups.clear()
+        self.cache.apply(self.decoder.decode(payload))
 
     def sync(self) -> None:
         """Apply everything published so far, in sequence order."""
@@ -94,16 +81,6 @@ class EngineView:
             if seq == END_OF_REPLAY:
                 return
             self._apply(int.from_bytes(seq, "big"), payload)
-
-    def cached_prefix_blocks(self, block_hashes: list[bytes]) -> int:
-        """Leading blocks cached in every group (a hybrid model's hit needs them all)."""
-        n = 0
-        groups = list(self.groups.values()) or [set()]
-        for h in block_hashes:
-            if not all(h in g for g in groups):
-                break
-            n += 1
-        return n
 
 
 def make_workload(a: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -126,7 +103,7 @@ def run(policy: str, views: list[EngineView], prompts: list[list[int]], a) -> di
                 v.sync()
             hashes: list[bytes] = []
             hasher.extend(hashes, prompt)
-            scores = [v.cached_prefix_blocks(hashes) for v in views]
+            scores = [v.cache.cached_prefix_blocks(hashes) for v in views]
             best = max(scores)
             # Ties (no engine holds anything useful) spread the load round-robin.
             tied = [e for e, s in enumerate(scores) if s == best]

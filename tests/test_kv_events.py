@@ -12,13 +12,20 @@ import msgspec
 import pytest
 import zmq
 from cli_helpers import CPU
-from kv_helpers import admit, check_stored_hashes, full, make_manager, tokens, window
+from kv_helpers import admit, check_stored_hashes, decode, full, make_manager, tokens, window
 
 from enginecore import KVCacheManager, Request
 from enginecore.block_hash import BlockHasher
 from enginecore.kv_event_publisher import DEFAULT_HWM, KVEventPublisher
 from launch import LLM, SamplingParams
-from protocol.kv_events import END_OF_REPLAY, BlockRemoved, BlockStored
+from protocol.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedPrefixView,
+    KVEventBatch,
+)
 
 # -- a subscriber written against vLLM's published event layout, not our structs -------
 
@@ -33,6 +40,8 @@ class VStored(msgspec.Struct, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VRemoved(msgspec.Struct, tag="BlockRemoved"):
@@ -204,10 +213,89 @@ def test_subscriber_rebuilds_the_cached_hashes(specs: tuple) -> None:
         assert len(specs) == 1 or 1 in sub.cached  # the window group published too
         for event in sub.stored:
             check_stored_hashes(event, manager.block_hasher)  # type: ignore[arg-type]
+        # Each stored event says what its group's cache is, as vLLM's do.
+        kinds = {
+            (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in sub.stored
+        }
+        expected = [(0, "full_attention", None), (1, "sliding_window", 6)]
+        assert kinds == set(expected[: len(specs)])
     finally:
         publisher.close()
         sub.sub.close(linger=0)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [(full(),), (full(), window(6)), (window(5), full(), window(13))],
+    ids=["full", "hybrid", "two-windows"],
+)
+def test_a_view_of_the_events_predicts_every_prefix_hit(specs: tuple) -> None:
+    """A router's score from the published events alone (decoded from the wire) equals
+    the hit the engine's own lookup finds, prompt after prompt, while requests decode,
+    windows drop old blocks and a small pool evicts."""
+    m = make_manager(40, *specs, enable_kv_events=True, hash_seed=b"view")
+    view = CachedPrefixView()
+    to_wire, from_wire = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(KVEventBatch)
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(60) for _ in range(rng.randint(2, 40))] for _ in range(8)]
+    live: list[Request] = []
+    hits_seen = set()
+    for step in range(400):
+        if live and (rng.random() < 0.4 or len(live) > 4):
+            m.free(live.pop(rng.randrange(len(live))))
+        for r in live:
+            decode(m, r, rng.randrange(60))
+        view.apply(from_wire.decode(to_wire(KVEventBatch(0.0, m.take_events()))))
+        prompt = rng.choice(prefixes) + [rng.randrange(60) for _ in range(rng.randint(0, 9))]
+        r = Request(f"p{step}", prompt, m.block_hasher)
+        # The engine recomputes a prompt's last token: at most len - 1 tokens hit.
+        predicted = view.cached_prefix_blocks(r.block_hashes[: (len(prompt) - 1) // 4]) * 4
+        assert m.get_computed_blocks(r)[1] == predicted, f"step {step}"
+        hits_seen.add(predicted > 0)
+        if admit(m, r) is not None:
+            live.append(r)
+    assert hits_seen == {True, False}
+    assert m.block_pool.num_evictions > 50
+
+
+def test_a_view_asks_every_window_again_until_they_agree() -> None:
+    """Windows of 1 and 3 blocks over a fully cached full-attention group: at 6 blocks the
+    first window holds block 4 (a hit of 5), the second then needs blocks 1-3 (4); at 4
+    the first lacks block 3 (3), and at 3 the second lacks block 0: nothing hits."""
+    h = [bytes([i]) * 16 for i in range(6)]
+
+    def stored(group: int, held: list[int], kind: str, window: int | None) -> BlockStored:
+        return BlockStored(
+            block_hashes=[h[i] for i in held],
+            parent_block_hash=None,  # the view needs only hashes and groups
+            token_ids=[0] * 4 * len(held),
+            block_size=4,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+        )
+
+    view = CachedPrefixView()
+    view.apply(
+        KVEventBatch(
+            0.0,
+            [
+                stored(0, [0, 1, 2, 3, 4, 5], "full_attention", None),
+                stored(1, [2, 4], "sliding_window", 5),  # reads 1 block back
+                stored(2, [1, 2, 3], "sliding_window", 13),  # reads 3 blocks back
+            ],
+        )
+    )
+    assert view.window_blocks == {1: 1, 2: 3}
+    assert view.cached_prefix_blocks(h) == 0
+    view.apply(KVEventBatch(0.0, [stored(2, [0], "sliding_window", 13)]))
+    assert view.cached_prefix_blocks(h) == 3  # blocks 0-2 in every group
+    view.apply(KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert view.cached_prefix_blocks(h) == 0
 
 
 def _cleared():
@@ -306,6 +394,7 @@ def test_a_batch_on_the_wire_is_vllm_s_array_of_tagged_maps() -> None:
                 "medium": "GPU",
                 "lora_name": None,
                 "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
             }
         ]
     finally:
