@@ -72,6 +72,10 @@ def synthetic_trace(a: argparse.Namespace) -> list[dict[str, Any]]:
         "num_gpu_blocks": a.num_gpu_blocks,
         "max_running": a.max_running,
         "num_requests": a.num_requests,
+        # The peer's replay sizes its max_model_len from these ranges.
+        "prefix_len": [a.prefix_min, a.prefix_max],
+        "suffix_len": [a.suffix_min, a.suffix_max],
+        "decode_len": [a.decode_min, a.decode_max],
     }
     ops: list[dict[str, Any]] = [meta]
     holders: Counter[int] = Counter()  # system prompt -> live requests sharing it
