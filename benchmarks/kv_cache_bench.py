@@ -40,6 +40,7 @@ from enginecore.kv_event_publisher import KVEventPublisher  # noqa: E402
 from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 
 PEER_SCRIPT = PEER_SCRIPTS / "bench_kv.py"
+PEER_EVENTS_SCRIPT = Path(__file__).resolve().parent / "peer_kv_events.py"  # peer's Python
 OP_KINDS = ("get_computed_blocks", "allocate_slots_prompt", "allocate_slots_decode", "free")
 
 
@@ -395,6 +396,8 @@ def kv_events_overhead(ops: list[dict[str, Any]], hash_algo: str, repeat: int) -
     result = dict(ons[len(ons) // 2])
     result["overhead"] = round(ratios[len(ratios) // 2] - 1, 4)
     result["overhead_per_pair"] = [round(r - 1, 4) for r in ratios]
+    added = sorted(on["seconds"] - off["seconds"] for off, on in pairs)
+    result["seconds_added"] = round(added[len(added) // 2], 6)
     return result
 
 
@@ -433,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_on": events_on["seconds"],
         "overhead": events_on["overhead"],  # median of alternating off/on pairs
         "overhead_per_pair": events_on["overhead_per_pair"],
+        "seconds_added": events_on["seconds_added"],  # median of the pairs' on - off
         "batches_published": events_on["batches"],
         "same_hit_tokens": events_on["hit_tokens"] == result["hit_tokens"],
     }
@@ -449,6 +453,22 @@ def main(argv: list[str] | None = None) -> int:
         }
         result["speedup_vs_peer"] = round(peer_seconds / result["seconds"], 2)
         result["same_hit_tokens_as_peer"] = peer["prefix_hit_tokens"] == result["hit_tokens"]
+        # The peer's KV events on the same trace: what publishing costs it, relatively and
+        # in seconds added, next to ours.
+        peer_events = run_peer_script(
+            a.peer_python,
+            PEER_EVENTS_SCRIPT,
+            [
+                *("--trace", str(trace_path), "--peer-scripts", str(a.peer_script.parent)),
+                *("--repeat", str(a.repeat)),
+            ],
+            "KVCacheManager with KV events",
+        )
+        if peer_events is not None:
+            result["kv_events"]["peer"] = peer_events
+            result["kv_events"]["seconds_added_vs_peer"] = round(
+                result["kv_events"]["seconds_added"] / peer_events["seconds_added"], 4
+            )
     if tmp_dir is not None:
         tmp_dir.cleanup()
     print(json.dumps(result))
