@@ -103,9 +103,11 @@ class CachedPrefixView:
                 if event.kv_cache_spec_kind == "sliding_window" and window is not None:
                     self.window_blocks[group] = -(-(window - 1) // event.block_size)
             elif isinstance(event, BlockRemoved):
-                self.groups.setdefault(event.group_idx or 0, set()).difference_update(
-                    event.block_hashes
-                )
+                # A group is known from its stores (they say what it is): removals of
+                # hashes never seen (a subscriber that joined late) change nothing.
+                held = self.groups.get(event.group_idx or 0)
+                if held is not None:
+                    held.difference_update(event.block_hashes)
             else:
                 for held in self.groups.values():
                     held.clear()
