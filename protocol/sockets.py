@@ -35,6 +35,9 @@ DEFAULT_SPIN_S = 0.001
 # A napping due wait sleeps until this long before the message is expected (the previous
 # wait's length), then spins: the wake-up latency above, on a loaded 2-core VM, with margin.
 SPIN_BEFORE_S = 2e-4
+# A due wait longer than this blocks from the start: its wake-up cost is small beside it,
+# and the caller's liveness checks (a worker or the core gone) run only while it blocks.
+NAP_MAX_S = 0.05
 # Timed waits of the core and the workers (DueWait, a worker's wait for its device) are
 # sub-millisecond; Linux's default timer slack of 50 us ends them up to 80 us late here.
 TIMER_SLACK_NS = 1000
@@ -56,31 +59,43 @@ class DueWait:
     blocking for up to the budget while the previous such wait fit in it; the caller
     blocks as usual when ready() says no, then reports the arrival.
 
-    ready(sock, nap=True) first sleeps on the socket until SPIN_BEFORE_S before the time
-    the previous wait took: for a wait that a step queued behind it makes long and
-    regular, the core's wait for an answer under async scheduling. Spun through (~0.85 ms
-    of a 1.2 ms step) it took a CPU from the worker and both processes' I/O threads;
-    blocked through, the core woke 0.4 ms after the answer came (benchmarks/overlap.py,
-    2-core VM). A serial step's waits are less regular: napping there cost the IPC round
-    trip 68-88 -> 114-126 us (benchmarks/step_overhead.py)."""
+    A wait longer than the budget (but under longest_s) sleeps on the socket until one
+    budget before it is due, then spins for up to two: its wake-up costs no latency and
+    its spin stays bounded. ready(sock, nap=True) sleeps first on a shorter wait too,
+    until SPIN_BEFORE_S before the time the previous wait took: for a wait that a step
+    queued behind it makes long and regular, the core's wait for an answer under async
+    scheduling. Spun through (~0.85 ms of a 1.2 ms step) it took a CPU from the worker
+    and both processes' I/O threads; blocked through, the core woke 0.4 ms after the
+    answer came (benchmarks/overlap.py, 2-core VM). A serial step's short waits are less
+    regular: napping there cost the IPC round trip 68-88 -> 114-126 us
+    (benchmarks/step_overhead.py)."""
 
-    __slots__ = ("_start", "budget", "last")
+    __slots__ = ("_start", "budget", "last", "longest")
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, longest_s: float = NAP_MAX_S) -> None:
         self.budget = budget_s
+        self.longest = longest_s  # a longer last wait: block from the start
         self.last = 0.0  # seconds the previous due message took to come
         self._start = 0.0
 
     def ready(self, sock: zmq.Socket, nap: bool = False) -> bool:
         """True as soon as a message waits on sock; False once waiting here does not pay."""
         start = self._start = time.perf_counter()
-        if self.last > self.budget:
+        last = self.last
+        if self.budget <= 0 or last > self.longest:
             return False
-        asleep = self.last - SPIN_BEFORE_S if nap else 0.0
-        if not (
-            (asleep > 0 and wait_for_message(sock, asleep))
-            or spin_for_message(sock, self.budget - max(asleep, 0.0))
-        ):
+        if last > self.budget:
+            # Longer than a spin may last: sleep through it, then spin from one budget
+            # before it is due for up to two. Blocked through (a 1.4 ms step), a VM whose
+            # halted CPUs wake in ~0.35 ms made each answer that much later; a margin of
+            # 0.2 ms was too tight for its wake-up jitter (benchmarks/step_overhead.py).
+            asleep, spin = last - self.budget, 2.0 * self.budget
+        elif nap:
+            asleep = last - SPIN_BEFORE_S
+            spin = self.budget - max(asleep, 0.0)
+        else:
+            asleep, spin = 0.0, self.budget
+        if not ((asleep > 0 and wait_for_message(sock, asleep)) or spin_for_message(sock, spin)):
             return False
         self.last = time.perf_counter() - start
         return True

@@ -97,7 +97,7 @@ def test_wait_for_message_wakes_on_arrival_and_times_out_without_one(pair) -> No
 
 def test_a_napping_due_wait_sleeps_then_takes_the_message(pair) -> None:
     a, b = pair
-    due = DueWait(60.0)
+    due = DueWait(60.0, longest_s=120.0)
     due.last = 30.0  # the previous answer took 30 s: nap until shortly before that
     sender = threading.Timer(0.01, a.send, args=(b"step",))
     sender.start()
@@ -105,5 +105,27 @@ def test_a_napping_due_wait_sleeps_then_takes_the_message(pair) -> None:
     sender.join()
     assert b.recv(zmq.NOBLOCK) == b"step"
     assert due.last < 30.0  # the next nap is sized by this wait
-    due.last = 61.0  # longer than the budget: no nap, no spin, the caller blocks
-    assert not due.ready(b, nap=True)
+    due.last = 121.0  # longer than the longest wait worth napping: the caller blocks
+    a.send(b"step")
+    assert not due.ready(b, nap=True)  # without a look, though a message waits
+    assert b.recv(zmq.NOBLOCK) == b"step"
+
+
+def test_a_due_wait_longer_than_its_budget_sleeps_through_it(pair) -> None:
+    a, b = pair
+    due = DueWait(1.0, longest_s=120.0)
+    due.last = 30.0  # longer than the budget: sleep until one budget before it is due
+    sender = threading.Timer(0.01, a.send, args=(b"step",))
+    sender.start()
+    assert due.ready(b)  # woken by the arrival, not by the end of the nap
+    sender.join()
+    assert b.recv(zmq.NOBLOCK) == b"step"
+    assert due.last < 30.0
+    short = DueWait(0.001)
+    short.last = 0.002  # due in 2 ms: sleeps 1, spins at most 2, then gives up
+    assert not short.ready(b)
+    assert short.last == 0.002  # a wait that ended without the message tells nothing
+    short.last = 1.0  # past the default longest nap (NAP_MAX_S)
+    a.send(b"step")
+    assert not short.ready(b)
+    assert b.recv(zmq.NOBLOCK) == b"step"
