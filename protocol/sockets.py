@@ -35,9 +35,10 @@ DEFAULT_SPIN_S = 0.001
 # A napping due wait sleeps until this long before the message is expected (the previous
 # wait's length), then spins: the wake-up latency above, on a loaded 2-core VM, with margin.
 SPIN_BEFORE_S = 2e-4
-# A due wait longer than this blocks from the start: its wake-up cost is small beside it,
-# and the caller's liveness checks (a worker or the core gone) run only while it blocks.
-NAP_MAX_S = 0.05
+# A due wait longer than this blocks from the start: its wake-up costs under 10% of it,
+# and a spin at its end would take a CPU from the worker's second thread (worker/
+# cpu_threads.py runs steps under 5 ms on one) or from a server and its clients.
+NAP_MAX_S = 0.005
 # Timed waits of the core and the workers (DueWait, a worker's wait for its device) are
 # sub-millisecond; Linux's default timer slack of 50 us ends them up to 80 us late here.
 TIMER_SLACK_NS = 1000
