@@ -56,6 +56,7 @@ SCHEDULER_SETTINGS = (
     "max_num_seqs",
     "enable_prefix_caching",
     "hash_algo",
+    "scheduling_policy",
 )
 
 
@@ -253,7 +254,11 @@ class EngineCore:
         scheduler = self.scheduler
         try:
             request = scheduler.new_request(
-                msg.request_id, msg.prompt_token_ids, msg.sampling_params, msg.cache_salt
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.sampling_params,
+                msg.cache_salt,
+                msg.priority,
             )
         except ValueError as e:
             return [RequestOutput(msg.request_id, [], "error", 0, str(e))]

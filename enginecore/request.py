@@ -40,6 +40,7 @@ class Request:
         "_extra_keys_of",
         "_hasher",
         "all_token_ids",
+        "arrival",
         "block_hash_inputs",
         "block_hashes",
         "cache_salt",
@@ -55,6 +56,7 @@ class Request:
         "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "priority",
         "prompt_embeds_hash",
         "request_id",
         "sampling_params",
@@ -74,6 +76,7 @@ class Request:
         prompt_embeds_hash: str | None = None,
         wants_prompt_logprobs: bool = False,
         sampling_params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
@@ -89,6 +92,10 @@ class Request:
         # per step in flight): counted in its length when scheduling, not yet in its ids.
         self.num_pending_tokens = 0
         self.num_preemptions = 0
+        # Lower runs first under the priority policy; arrival (set by the scheduler that
+        # takes it) breaks ties, oldest first.
+        self.priority = priority
+        self.arrival = 0
         self.sampling_params = sampling_params or _DEFAULT_PARAMS
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

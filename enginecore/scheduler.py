@@ -1,10 +1,12 @@
 """The Scheduler: one rule for prefill and decode, under a token budget.
 
 Each step moves every request's num_computed_tokens toward its num_tokens. Running
-requests go first (decodes and unfinished prefill chunks), then waiting requests in FCFS
-order, each admitted only after a prefix-cache lookup and a successful allocate_slots.
-When a running request cannot get a block, the latest-arrived running request is
-preempted (blocks freed, recomputed later) and the allocation retried.
+requests go first (decodes and unfinished prefill chunks), then waiting requests in the
+policy's order (enginecore/request_queue.py: arrival, or priority then arrival), each
+admitted only after a prefix-cache lookup and a successful allocate_slots. When a running
+request cannot get a block, the last running request in that order (the latest arrived;
+under the priority policy the lowest priority) is preempted (blocks freed, recomputed
+later) and the allocation retried. The running list is kept in that order.
 
 schedule() may run again before the last step's answer is applied (async scheduling):
 a request's length then counts the tokens steps in flight will sample
@@ -13,6 +15,7 @@ a request's length then counts the tokens steps in flight will sample
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,12 +25,15 @@ from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
+from enginecore.request_queue import make_request_queue
+from protocol.config import SchedulingPolicy
 from protocol.engine import (
     BUILTIN_SAMPLING_DEFAULTS,
     RequestOutput,
     SamplingDefaults,
     SamplingParams,
     SchedulerStats,
+    priority_error,
 )
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
@@ -87,6 +93,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_prefix_caching: bool
     hash_algo: HashAlgo
+    scheduling_policy: SchedulingPolicy
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
@@ -121,7 +128,9 @@ class Scheduler:
             hash_seed=config.hash_seed,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_request_queue(config.scheduling_policy)
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrivals = 0  # requests added: the next one's arrival number
         self.running: list[Request] = []
         # Announced to the workers with the next SchedulerOutput.
         self._finished_req_ids: list[str] = []
@@ -147,8 +156,10 @@ class Scheduler:
         request.max_num_tokens = min(
             request.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
+        request.arrival = self._arrivals
+        self._arrivals += 1
         self.requests[rid] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         return None
 
     def new_request(
@@ -157,6 +168,7 @@ class Scheduler:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """A Request hashed the way this scheduler's cache keys blocks (ValueError for a
         malformed one); add it with add_request."""
@@ -166,9 +178,13 @@ class Scheduler:
             self.kv_cache_manager.block_hasher,
             cache_salt=cache_salt,
             sampling_params=sampling_params,
+            priority=priority,
         )
 
     def _validate(self, request: Request) -> str | None:
+        error = priority_error(request.priority, self.config.scheduling_policy)
+        if error is not None:
+            return error
         n = request.num_prompt_tokens
         if n > self.config.max_model_len:
             return f"prompt has {n} tokens, longer than max_model_len {self.config.max_model_len}"
@@ -245,7 +261,7 @@ class Scheduler:
             outputs.append(RequestOutput(rid, [], "abort", max(request.num_cached_tokens, 0)))
         if aborted:
             self.running = [r for r in self.running if r.request_id not in aborted]
-            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
+            self.waiting.remove_ids(aborted)
         return outputs
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
@@ -272,7 +288,7 @@ class Scheduler:
         (nothing runs, yet it got no blocks); fail it alone."""
         if self.running or not self.waiting:
             return []
-        head = self.waiting[0]
+        head = self.waiting.peek()
         usable = self.kv_cache_manager.num_usable_blocks
         reason = (
             f"request {head.request_id} needs more KV cache than exists: {head.num_tokens} "
@@ -306,7 +322,7 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step (running requests first, then waiting ones in FCFS order,
+        """Decide the next step (running requests first, then waiting ones in queue order,
         none if a running one had to be preempted) and encode it as a delta."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -315,8 +331,8 @@ class Scheduler:
         return self._build_output(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Decodes and unfinished prefill chunks; preempt the latest-arrived running
-        request while a block is short."""
+        """Decodes and unfinished prefill chunks; preempt the last running request (the
+        latest arrived, or the lowest priority) while a block is short."""
         kv = self.kv_cache_manager
         max_len = self.config.max_model_len
         empty = kv.empty_blocks
@@ -371,14 +387,14 @@ class Scheduler:
         plan.num_running = len(ids)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests in FCFS order after a prefix-cache lookup, while the
+        """Admit waiting requests in queue order after a prefix-cache lookup, while the
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
         running, waiting = self.running, self.waiting
         while waiting and plan.budget > 0:
             if len(running) >= self.config.max_num_seqs:
                 break
-            request = waiting[0]
+            request = waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
             hits, num_hit = kv.get_computed_blocks(request)
@@ -388,8 +404,13 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
-            waiting.popleft()
-            running.append(request)
+            waiting.pop_head()
+            if self._by_priority:
+                # Ahead of every running request it outranks: scheduled before them, and
+                # preempted after them.
+                insort(running, request, key=_rank)
+            else:
+                running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit + num_new
             if request.num_cached_tokens < 0:
@@ -455,7 +476,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
@@ -553,6 +574,11 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step=self.step_id,
         )
+
+
+def _rank(request: Request) -> tuple[int, int]:
+    """Its place under the priority policy: lower priority values first, then arrival."""
+    return request.priority, request.arrival
 
 
 def _block_ids(blocks: tuple) -> list[list[int]] | None:

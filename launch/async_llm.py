@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -59,6 +59,7 @@ from protocol.engine import (
     RequestOutput,
     SamplingParams,
     SchedulerStats,
+    priority_error,
 )
 
 log = logging.getLogger("pagedserve.launch")
@@ -86,6 +87,15 @@ class StreamOutput:
     index: int = 0
     logprobs: list[Logprobs] | None = None  # one per new token, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class _Prepared(NamedTuple):
+    """One prompt, checked and ready to send."""
+
+    ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    priority: int
 
 
 class _Inbox:
@@ -269,17 +279,22 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int | None = None,
         text: bool = True,
     ) -> RequestStream:
         """Start a request and return its stream of outputs. prompt: text, token ids, a
         chat conversation ([{"role", "content"}, ...]) or a Prompt. request_id must not
-        be open already (default: a fresh one). text False skips detokenizing. With
+        be open already (default: a fresh one). priority (default: the Prompt's, else 0):
+        lower runs first when the engine runs the priority scheduling policy, and must be
+        0 otherwise. text False skips detokenizing. With
         n > 1 the core runs n requests "{request_id}-{i}" (sharing the prompt's blocks
         through the prefix cache) and each output's index says which.
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
         self._check_running()
         rid = self._request_id(request_id)
-        one = self._prepare(_as_prompt(prompt), sampling_params, cache_salt, f"request {rid}")
+        one = self._prepare(
+            _as_prompt(prompt), sampling_params, cache_salt, priority, f"request {rid}"
+        )
         return self._open(rid, [one], text)
 
     def generate_many(
@@ -289,6 +304,7 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int | None = None,
         text: bool = True,
     ) -> RequestStream:
         """One request of several prompts (sampling_params: one for all, or one per
@@ -307,20 +323,30 @@ class AsyncLLM:
             if len(per_prompt) != len(items):
                 raise ValueError(f"{len(per_prompt)} sampling params for {len(items)} prompts")
         checked = [
-            self._prepare(p, params, cache_salt, f"request {rid} prompt {i}")
+            self._prepare(p, params, cache_salt, priority, f"request {rid} prompt {i}")
             for i, (p, params) in enumerate(zip(items, per_prompt))
         ]
         return self._open(rid, checked, text)
 
     def _prepare(
-        self, p: Prompt, params: SamplingParams | None, cache_salt: str | None, what: str
-    ) -> tuple[list[int], SamplingParams, str | None]:
+        self,
+        p: Prompt,
+        params: SamplingParams | None,
+        cache_salt: str | None,
+        priority: int | None,
+        what: str,
+    ) -> _Prepared:
         """A prompt's token ids, checked params (the call's, else the prompt's, else the
-        defaults) and cache salt; raises naming `what`."""
+        defaults), cache salt and priority; raises naming `what`."""
         params = params if params is not None else p.sampling_params
         params = SamplingParams() if params is None else params
         params = checked_params(params, what, self.vocab_size)
-        return self.inputs.token_ids(p, self.vocab_size), params, cache_salt or p.cache_salt
+        priority = p.priority if priority is None else priority
+        error = priority_error(priority, self.engine.args.scheduling_policy)
+        if error is not None:
+            raise ValueError(f"{what}: {error}")
+        ids = self.inputs.token_ids(p, self.vocab_size)
+        return _Prepared(ids, params, cache_salt or p.cache_salt, priority)
 
     def _request_id(self, request_id: str | None) -> str:
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
@@ -333,25 +359,25 @@ class AsyncLLM:
     def _open(
         self,
         rid: str,
-        prompts: list[tuple[list[int], SamplingParams, str | None]],
+        prompts: list[_Prepared],
         text: bool,
     ) -> RequestStream:
-        """Send the core requests of prompts (token ids, checked params, cache salt); the
-        stream of them all. One prompt's copies are named as fan_out names them after
-        rid; prompt k of several, after "{rid}-{k}"."""
+        """Send the core requests of prompts; the stream of them all. One prompt's copies
+        are named as fan_out names them after rid; prompt k of several, after
+        "{rid}-{k}"."""
         requests = []
-        for k, (ids, params, salt) in enumerate(prompts):
+        for k, one in enumerate(prompts):
             base = rid if len(prompts) == 1 else f"{rid}-{k}"
-            for core_id, copy in fan_out(base, params):
+            for core_id, copy in fan_out(base, one.params):
                 if core_id in self._queues:
                     raise ValueError(f"request id {core_id!r} is already open")
-                seq = SequenceState(self.tokenizer, params, text)
-                requests.append((core_id, ids, copy, salt, seq))
-        sequences = {core_id: seq for core_id, _, _, _, seq in requests}
-        stream = RequestStream(self, rid, [ids for ids, _, _ in prompts], sequences)
-        for core_id, ids, copy, salt, _ in requests:
+                seq = SequenceState(self.tokenizer, one.params, text)
+                requests.append((core_id, one, copy, seq))
+        sequences = {core_id: seq for core_id, _, _, seq in requests}
+        stream = RequestStream(self, rid, [one.ids for one in prompts], sequences)
+        for core_id, one, copy, _ in requests:
             self._queues[core_id] = stream._inbox
-            self.engine.add_request(core_id, ids, copy, salt)
+            self.engine.add_request(core_id, one.ids, copy, one.cache_salt, one.priority)
         return stream
 
     def prompt_token_ids(

@@ -18,7 +18,14 @@ from typing import Any, get_args
 import msgspec
 
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
-from protocol.config import DType, GenerationConfigMode, HashAlgo, LogLevel, WorkerConfig
+from protocol.config import (
+    DType,
+    GenerationConfigMode,
+    HashAlgo,
+    LogLevel,
+    SchedulingPolicy,
+    WorkerConfig,
+)
 from protocol.engine import SamplingParams
 
 
@@ -37,6 +44,7 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first under --scheduling-policy priority
     n: int | None = None
     # One string or a list, as OpenAI's API takes them.
     stop: str | list[str] | None = None
@@ -138,6 +146,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive("--max-model-len"))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--hash", choices=get_args(HashAlgo), default=EngineArgs.hash_algo)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=get_args(SchedulingPolicy),
+        default=EngineArgs.scheduling_policy,
+        help="order of the waiting queue: fcfs (arrival) or priority (each request's "
+        "priority, lower first, ties by arrival; preemption takes the lowest first)",
+    )
     p.add_argument(
         "--prefix-cache-hash-seed",
         help="secret root of the prefix-cache block hashes (default: random at each start; "
@@ -336,6 +351,7 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
                         params,
                         line.cache_salt,
                         messages=line.messages,
+                        priority=line.priority,
                     ),
                 )
             )
@@ -467,6 +483,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         hash_algo=args.hash,
+        scheduling_policy=args.scheduling_policy,
         prefix_cache_hash_seed=args.prefix_cache_hash_seed,
         seed=args.seed,
         dtype=args.dtype,

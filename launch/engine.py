@@ -29,6 +29,7 @@ from protocol.config import (
     GenerationConfigMode,
     HashAlgo,
     LogLevel,
+    SchedulingPolicy,
     WorkerConfig,
     ipc_address,
     ipc_dir,
@@ -94,6 +95,7 @@ CORE_SETTINGS = (
     "max_model_len",
     "enable_prefix_caching",
     "hash_algo",
+    "scheduling_policy",
     "prefix_cache_hash_seed",
     "num_gpu_blocks",
     "step_timeout_s",
@@ -186,6 +188,9 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "xxh3_128"
+    # The waiting queue's order: "fcfs" (arrival) or "priority" (each request's priority,
+    # lower first, ties by arrival; preemption takes the lowest priority first).
+    scheduling_policy: SchedulingPolicy = "fcfs"
     prefix_cache_hash_seed: str | None = None
     seed: int = 0
     dtype: DType = "auto"
@@ -249,6 +254,7 @@ class EngineArgs:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
+        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         if self.record_dir is not None:
             from enginecore.recording import FRAMES, MANIFEST
 
@@ -353,8 +359,9 @@ class EngineProcesses:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt)
+        msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt, priority)
         self._check_open()
         self.to_core.send(self.from_client.encode(msg), copy=False)
 

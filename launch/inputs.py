@@ -26,6 +26,8 @@ class Prompt:
     sampling_params: SamplingParams | None = None
     cache_salt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    # Lower runs first under --scheduling-policy priority; non-zero fails under fcfs.
+    priority: int = 0
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

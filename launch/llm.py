@@ -13,7 +13,7 @@ from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, Engine
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
 from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
-from protocol.engine import Logprobs, SamplingParams, SchedulerStats
+from protocol.engine import Logprobs, SamplingParams, SchedulerStats, priority_error
 
 
 @dataclass
@@ -114,6 +114,9 @@ class LLM:
                     request_params = checked_params(
                         p.sampling_params, f"prompt {index}", self.vocab_size
                     )
+                error = priority_error(p.priority, self.engine.args.scheduling_policy)
+                if error is not None:
+                    raise ValueError(error)
                 # Text only for stop strings: the whole text is decoded once at the end.
                 text = bool(request_params.stop)
                 copies = [
@@ -137,7 +140,7 @@ class LLM:
                     out._stop_text = []
                 pending[core_id] = (len(results), seq)
                 results.append(out)
-                self.engine.add_request(core_id, ids, copy, p.cache_salt)
+                self.engine.add_request(core_id, ids, copy, p.cache_salt, p.priority)
         summary.requests = len(results)
         if len(results) != len(items):
             bar.total = len(results)

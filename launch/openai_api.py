@@ -12,7 +12,8 @@ by SamplingParams.validate: n in [1, 16], at most 4 non-empty stop strings, pres
 frequency penalties in [-2, 2], repetition_penalty > 0, min_tokens in [0, max_tokens],
 logprobs / top_logprobs in [0, 20], seed in [0, 2**63). Extensions beyond OpenAI's API
 (vLLM's): top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, cache_salt,
-return_token_ids (the token ids of prompt and completion in the response), and for chat
+priority (lower first, with --scheduling-policy priority; else only 0), return_token_ids
+(the token ids of prompt and completion in the response), and for chat
 add_generation_prompt and chat_template_kwargs.
 """
 
@@ -84,6 +85,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    # vLLM's extension: lower runs first under --scheduling-policy priority.
+    priority: int = 0
     return_token_ids: bool = False
     user: str | None = None  # accepted, unused
     n: int = 1

@@ -38,7 +38,7 @@ from launch.openai_api import (
     sampling_params,
     usage,
 )
-from protocol.engine import Logprobs, SamplingParams
+from protocol.engine import Logprobs, SamplingParams, priority_error
 
 _json = msgspec.json.Encoder()
 # JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
@@ -197,6 +197,9 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
+        error = priority_error(body.priority, engine.engine.args.scheduling_policy)
+        if error is not None:
+            raise APIError(error, 400, param="priority", code="invalid_value")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise APIError(
                 f"{self.num_waiting} requests are already waiting (--max-waiting-requests "
@@ -205,7 +208,9 @@ class OpenAIServer:
                 code="too_many_waiting_requests",
             )
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = engine.generate_many(prompts, params, request_id, cache_salt=body.cache_salt)
+        stream = engine.generate_many(
+            prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
+        )
         call = _Call(self, body, stream, request_id, chat, params[0])
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the

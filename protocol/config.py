@@ -13,6 +13,9 @@ import msgspec
 HashAlgo = Literal["xxh3_128", "sha256"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 GenerationConfigMode = Literal["auto", "none"]
+# The waiting queue's order (enginecore/request_queue.py): arrival, or each request's
+# priority (lower first), ties by arrival.
+SchedulingPolicy = Literal["fcfs", "priority"]
 # logging's level names, upper case: the launcher normalises what the user typed.
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -36,6 +39,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     max_model_len: int | None  # None: the model's own limit
     enable_prefix_caching: bool
     hash_algo: HashAlgo
+    scheduling_policy: SchedulingPolicy
     # Fixes the secret root of the block hashes (None: random at each start). Replicas
     # behind one KV-aware router need the same one; keep it private.
     prefix_cache_hash_seed: str | None

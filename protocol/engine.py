@@ -126,6 +126,21 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
+    # Under the priority scheduling policy, lower runs first (vLLM's convention); any
+    # other value than 0 fails the request under "fcfs".
+    priority: int = 0
+
+
+def priority_error(priority: object, policy: str) -> str | None:
+    """Why a request's priority cannot be served under the scheduling policy, or None."""
+    if type(priority) is not int:
+        return f"priority must be an integer, not {priority!r}"
+    if priority and policy != "priority":
+        return (
+            f"priority {priority} needs the priority scheduling policy "
+            "(--scheduling-policy priority); this engine serves requests in arrival order"
+        )
+    return None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, tag="abort"):

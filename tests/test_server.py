@@ -312,6 +312,9 @@ BAD_BODIES = {
     "penalty": ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
     "logit_bias": ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
     "top_p": ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
+    # The server runs the default fcfs policy: only priority 0 is served.
+    "priority without its policy": ({"prompt": "x", "priority": 3}, "priority", "invalid_value"),
+    "priority not an integer": ({"prompt": "x", "priority": "high"}, "priority", "invalid_type"),
     # Several prompts: one bad one refuses the whole request before any is sent.
     "a bad token among prompts": ({"prompt": ["x", [10**6]]}, "prompt", "invalid_value"),
     "a prompt too long among prompts": (
