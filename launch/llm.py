@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launch.chat import ChatTemplate
@@ -83,6 +83,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_finish: Callable[[CompletionOutput], None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[CompletionOutput]:
         """Outputs in input order, n per prompt (SamplingParams.n, 1 by default): a
         prompt's n sequences are consecutive, with the prompt's index and seq_index 0..n-1;
@@ -94,10 +95,14 @@ class LLM:
         all, or one per prompt. on_finish is called with each output as its request ends
         (in finish order), e.g. to save results as they come. Malformed arguments raise
         TypeError or ValueError before anything is sent. A stop string ends a request's
-        text before it (its token ids run to the token that completed the match)."""
+        text before it (its token ids run to the token that completed the match).
+        priority: one per prompt (else each Prompt's, else 0), for an engine started with
+        scheduling_policy="priority": lower values are admitted first."""
         if self._closed:
             raise EngineDeadError("this LLM was closed; create a new one")
         items = _as_prompt_list(prompts)
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
         params = _per_prompt_params(sampling_params, len(items), self.vocab_size)
         results: list[CompletionOutput] = []
         pending: dict[str, tuple[int, SequenceState]] = {}
@@ -107,6 +112,8 @@ class LLM:
         bar = _progress(len(items), use_tqdm)
         for index, (item, default) in enumerate(zip(items, params)):
             p = to_prompt(item)
+            if priority is not None:
+                p = replace(p, priority=priority[index])
             try:
                 ids = self.inputs.token_ids(p, self.vocab_size)
                 request_params = default

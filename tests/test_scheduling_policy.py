@@ -18,6 +18,8 @@ from enginecore.request import Request
 from enginecore.request_queue import FCFSQueue, PriorityQueue, make_request_queue
 from enginecore.scheduler import Scheduler
 from launch import LLM, Prompt
+from launch.async_llm import AsyncLLM
+from launch.async_llm import run as run_async
 from launch.builtin_model import builtin_model_dir
 from launch.engine import EngineArgs, EngineProcesses
 from protocol.engine import SamplingParams
@@ -208,10 +210,20 @@ def test_priority_through_the_real_processes() -> None:
         assert first_token == ["blocker", "p0", "p1a", "p1b", "p5"]
     with LLM(str(builtin_model_dir()), device=CPU) as llm:  # fcfs, the default
         outs = llm.generate(
-            [Prompt(prompt_token_ids=[1, 2], priority=4), [1, 2]], short, use_tqdm=False
+            [Prompt(prompt_token_ids=[1, 2], priority=4), [1, 2], [3]], short, use_tqdm=False
         )
         assert outs[0].finish_reason == "error" and "--scheduling-policy priority" in outs[0].error
         assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 3
+        # One priority per prompt overrides the Prompt's: 0 is served under fcfs.
+        outs = llm.generate(
+            [Prompt(prompt_token_ids=[1, 2], priority=4), [3]],
+            short,
+            use_tqdm=False,
+            priority=[0, 1],
+        )
+        assert outs[0].finish_reason == "length" and "priority 1 needs" in outs[1].error
+        with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+            llm.generate([[1], [2]], short, use_tqdm=False, priority=[0])
         # Past the launcher's check, straight to the core: it refuses the same way.
         llm.engine.add_request("raw", [1, 2], short, priority=4)
         done: list = []
@@ -220,3 +232,31 @@ def test_priority_through_the_real_processes() -> None:
             batch = llm.engine.get_outputs()
             done = [o for o in (batch.outputs if batch else []) if o.request_id == "raw"]
         assert done[0].finish_reason == "error" and "priority 4 needs" in done[0].error
+
+
+def test_async_llm_sends_a_priority_and_refuses_one_its_policy_cannot_serve() -> None:
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def tokens(engine: AsyncLLM, **kwargs: int) -> list[int]:
+        return [
+            t async for out in engine.generate([5, 6], short, **kwargs) for t in out.new_token_ids
+        ]
+
+    async def main() -> None:
+        for policy in ("fcfs", "priority"):
+            engine = await AsyncLLM.create(
+                str(builtin_model_dir()), device=CPU, scheduling_policy=policy
+            )
+            try:
+                assert len(await tokens(engine)) == 2
+                if policy == "priority":
+                    assert len(await tokens(engine, priority=-1)) == 2
+                else:
+                    with pytest.raises(ValueError, match="priority -1 needs the priority"):
+                        engine.generate([5, 6], short, priority=-1)
+                with pytest.raises(ValueError, match="priority must be an integer"):
+                    engine.generate([5, 6], short, priority=1.5)  # type: ignore[arg-type]
+            finally:
+                engine.shutdown()
+
+    run_async(main())
