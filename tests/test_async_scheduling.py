@@ -212,6 +212,12 @@ MODES = {
         *("--max-num-seqs", "12", "--max-num-batched-tokens", "16"),
     ),
     "tp2": ("--tensor-parallel-size", "2"),
+    # Each line a priority (-1, 0, 1): preemption takes the lowest, readmission by rank.
+    "priority-preemption": (
+        *("--num-gpu-blocks", "20", "--max-model-len", "48"),
+        *("--max-num-seqs", "12", "--max-num-batched-tokens", "16"),
+        *("--scheduling-policy", "priority"),
+    ),
 }
 
 
@@ -235,12 +241,14 @@ def sliding(tmp_path_factory: pytest.TempPathFactory):
             if i % 3 == 1 and greedy[2] not in greedy[:2]:  # stops on its third token
                 line["stop_token_ids"] = [greedy[2]]
         lines.append(line)
-    return path, lines
+    return path, lines, hf_model
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_async_outputs_equal_serial(sliding, mode: str, tmp_path: Path) -> None:
-    path, lines = sliding
+    path, lines, hf_model = sliding
+    if "--scheduling-policy" in MODES[mode]:
+        lines = [x | {"priority": i % 3 - 1} for i, x in enumerate(lines)]
     results, stderr = {}, ""
     for name, flags in (("serial", ("--no-async-scheduling",)), ("async", ())):
         out = tmp_path / name
@@ -256,5 +264,11 @@ def test_async_outputs_equal_serial(sliding, mode: str, tmp_path: Path) -> None:
     stopped = [r for r, x in zip(results["async"], lines) if "stop_token_ids" in x]
     assert stopped and all(r["finish_reason"] == "stop" for r in stopped)
     assert all(len(r["token_ids"]) == 3 for r in stopped)
-    if mode == "preemption":
+    if mode == "priority-preemption":  # reordered and preempted, still transformers' tokens
+        for r, x in zip(results["async"], lines):
+            if x["temperature"] == 0 and "stop_token_ids" not in x:
+                want = hf_greedy(hf_model, x["prompt_token_ids"], x["max_tokens"])
+                # EOS is not ignored, and --max-model-len 48 may end it first.
+                assert r["token_ids"] and r["token_ids"] == want[: len(r["token_ids"])]
+    if "preemption" in mode:
         assert int(re.search(r"preemptions: (\d+)", stderr).group(1)) > 0, stderr
