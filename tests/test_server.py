@@ -471,3 +471,17 @@ def test_sigterm_ends_open_streams_and_stops_everything(
     assert server.proc.wait(timeout=60) == 0
     assert "Traceback" not in server.watch.join()
     nothing_left(server, children)
+
+
+def test_a_server_on_the_priority_policy_takes_priorities(
+    builtin_server: Callable[..., Server],
+) -> None:
+    server = builtin_server("--scheduling-policy", "priority")
+    greedy = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answers = [post(f"{server.url}/v1/completions", greedy | {"priority": p}) for p in (0, -5, 7)]
+    assert all(status == 200 for status, _ in answers), answers
+    # Greedy: the priority changes when a request runs, never what it generates.
+    assert len({a["choices"][0]["text"] for _, a in answers}) == 1
+    assert all(a["usage"]["completion_tokens"] == 4 for _, a in answers)
+    status, answer = post(f"{server.url}/v1/completions", greedy | {"priority": 1.5})
+    assert status == 400 and answer["error"]["param"] == "priority", answer
