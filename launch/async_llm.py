@@ -59,7 +59,6 @@ from protocol.engine import (
     RequestOutput,
     SamplingParams,
     SchedulerStats,
-    priority_error,
 )
 
 log = logging.getLogger("pagedserve.launch")
@@ -342,9 +341,10 @@ class AsyncLLM:
         params = SamplingParams() if params is None else params
         params = checked_params(params, what, self.vocab_size)
         priority = p.priority if priority is None else priority
-        error = priority_error(priority, self.engine.args.scheduling_policy)
-        if error is not None:
-            raise ValueError(f"{what}: {error}")
+        try:
+            self.engine.check_priority(priority)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
         ids = self.inputs.token_ids(p, self.vocab_size)
         return _Prepared(ids, params, cache_salt or p.cache_salt, priority)
 

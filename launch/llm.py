@@ -13,7 +13,7 @@ from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, Engine
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
 from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
-from protocol.engine import Logprobs, SamplingParams, SchedulerStats, priority_error
+from protocol.engine import Logprobs, SamplingParams, SchedulerStats
 
 
 @dataclass
@@ -121,9 +121,7 @@ class LLM:
                     request_params = checked_params(
                         p.sampling_params, f"prompt {index}", self.vocab_size
                     )
-                error = priority_error(p.priority, self.engine.args.scheduling_policy)
-                if error is not None:
-                    raise ValueError(error)
+                self.engine.check_priority(p.priority)
                 # Text only for stop strings: the whole text is decoded once at the end.
                 text = bool(request_params.stop)
                 copies = [

@@ -38,7 +38,7 @@ from launch.openai_api import (
     sampling_params,
     usage,
 )
-from protocol.engine import Logprobs, SamplingParams, priority_error
+from protocol.engine import Logprobs, SamplingParams
 
 _json = msgspec.json.Encoder()
 # JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
@@ -197,9 +197,10 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
-        error = priority_error(body.priority, engine.engine.args.scheduling_policy)
-        if error is not None:
-            raise APIError(error, 400, param="priority", code="invalid_value")
+        try:
+            engine.engine.check_priority(body.priority)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="priority", code="invalid_value") from None
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise APIError(
                 f"{self.num_waiting} requests are already waiting (--max-waiting-requests "
