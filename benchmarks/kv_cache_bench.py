@@ -26,6 +26,7 @@ import tempfile
 import time
 import tracemalloc
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,131 +152,171 @@ def make_manager(meta: dict[str, Any], hash_algo: str, kv_events: bool = False) 
     )
 
 
-def replay(
-    ops: list[dict[str, Any]], hash_algo: str, publisher: KVEventPublisher | None = None
-) -> dict[str, Any]:
-    """Replay the trace; with a publisher, KV events are on and published once per step,
-    as the core does."""
-    mgr = make_manager(ops[0], hash_algo, kv_events=publisher is not None)
-    take_events = mgr.take_events
-    step_reqs: set[int] = set()
-    hasher = mgr.block_hasher
-    pool = mgr.block_pool
-    get_computed_blocks = mgr.get_computed_blocks
-    allocate_slots = mgr.allocate_slots
-    free = mgr.free
-    reqs: dict[int, Request] = {}
-    dropped_ids: set[int] = set()
-    calls: Counter[str] = Counter()
-    ns: Counter[str] = Counter()
-    hash_ns = 0
-    prompt_tokens = hit_tokens = peak_used = 0
-    usable = pool.num_usable_blocks
-    clock = time.perf_counter_ns
+class Replayer:
+    """One replay of a trace, op by op, each op timing its own manager calls; with a
+    publisher, KV events are on and published once per step, as the core does."""
 
-    gc.collect()
-    gc.freeze()
-    wall0 = clock()
-    for op in ops[1:]:
+    def __init__(
+        self, meta: dict[str, Any], hash_algo: str, publisher: KVEventPublisher | None = None
+    ) -> None:
+        self.mgr = mgr = make_manager(meta, hash_algo, kv_events=publisher is not None)
+        self.publisher = publisher
+        self.pool = mgr.block_pool
+        self.usable = self.pool.num_usable_blocks
+        self.reqs: dict[int, Request] = {}
+        self.dropped_ids: set[int] = set()
+        self.step_reqs: set[int] = set()
+        self.calls: Counter[str] = Counter()
+        self.ns: Counter[str] = Counter()
+        self.hash_ns = 0
+        self.prompt_tokens = self.hit_tokens = self.peak_used = 0
+
+    def run(self, op: dict[str, Any], clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        mgr, ns, calls, reqs = self.mgr, self.ns, self.calls, self.reqs
         kind = op["op"]
         if kind == "decode":
             rid = op["req"]
             r = reqs.get(rid)
             if r is None:
-                continue
+                return
             t0 = clock()
             r.append_output_token_ids(op["tok"])
             t1 = clock()
-            out = allocate_slots(r, 1)
+            out = mgr.allocate_slots(r, 1)
             t2 = clock()
-            hash_ns += t1 - t0
+            self.hash_ns += t1 - t0
             ns["allocate_slots_decode"] += t2 - t1
             calls["allocate_slots_decode"] += 1
             if out is None:
-                free(r)
+                mgr.free(r)
                 del reqs[rid]
-                dropped_ids.add(rid)
-                continue
+                self.dropped_ids.add(rid)
+                return
             r.num_computed_tokens += 1
             if out[0]:
-                peak_used = max(peak_used, usable - pool.get_num_free_blocks())
+                self.peak_used = max(self.peak_used, self.usable - self.pool.get_num_free_blocks())
         elif kind == "arrive":
             rid = op["req"]
             t0 = clock()
-            r = Request(str(rid), op["prompt"], hasher)
+            r = Request(str(rid), op["prompt"], mgr.block_hasher)
             t1 = clock()
-            hits, num_hit = get_computed_blocks(r)
+            hits, num_hit = mgr.get_computed_blocks(r)
             t2 = clock()
-            out = allocate_slots(r, r.num_tokens - num_hit, num_hit, hits if num_hit else None)
+            out = mgr.allocate_slots(r, r.num_tokens - num_hit, num_hit, hits if num_hit else None)
             t3 = clock()
-            hash_ns += t1 - t0
+            self.hash_ns += t1 - t0
             ns["get_computed_blocks"] += t2 - t1
             ns["allocate_slots_prompt"] += t3 - t2
             calls["get_computed_blocks"] += 1
             calls["allocate_slots_prompt"] += 1
-            prompt_tokens += r.num_tokens
+            self.prompt_tokens += r.num_tokens
             if out is None:
-                dropped_ids.add(rid)
-                continue
-            hit_tokens += num_hit
+                self.dropped_ids.add(rid)
+                return
+            self.hit_tokens += num_hit
             r.num_computed_tokens = r.num_tokens
             reqs[rid] = r
-            peak_used = max(peak_used, usable - pool.get_num_free_blocks())
+            self.peak_used = max(self.peak_used, self.usable - self.pool.get_num_free_blocks())
         elif kind == "finish":
             r = reqs.pop(op["req"], None)
             if r is None:
-                continue
+                return
             t0 = clock()
-            free(r)
+            mgr.free(r)
             ns["free"] += clock() - t0
             calls["free"] += 1
+            return
         else:
             raise SystemExit(f"unknown trace op {kind!r}")
-        if publisher is not None and kind != "finish":
+        if self.publisher is not None:
             # The trace was made in scheduler steps, a request at most once per step: an
             # op for a request already seen opens the next step, and the core publishes
             # once per step. (The bookkeeping is the benchmark's; only publishing is
             # timed.)
             rid = op["req"]
-            if rid in step_reqs:
-                t0 = clock()
-                publisher.publish(take_events())
-                ns["kv_events"] += clock() - t0
-                step_reqs.clear()
-            step_reqs.add(rid)
-    if publisher is not None:
+            if rid in self.step_reqs:
+                self.publish(clock)
+                self.step_reqs.clear()
+            self.step_reqs.add(rid)
+
+    def publish(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        assert self.publisher is not None
         t0 = clock()
-        publisher.publish(take_events())
-        ns["kv_events"] += clock() - t0
-    wall = (clock() - wall0) / 1e9
+        self.publisher.publish(self.mgr.take_events())
+        self.ns["kv_events"] += clock() - t0
+
+    def result(self, wall_s: float) -> dict[str, Any]:
+        """The replay's numbers, after checking it left the pool whole."""
+        if self.publisher is not None:
+            self.publish()
+        mgr, pool, ns, calls = self.mgr, self.pool, self.ns, self.calls
+        mgr.check_invariants()
+        if pool.get_num_free_blocks() != pool.num_usable_blocks:
+            raise SystemExit("blocks leaked: not every block is free after the trace")
+        manager_ns = sum(ns.values())
+        hash_ns = self.hash_ns
+        return {
+            "seconds": round((manager_ns + hash_ns) / 1e9, 6),
+            "seconds_manager": round(manager_ns / 1e9, 6),
+            "seconds_hashing": round(hash_ns / 1e9, 6),
+            "replay_wall_seconds": round(wall_s, 6),
+            "per_op": {
+                k: {
+                    "calls": calls[k],
+                    "seconds": round(ns[k] / 1e9, 6),
+                    "ops_per_s": round(calls[k] / (ns[k] / 1e9), 1) if ns[k] else None,
+                    "mean_us": round(ns[k] / calls[k] / 1e3, 3) if calls[k] else None,
+                }
+                for k in OP_KINDS
+            },
+            "ops_per_s": round(sum(calls.values()) / ((manager_ns + hash_ns) / 1e9), 1),
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": round(self.hit_tokens / self.prompt_tokens, 6)
+            if self.prompt_tokens
+            else 0.0,
+            "hash_ns_per_prompt_token": None,
+            "evictions": pool.num_evictions,
+            "dropped": len(self.dropped_ids),
+            "peak_used_blocks": self.peak_used,
+        }
+
+
+def replay(
+    ops: list[dict[str, Any]], hash_algo: str, publisher: KVEventPublisher | None = None
+) -> dict[str, Any]:
+    """Replay the trace once (with a publisher: KV events on)."""
+    replayer = Replayer(ops[0], hash_algo, publisher)
+    run = replayer.run
+    gc.collect()
+    gc.freeze()
+    wall0 = time.perf_counter()
+    for op in ops[1:]:
+        run(op)
+    wall = time.perf_counter() - wall0
     gc.unfreeze()
-    mgr.check_invariants()
-    if pool.get_num_free_blocks() != pool.num_usable_blocks:
-        raise SystemExit("blocks leaked: not every block is free after the trace")
-    manager_ns = sum(ns.values())
-    return {
-        "seconds": round((manager_ns + hash_ns) / 1e9, 6),
-        "seconds_manager": round(manager_ns / 1e9, 6),
-        "seconds_hashing": round(hash_ns / 1e9, 6),
-        "replay_wall_seconds": round(wall, 6),
-        "per_op": {
-            k: {
-                "calls": calls[k],
-                "seconds": round(ns[k] / 1e9, 6),
-                "ops_per_s": round(calls[k] / (ns[k] / 1e9), 1) if ns[k] else None,
-                "mean_us": round(ns[k] / calls[k] / 1e3, 3) if calls[k] else None,
-            }
-            for k in OP_KINDS
-        },
-        "ops_per_s": round(sum(calls.values()) / ((manager_ns + hash_ns) / 1e9), 1),
-        "prompt_tokens": prompt_tokens,
-        "hit_tokens": hit_tokens,
-        "hit_rate": round(hit_tokens / prompt_tokens, 6) if prompt_tokens else 0.0,
-        "hash_ns_per_prompt_token": None,
-        "evictions": pool.num_evictions,
-        "dropped": len(dropped_ids),
-        "peak_used_blocks": peak_used,
-    }
+    return replayer.result(wall)
+
+
+def replay_lockstep(
+    ops: list[dict[str, Any]], hash_algo: str, publisher: KVEventPublisher
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trace replayed twice at once, KV events off and on, op by op (taking turns at
+    going first): a slow spell of a shared machine lands on both replays alike, so their
+    difference is what events cost, not what the machine did meanwhile."""
+    off = Replayer(ops[0], hash_algo)
+    on = Replayer(ops[0], hash_algo, publisher)
+    gc.collect()
+    gc.freeze()
+    wall0 = time.perf_counter()
+    first, second = off.run, on.run
+    for op in ops[1:]:
+        first(op)
+        second(op)
+        first, second = second, first
+    wall = time.perf_counter() - wall0
+    gc.unfreeze()
+    return off.result(wall), on.result(wall)
 
 
 def hashing_ns_per_token(ops: list[dict[str, Any]], hash_algo: str) -> float:
@@ -372,20 +413,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def kv_events_overhead(ops: list[dict[str, Any]], hash_algo: str, repeat: int) -> dict:
-    """Replays with KV events off and on, alternating (a load change on a shared machine
-    weighs on both), the events published on a real PUB socket that nobody reads, with a
-    replay socket, so every batch is also kept for replays (the worst case for memory:
-    nothing may grow without bound). The overhead is the median of the pairs' on/off
-    ratios."""
+    """KV events off and on, replayed in lockstep (see replay_lockstep), `repeat` times;
+    the events are published on a real PUB socket that nobody reads, with a replay
+    socket, so every batch is also kept for replays (the worst case for memory: nothing
+    may grow without bound). The overhead is the median of the runs' on/off ratios."""
     ctx = zmq.Context()
     try:
         pairs = []
         for _ in range(repeat):
-            off = replay(ops, hash_algo)
             publisher = KVEventPublisher(
                 ctx, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=1000
             )
-            on = replay(ops, hash_algo, publisher)
+            off, on = replay_lockstep(ops, hash_algo, publisher)
             on["batches"] = publisher.next_seq
             publisher.close()
             pairs.append((off, on))
@@ -398,6 +437,7 @@ def kv_events_overhead(ops: list[dict[str, Any]], hash_algo: str, repeat: int) -
     result["overhead_per_pair"] = [round(r - 1, 4) for r in ratios]
     added = sorted(on["seconds"] - off["seconds"] for off, on in pairs)
     result["seconds_added"] = round(added[len(added) // 2], 6)
+    result["seconds_off_lockstep"] = sorted(off["seconds"] for off, _ in pairs)[len(pairs) // 2]
     return result
 
 
@@ -432,9 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     result["hash_ns_per_prompt_token"] = round(hashing_ns_per_token(ops, a.hash), 2)
     result["steady_decode_allocations"] = steady_decode_allocations(ops[0]["block_size"], a.hash)
     result["kv_events"] = {
-        "seconds_off": result["seconds"],
+        # Both from the lockstep replays: off and on side by side, op by op.
+        "seconds_off": events_on["seconds_off_lockstep"],
         "seconds_on": events_on["seconds"],
-        "overhead": events_on["overhead"],  # median of alternating off/on pairs
+        "overhead": events_on["overhead"],  # median of the lockstep runs' on/off - 1
         "overhead_per_pair": events_on["overhead_per_pair"],
         "seconds_added": events_on["seconds_added"],  # median of the pairs' on - off
         "batches_published": events_on["batches"],
