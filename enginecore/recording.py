@@ -36,7 +36,7 @@ from protocol.config import WorkerConfig
 from protocol.worker import PROTOCOL_VERSION
 
 # Bumped on any change to the layout above or to Manifest's fields.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the worker config carries gpu_memory_utilization
 MAGIC = b"PSREC\x00\x00\x01"
 MANIFEST = "manifest.json"
 FRAMES = "frames.bin"

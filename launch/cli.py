@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -62,6 +63,69 @@ def _version() -> str:
         return "unknown"
 
 
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(name: str):
+    """A byte count: an integer, or a number with a unit (KB, MB, GB, TB: powers of 1000;
+    KiB, MiB, GiB, TiB: powers of 1024). A bare K, M, G or T is refused: whether it meant
+    1000s or 1024s is the reader's guess."""
+
+    def parse(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if m is None or m.group(2).upper() not in _BYTE_UNITS:
+            hint = ""
+            if m is not None and m.group(2).upper() in ("K", "M", "G", "T"):
+                number, unit = m.group(1), m.group(2).upper()
+                hint = f" ({number}{unit}iB for powers of 1024, {number}{unit}B for 1000?)"
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a byte count such as 268435456, 256MiB or 4GiB, got {text!r}{hint}"
+            )
+        number, unit = m.group(1), m.group(2).upper()
+        value = float(number) * _BYTE_UNITS[unit]
+        if value < 1 or (_BYTE_UNITS[unit] == 1 and "." in number):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a whole number of bytes >= 1, got {text!r}"
+            )
+        return int(value)
+
+    return parse
+
+
+def _fraction(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {text}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in [0, 65535], got {value}")
+    return value
+
+
 def _positive(name: str):
     def parse(text: str) -> int:
         try:
@@ -106,9 +170,18 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=EngineArgs.device, help="auto, cpu or cuda")
     p.add_argument(
         "--kv-cache-memory",
-        type=_positive("--kv-cache-memory"),
-        help="bytes of KV cache per worker (default: 256 MiB on CPU; on a GPU 90%% of its "
-        "memory less the weights and a profiled step's peak)",
+        type=parse_bytes("--kv-cache-memory"),
+        help="KV cache per worker, in bytes or with a unit (256MiB, 4GiB, 2GB); default: "
+        "256 MiB on the CPU, on a GPU what --gpu-memory-utilization leaves",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction("--gpu-memory-utilization"),
+        default=EngineArgs.gpu_memory_utilization,
+        help="share of each GPU's memory a worker may hold: weights, the peak of the "
+        "largest step, and the KV cache, which gets the rest; other processes' memory is "
+        "not counted against it, so two engines at 0.45 share a GPU (default: %(default)s; "
+        "unused on the CPU and with --kv-cache-memory)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
@@ -251,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (launch/serve.py)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    v.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    v.add_argument("--port", type=_port, default=8000, help="port (0: a free one, printed)")
     v.add_argument(
         "--served-model-name",
         help="the model's name in the API (default: --model as given)",
@@ -478,6 +551,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

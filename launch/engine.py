@@ -52,6 +52,8 @@ from protocol.engine import (
 log = logging.getLogger("pagedserve.launch")
 
 DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
+# vLLM's default share of a GPU: the rest stays for other processes and the allocator.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # How long a client waits for the core to report a worker's death before giving up on it
 # (the core reports within its own poll interval; this only bounds a wedged core).
 CORE_REPORT_TIMEOUT_S = 60.0
@@ -63,6 +65,7 @@ WORKER_SETTINGS = (
     "dtype",
     "device",
     "kv_cache_memory",
+    "gpu_memory_utilization",
     "max_num_batched_tokens",
     "max_num_seqs",
     "seed",
@@ -197,6 +200,8 @@ class EngineArgs:
     dtype: DType = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None
+    # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
     generation_config: GenerationConfigMode = "auto"
     startup_timeout_s: float = 300.0
@@ -242,6 +247,12 @@ class EngineArgs:
             raise ValueError(
                 f"spin_us must be in [0, 1000000] microseconds ({SPIN_ENV}), got {self.spin_us}"
             )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         _check_choice("dtype", self.dtype, DType)

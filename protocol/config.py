@@ -90,6 +90,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     dtype: DType
     device: str
     kv_cache_memory: int | None  # bytes; None: a default (CPU) or what the GPU has
+    # The share of a GPU's memory this worker may hold (weights, a step's peak, KV
+    # cache); other processes' memory is not counted. Unused on the CPU and with
+    # kv_cache_memory.
+    gpu_memory_utilization: float
     # The largest step the core schedules: a GPU worker profiles one to keep its
     # activations out of the KV budget.
     max_num_batched_tokens: int

@@ -46,9 +46,6 @@ log = logging.getLogger("pagedserve.worker")
 
 # CPU workers get an explicit KV budget (there is no device memory to profile).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
-# On a GPU the engine holds at most this share of the device: weights, what a step
-# allocates (measured by profile_step), and the KV cache, which gets the rest.
-GPU_MEMORY_UTILIZATION = 0.9
 # Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
 # allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
 GPU_STEP_MARGIN_BYTES = 768 << 20
@@ -107,6 +104,51 @@ class InFlight:
     rows_at_launch: int = 0
 
 
+def gpu_kv_budget(
+    *,
+    total: int,
+    free_at_start: int,
+    free_now: int,
+    step_peak: int,
+    utilization: float,
+    where: str,
+    margin: int = GPU_STEP_MARGIN_BYTES,
+) -> tuple[int, str]:
+    """A GPU worker's KV-cache bytes, and how they were found (for the log).
+
+    The worker may hold `utilization` of the device's memory (vLLM's per-instance rule: two
+    engines at 0.45 share a GPU). What it took since it started (weights, buffers) and the
+    peak of the largest step come out of that share, and a margin is kept; what other
+    processes hold is not charged to it, but the budget must also fit in what is free
+    now. ValueError, with the numbers, when nothing is left.
+    """
+    gib = 1 << 30
+    taken = max(free_at_start - free_now, 0)
+    share = int(utilization * total)
+    budget = share - taken - step_peak - margin
+    summary = (
+        f"{utilization:.0%} of {total / gib:.1f} GiB is {share / gib:.2f} GiB; the model "
+        f"and buffers take {taken / gib:.2f} GiB, a step of the largest size peaks at "
+        f"{step_peak / gib:.2f} GiB, {margin / gib:.2f} GiB margin"
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"{where}: no memory left for a KV cache ({summary}); raise "
+            "--gpu-memory-utilization, lower --max-num-batched-tokens, raise "
+            "--tensor-parallel-size or use a smaller model"
+        )
+    fits = free_now - step_peak - margin
+    if budget > fits:
+        others = max(total - free_at_start, 0)
+        raise ValueError(
+            f"{where}: a KV cache of {budget / gib:.2f} GiB ({summary}) does not fit in the "
+            f"{max(fits, 0) / gib:.2f} GiB free beside the step's peak and margin: other "
+            f"processes held {others / gib:.2f} GiB when this worker started; lower "
+            "--gpu-memory-utilization or free the device"
+        )
+    return budget, summary
+
+
 class ModelRunner:
     # Built by initialize() (WorkerConfigure): the persistent batch and step buffers.
     batch: InputBatch
@@ -119,6 +161,12 @@ class ModelRunner:
             # One GPU per rank; modulo so a launcher that narrows CUDA_VISIBLE_DEVICES to
             # one GPU per process gets cuda:0 everywhere.
             self.device = torch.device("cuda", config.rank % torch.cuda.device_count())
+        # Free device memory before this worker loads anything: what the worker takes
+        # later is measured from here, so other processes' memory is not charged to its
+        # --gpu-memory-utilization share.
+        self._free_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(pick_cpu_threads(config.world_size))
         # Set by the worker process (worker/cpu_threads.py); a runner used in-process
@@ -177,8 +225,8 @@ class ModelRunner:
 
     def available_kv_memory(self) -> int:
         """Bytes this worker can give its KV cache: --kv-cache-memory when set; on a GPU,
-        what GPU_MEMORY_UTILIZATION of the device leaves after the memory in use now (the
-        weights, the CUDA context, other processes) and the peak of the largest step."""
+        what its --gpu-memory-utilization share of the device leaves after the memory it
+        took (weights, buffers) and the peak of the largest step (gpu_kv_budget)."""
         if self.config.kv_cache_memory is not None:
             self._check_fits(self.config.kv_cache_memory, "--kv-cache-memory")
             return self.config.kv_cache_memory
@@ -188,21 +236,16 @@ class ModelRunner:
         step_peak = self.profile_step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        in_use = total - free
-        budget = int(GPU_MEMORY_UTILIZATION * total) - in_use - step_peak - GPU_STEP_MARGIN_BYTES
-        gib = 1 << 30
-        summary = (
-            f"{total / gib:.1f} GiB on {self.device}, {GPU_MEMORY_UTILIZATION:.0%} usable: "
-            f"{in_use / gib:.2f} GiB in use after loading the model, a step of "
-            f"{self.config.max_num_batched_tokens} tokens peaks at {step_peak / gib:.2f} GiB, "
-            f"{GPU_STEP_MARGIN_BYTES / gib:.2f} GiB margin"
+        where = f"rank {self.config.rank} on {self.device}"
+        budget, summary = gpu_kv_budget(
+            total=total,
+            free_at_start=self._free_at_start,
+            free_now=free,
+            step_peak=step_peak,
+            utilization=self.config.gpu_memory_utilization,
+            where=where,
         )
-        if budget <= 0:
-            raise ValueError(
-                f"no GPU memory left for a KV cache ({summary}); lower "
-                "--max-num-batched-tokens, raise --tensor-parallel-size or use a smaller model"
-            )
-        log.info("rank %d: KV cache budget %.2f GiB (%s)", self.config.rank, budget / gib, summary)
+        log.info("%s: KV cache budget %.2f GiB (%s)", where, budget / (1 << 30), summary)
         return budget
 
     def _allocate_kv_caches(
