@@ -235,13 +235,19 @@ class RequestStream:
 
 class AsyncLLM:
     """An engine (core + workers) for asyncio programs. model: a local checkpoint
-    directory or a Hub id (org/name[@revision]); None runs the built-in model. Keyword
+    directory or a Hub id (org/name[@revision]); None runs the built-in model.
+    chat_template: a Jinja file or template used instead of the model's. Other keyword
     arguments are EngineArgs fields."""
 
     def __init__(
-        self, model: str | None = None, *, log_level: str = DEFAULT_LOG_LEVEL, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        log_level: str = DEFAULT_LOG_LEVEL,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ):
-        self.inputs = InputProcessor.load(model)
+        self.inputs = InputProcessor.load(model, chat_template)
         self.model = self.inputs.model_dir
         self.tokenizer = self.inputs.tokenizer
         self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)

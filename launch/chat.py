@@ -99,10 +99,24 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
     return messages  # type: ignore[return-value]
 
 
-def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The model's chat template, or None when it ships none."""
+def load_chat_template(model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+    """The model's chat template, or None when it ships none. override (--chat-template)
+    replaces it: a Jinja file, or the template itself when it is no file but holds Jinja
+    tags (as vLLM takes it); the model's special tokens still apply."""
     directory = Path(model_dir)
     special = _special_tokens(directory)
+    if override is not None:
+        path = Path(override)
+        if path.is_file():
+            try:
+                return ChatTemplate(path.read_text(), special, str(path))
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"--chat-template {override}: cannot read it: {e}") from None
+        if "{{" in override or "{%" in override:
+            return ChatTemplate(override, special, "--chat-template")
+        raise ValueError(
+            f"--chat-template {override!r}: no such file (nor a template: it has no Jinja tags)"
+        )
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
         return ChatTemplate(jinja_file.read_text(), special, str(jinja_file))

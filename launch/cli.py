@@ -292,6 +292,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _add_log_level(p, "engine processes")
     p.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) used instead of the "
+        "model's, for chat inputs",
+    )
+    p.add_argument(
         "--record",
         metavar="DIR",
         help="record every frame the core sends its workers, and their answers, into this "
@@ -492,7 +498,12 @@ def generate(args: argparse.Namespace) -> int:
     llm = None
     code = 0
     try:
-        llm = LLM(args.model, log_level=args.log_level, **_engine_kwargs(args))
+        llm = LLM(
+            args.model,
+            log_level=args.log_level,
+            chat_template=args.chat_template,
+            **_engine_kwargs(args),
+        )
         llm.generate([it for _, _, it in good], use_tqdm=not args.no_progress, on_finish=save)
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)

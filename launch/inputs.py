@@ -68,15 +68,16 @@ class InputProcessor:
     load() finds the model's files (the built-in model, a directory or a Hub id) and
     checks its config before any engine process starts, so a bad model fails fast."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, chat_template: str | None = None) -> None:
         self.model_dir = model_dir
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
-        self.chat_template: ChatTemplate | None = load_chat_template(model_dir)
+        self.chat_template: ChatTemplate | None = load_chat_template(model_dir, chat_template)
 
     @classmethod
-    def load(cls, model: str | None) -> InputProcessor:
+    def load(cls, model: str | None, chat_template: str | None = None) -> InputProcessor:
         """model: a local checkpoint directory, a Hub id (org/name[@revision]), or None
-        for the built-in model. Raises ValueError naming what is wrong."""
+        for the built-in model; chat_template: a Jinja file or template that replaces the
+        model's. Raises ValueError naming what is wrong."""
         from launch.hub import resolve_model
         from worker.model_config import load_model_config  # fails fast, naming the file
 
@@ -87,7 +88,7 @@ class InputProcessor:
         else:
             model = resolve_model(model)
         load_model_config(model)
-        return cls(model)
+        return cls(model, chat_template)
 
     def token_ids(self, p: Prompt, vocab_size: int) -> list[int]:
         """The prompt's token ids; TypeError or ValueError says why it cannot be run."""
@@ -98,7 +99,8 @@ class InputProcessor:
             if self.chat_template is None:
                 raise ValueError(
                     f"model {self.model_dir} has no chat template (no chat_template.jinja, and "
-                    "no chat_template in tokenizer_config.json): give a prompt instead"
+                    "no chat_template in tokenizer_config.json): give a prompt instead, or a "
+                    "template with --chat-template"
                 )
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: give prompt_token_ids")

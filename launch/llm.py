@@ -58,12 +58,18 @@ class RunSummary:
 class LLM:
     """An engine (core + workers) for offline generation. model: a local checkpoint
     directory or a Hugging Face Hub id (org/name[@revision]); None runs the built-in
-    small random Llama, offline. Keyword arguments are EngineArgs fields."""
+    small random Llama, offline. chat_template: a Jinja file or template used instead of
+    the model's. Other keyword arguments are EngineArgs fields."""
 
     def __init__(
-        self, model: str | None = None, *, log_level: str = DEFAULT_LOG_LEVEL, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        log_level: str = DEFAULT_LOG_LEVEL,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ):
-        self.inputs = InputProcessor.load(model)
+        self.inputs = InputProcessor.load(model, chat_template)
         self.model = self.inputs.model_dir
         self.tokenizer: Tokenizer | None = self.inputs.tokenizer
         self.chat_template: ChatTemplate | None = self.inputs.chat_template

@@ -105,7 +105,12 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         return 2
     engine = None
     try:
-        engine = AsyncLLM(args.model, log_level=args.log_level, **engine_kwargs)
+        engine = AsyncLLM(
+            args.model,
+            log_level=args.log_level,
+            chat_template=args.chat_template,
+            **engine_kwargs,
+        )
         name = args.served_model_name or args.model or "pagedserve-builtin"
         server = _Server(_config(engine, name, args), engine, name)
         server.run(sockets=[sock])

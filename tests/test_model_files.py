@@ -313,6 +313,48 @@ def test_chat_through_the_engine(llama_dir: Path, tmp_path: Path) -> None:
     assert out.finish_reason == "error" and "has no chat template" in (out.error or "")
 
 
+def test_a_chat_template_given_replaces_the_model_s(llama_dir: Path, tmp_path: Path) -> None:
+    """--chat-template (LLM's chat_template): a file, or the template itself; the model's
+    special tokens still fill it; the ids are transformers' with that template."""
+    from transformers import PreTrainedTokenizerFast
+
+    from launch.inputs import InputProcessor
+
+    model = copy_model(llama_dir, tmp_path / "chat")
+    word_tokenizer(model)  # ships FANCY
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(model / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    template_file = tmp_path / "multiline.jinja"
+    template_file.write_text(MULTILINE)
+    chat = Prompt(messages=CONVERSATION)
+    for given, template in ((str(template_file), MULTILINE), (CHATML, CHATML), (None, FANCY)):
+        want = hf.apply_chat_template(
+            CONVERSATION, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+        ids = InputProcessor(str(model), given).token_ids(chat, 1000)
+        assert ids == hf.encode(want, add_special_tokens=False), given
+    with pytest.raises(ValueError, match="no such file"):
+        InputProcessor(str(model), str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="--chat-template: the chat template does not parse"):
+        InputProcessor(str(model), "{% for m in messages %")
+    # Through the command line: refused before any engine process starts.
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "launch.cli", "generate", "--model", str(model)),
+            *("--input", str(inp), "--output", str(tmp_path / "out.jsonl"), "--device", CPU),
+            *("--chat-template", str(tmp_path / "missing.jinja")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 1 and "missing.jinja': no such file" in run.stderr, run.stderr
+    assert "attention kernels" not in run.stderr  # no worker was started
+
+
 def test_cli_messages_lines(llama_dir: Path, tmp_path: Path) -> None:
     model = copy_model(llama_dir, tmp_path / "chat")
     word_tokenizer(model)
