@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -56,7 +57,11 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None
 
 
-def _version() -> str:
+# Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def package_version() -> str:
     try:
         return version("pagedserve")
     except PackageNotFoundError:
@@ -310,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="pagedserve: a CUDA-free EngineCore that owns the KV cache, plus workers.",
     )
-    parser.add_argument("--version", action="version", version=f"pagedserve {_version()}")
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser("generate", help="offline generation over a JSON-lines file")
     _add_worker_flags(g)
@@ -340,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="answer 503 to new requests while this many wait for their first token "
         "(default: no limit)",
+    )
+    v.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="every route but /health, /metrics and /version wants `Authorization: Bearer "
+        f"KEY` (default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+        "unset: no key)",
     )
     _add_worker_flags(v)
     _add_engine_flags(v)

@@ -96,19 +96,8 @@ class InputProcessor:
         if given != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids and messages")
         if p.messages is not None:
-            if self.chat_template is None:
-                raise ValueError(
-                    f"model {self.model_dir} has no chat template (no chat_template.jinja, and "
-                    "no chat_template in tokenizer_config.json): give a prompt instead, or a "
-                    "template with --chat-template"
-                )
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
-            text = self.chat_template.render(
-                p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
-            )
             # The rendered text already holds the template's special tokens (BOS too).
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.encode(self.chat_text(p), add_special_tokens=False)
         if p.prompt_token_ids is not None:
             ids = list(p.prompt_token_ids)
             for t in ids:
@@ -119,6 +108,28 @@ class InputProcessor:
             return ids
         if not isinstance(p.prompt, str):
             raise TypeError(f"prompt must be a str, got {type(p.prompt).__name__}")
+        return self.encode(p.prompt)
+
+    def chat_text(self, p: Prompt) -> str:
+        """p.messages rendered by the chat template (ChatTemplateError, a ValueError, for a
+        conversation it refuses)."""
+        if self.chat_template is None:
+            raise ValueError(
+                f"model {self.model_dir} has no chat template (no chat_template.jinja, and "
+                "no chat_template in tokenizer_config.json): give a prompt instead, or a "
+                "template with --chat-template"
+            )
+        return self.chat_template.render(
+            p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer().decode(token_ids)
+
+    def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer.json: give prompt_token_ids")
-        return self.tokenizer.encode(p.prompt)
+        return self.tokenizer

@@ -64,7 +64,12 @@ class APIError(Exception):
         }
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's, with code invalid_api_key
+    404: "not_found_error",
+    503: "service_unavailable",
+}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -212,7 +217,35 @@ class ChatCompletionRequest(_Request, kw_only=True):
         return self.top_logprobs or 0
 
 
-def decode_body(raw: bytes, kind: type[_Request]) -> Any:
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /tokenize (vLLM's): a prompt, or a conversation rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    # None: as a completion would encode it (the tokenizer's special tokens for a prompt;
+    # a rendered conversation already holds its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        return []
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def unsupported(self) -> list[str]:
+        return []
+
+
+def decode_body(
+    raw: bytes, kind: type[_Request] | type[TokenizeRequest] | type[DetokenizeRequest]
+) -> Any:
     """The request, or an APIError naming the field that is wrong."""
     try:
         body = msgspec.json.decode(raw, type=kind)

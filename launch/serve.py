@@ -98,6 +98,10 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         print("pagedserve serve: --max-waiting-requests must be >= 0", file=sys.stderr)
         return 2
+    if args.api_key is not None and not args.api_key.strip():
+        # An empty key would let anyone in who sends "Bearer ": refuse it instead.
+        print("pagedserve serve: --api-key is empty (unset it for no key)", file=sys.stderr)
+        return 2
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -136,7 +140,7 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         yield
         await engine.aclose()  # after uvicorn closed its connections
 
-    api = OpenAIServer(engine, name, args.max_waiting_requests)
+    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key)
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),

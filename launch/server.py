@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache. Streaming answers
+GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
+/tokenize, POST /detokenize and GET /version. With an API key (--api-key), every route but
+/health, /metrics and /version wants `Authorization: Bearer KEY`. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
 streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
@@ -12,6 +14,7 @@ choice for all the tokens that arrived meanwhile.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,9 +25,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.async_llm import AsyncLLM, RequestStream, StreamOutput
 from launch.chat import ChatTemplateError
+from launch.cli import package_version
 from launch.engine import EngineDeadError
 from launch.inputs import Prompt
 from launch.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -32,6 +37,8 @@ from launch.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
     decode_body,
@@ -69,13 +76,46 @@ def error_response(e: APIError) -> Response:
     return json_response(e.body(), e.status)
 
 
+# Probes a load balancer or a scraper calls without credentials.
+OPEN_PATHS = frozenset(("/health", "/metrics", "/version"))
+
+
+class RequireAPIKey:
+    """ASGI middleware: HTTP requests outside OPEN_PATHS need `Authorization: Bearer KEY`
+    (401 as OpenAI answers it otherwise). Pure ASGI, so a stream's chunks pass untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(given, self._expected):
+                error = APIError(
+                    "invalid or missing API key: send Authorization: Bearer <key>",
+                    401,
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServer:
     """The routes' state: the engine, the served model's name, metrics, admission."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, max_waiting: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        max_waiting: int | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_waiting = max_waiting
+        self.api_key = api_key
         # Requests admitted that have not had their first token: what
         # --max-waiting-requests bounds (exact here; the core's queue is a step old).
         self.num_waiting = 0
@@ -84,8 +124,8 @@ class OpenAIServer:
         )
         engine.on_stats = self.metrics.on_stats
 
-    def app(self, lifespan: Any = None) -> Starlette:
-        return Starlette(
+    def app(self, lifespan: Any = None) -> ASGIApp:
+        app = Starlette(
             lifespan=lifespan,
             routes=[
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
@@ -96,8 +136,12 @@ class OpenAIServer:
                 Route(
                     "/reset_prefix_cache", self._guard(self.reset_prefix_cache), methods=["POST"]
                 ),
+                Route("/tokenize", self._guard(self.tokenize), methods=["POST"]),
+                Route("/detokenize", self._guard(self.detokenize), methods=["POST"]),
+                Route("/version", self.version, methods=["GET"]),
             ],
         )
+        return app if self.api_key is None else RequireAPIKey(app, self.api_key)
 
     # -- small routes -------------------------------------------------------------------
     async def models(self, _request: Request) -> Response:
@@ -116,6 +160,51 @@ class OpenAIServer:
     async def reset_prefix_cache(self, _request: Request) -> Response:
         self.engine.reset_prefix_cache()  # the core refuses (and logs) while blocks are held
         return Response(status_code=200)
+
+    async def version(self, _request: Request) -> Response:
+        return json_response({"version": package_version()})
+
+    async def tokenize(self, request: Request) -> Response:
+        """The ids a completion (prompt) or a chat completion (messages) would send."""
+        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+        self._check_model(body.model)
+        inputs = self.engine.inputs
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", code="invalid_value")
+        try:
+            if body.prompt is not None:
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = inputs.encode(body.prompt, special)
+            else:
+                chat = Prompt(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    chat_template_kwargs=body.chat_template_kwargs,
+                )
+                ids = inputs.encode(inputs.chat_text(chat), bool(body.add_special_tokens))
+        except (TypeError, ValueError) as e:
+            param = "prompt" if body.prompt is not None else "messages"
+            raise APIError(str(e), param=param, code="invalid_value") from None
+        return json_response(
+            {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+        self._check_model(body.model)
+        vocab = self.engine.vocab_size
+        for t in body.tokens:
+            if not 0 <= t < vocab:
+                raise APIError(
+                    f"token id {t} is outside the vocabulary [0, {vocab})",
+                    param="tokens",
+                    code="invalid_value",
+                )
+        try:
+            text = self.engine.inputs.decode(body.tokens)
+        except ValueError as e:
+            raise APIError(str(e), param="tokens", code="invalid_value") from None
+        return json_response({"prompt": text})
 
     # -- generation ---------------------------------------------------------------------
     def _guard(

@@ -23,13 +23,14 @@ def test_no_command_prints_usage_and_fails() -> None:
 
 
 def test_flags_out_of_range_are_refused_by_name() -> None:
-    """argparse refuses them (exit 2, one line naming the flag) before any process starts."""
+    """Refused (exit 2, one line naming the flag) before any process starts."""
     cases = [
         (("serve", "--port", "99999"), "--port must be in [0, 65535], got 99999"),
         (("serve", "--gpu-memory-utilization", "0"), "must be in (0, 1], got 0"),
         (("worker", "--gpu-memory-utilization", "1.5"), "must be in (0, 1], got 1.5"),
         (("serve", "--kv-cache-memory", "4G"), "4GiB for powers of 1024, 4GB for 1000?"),
         (("serve", "--kv-cache-memory", "0"), "whole number of bytes >= 1, got '0'"),
+        (("serve", "--api-key", " "), "--api-key is empty (unset it for no key)"),
     ]
     for args, message in cases:
         out = _run(*args)

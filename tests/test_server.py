@@ -26,7 +26,7 @@ import openai
 import pytest
 from cli_helpers import CPU, ENV, StderrWatch, all_gone, children_of, processes_mentioning
 from prometheus_client.parser import text_string_to_metric_families
-from test_model_files import CONVERSATION, copy_model, word_tokenizer
+from test_model_files import CONVERSATION, FANCY, copy_model, word_tokenizer
 
 from launch import LLM, SamplingParams
 from launch.server import sse_event
@@ -389,6 +389,77 @@ def test_health_and_reset_prefix_cache(server: Server) -> None:
     assert post(f"{server.url}/reset_prefix_cache", b"")[0] == 200
     status, answer = post(f"{server.url}/v1/completions", body)
     assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_tokenize_and_detokenize_give_what_generation_uses(
+    server: Server, client: openai.OpenAI, chat_model: Path
+) -> None:
+    """vLLM's /tokenize and /detokenize: the ids a completion or a chat completion sends
+    (checked against the answers' own prompt_token_ids and against transformers), and
+    text back from ids; bad bodies are 400s."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(chat_model / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    status, text = post(f"{server.url}/tokenize", {"model": MODEL_NAME, "prompt": PROMPT_TEXT})
+    assert status == 200, text
+    assert (
+        text["tokens"]
+        == Tokenizer.from_file(str(chat_model / "tokenizer.json")).encode(PROMPT_TEXT).ids
+    )
+    assert text["count"] == len(text["tokens"]) and text["max_model_len"] == 256
+    c = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT_TEXT, max_tokens=1, extra_body=EXTRA
+    )
+    assert c.prompt_token_ids == text["tokens"]  # type: ignore[attr-defined]
+    status, chat = post(f"{server.url}/tokenize", {"messages": CONVERSATION})
+    want = hf.apply_chat_template(
+        CONVERSATION, chat_template=FANCY, tokenize=False, add_generation_prompt=True
+    )
+    assert status == 200 and chat["tokens"] == hf.encode(want, add_special_tokens=False)
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CONVERSATION,
+        max_tokens=1,
+        extra_body=EXTRA,  # type: ignore
+    )
+    assert r.prompt_token_ids == chat["tokens"]  # type: ignore[attr-defined]
+    status, back = post(f"{server.url}/detokenize", {"tokens": text["tokens"]})
+    assert status == 200 and back["prompt"] == hf.decode(text["tokens"])
+    for url, body, param in (
+        ("tokenize", {"prompt": "x", "messages": CONVERSATION}, None),
+        ("tokenize", {}, None),
+        ("tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ("tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("detokenize", {"tokens": [1, 10**6]}, "tokens"),
+        ("detokenize", {"tokens": "abc"}, "tokens"),
+    ):
+        status, answer = post(f"{server.url}/{url}", body)
+        assert status == 400 and answer["error"]["param"] == param, (url, body, answer)
+    with urllib.request.urlopen(f"{server.url}/version", timeout=60) as v:
+        assert json.loads(v.read())["version"]
+
+
+def test_an_api_key_guards_every_route_but_the_probes(
+    builtin_server: Callable[..., Server],
+) -> None:
+    server = builtin_server("--api-key", "s3cret")
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0)
+    args = dict(prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.AuthenticationError) as refused:
+        bad.completions.create(model="pagedserve-builtin", **args)  # type: ignore[call-overload]
+    assert refused.value.code == "invalid_api_key" and refused.value.status_code == 401
+    chunks = list(good.completions.create(model="pagedserve-builtin", stream=True, **args))  # type: ignore
+    assert chunks[-1].choices[0].finish_reason == "length"
+    for path in ("/v1/completions", "/tokenize", "/reset_prefix_cache"):
+        status, answer = post(server.url + path, {"prompt": "x"})
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", path
+    for path in ("/health", "/metrics", "/version"):
+        with urllib.request.urlopen(server.url + path, timeout=60) as r:
+            assert r.status == 200, path
 
 
 def _sse_stream(url: str, body: dict) -> subprocess.Popen[bytes]:
