@@ -55,6 +55,8 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None
+    # Token id (a JSON object's key, so a string of digits) -> value in [-100, 100].
+    logit_bias: dict[int, float] | None = None
 
 
 # Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
@@ -405,6 +407,7 @@ _LINE_OPTIONS = (
     "frequency_penalty",
     "repetition_penalty",
     "logprobs",
+    "logit_bias",
 )
 
 

@@ -100,15 +100,14 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    # OpenAI's: token ids (as JSON keys, strings of digits) to values in [-100, 100].
+    logit_bias: dict[int, float] | None = None
     # Not supported yet: accepted only at their neutral values (unsupported()).
-    logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
         bad = []
-        if self.logit_bias:
-            bad.append("logit_bias")
         if self.prompt_logprobs is not None:
             bad.append("prompt_logprobs")
         return bad
@@ -251,7 +250,7 @@ def decode_body(
         body = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
-        at = re.search(r"at `\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)
+        at = re.search(r"`\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)
         code = "invalid_type"
         if "missing required field" in text:
             code = "missing_required_parameter"
@@ -313,6 +312,7 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs(),
+        logit_bias=body.logit_bias or None,
     )
     try:
         params.validate(vocab_size)

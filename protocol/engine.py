@@ -28,6 +28,8 @@ MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: bounds a step's sampling work
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -42,6 +44,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     multiplies negative ones). min_tokens: EOS and stop_token_ids cannot end the request
     (nor stop strings match) before that many tokens. logprobs: how many top
     alternatives to return with each token's log-probability (0: only the chosen one's).
+    logit_bias: added to these tokens' logits before penalties and sampling (OpenAI's;
+    -100 all but bans a token, +100 all but forces it); logprobs stay the model's own.
     """
 
     max_tokens: int = 16
@@ -58,6 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -103,6 +108,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise ValueError(
+                    f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                    f"got {len(self.logit_bias)}"
+                )
+            for t, bias in self.logit_bias.items():
+                if not 0 <= t < limit:
+                    raise ValueError(
+                        f"logit_bias token id {t} is outside the vocabulary [0, {limit})"
+                    )
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+                    raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
 
     def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
         """Every field set: unset ones from defaults, a temperature below

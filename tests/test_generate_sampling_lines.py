@@ -1,5 +1,5 @@
 """`pagedserve generate` lines with the client-side sampling options: n, stop strings,
-min_tokens, penalties and logprobs, run through the real CLI on the built-in model.
+min_tokens, penalties, logit biases and logprobs, run through the real CLI on the built-in model.
 
 The oracles do not read the CLI's code: the same requests through `LLM.generate` in this
 process (seeds reproduce, penalties change the tokens), plain string search for stop
@@ -113,6 +113,12 @@ def run(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Run:
         ("logprobs", {"prompt": "abc", "max_tokens": 4, **GREEDY, "logprobs": 2}),
         ("seeded", {**SEEDED, "ignore_eos": True}),
         ("bad_penalty", '{"prompt": "x", "repetition_penalty": 0}'),
+        # JSON keys are strings: the line's token ids come as "65".
+        (
+            "logit_bias",
+            '{"prompt": "abc", "max_tokens": 3, "temperature": 0, '
+            '"ignore_eos": true, "logit_bias": {"65": 100}}',
+        ),
     ]
     raw = [line if isinstance(line, str) else json.dumps(line) for _, line in named]
     tmp = tmp_path_factory.mktemp("sampling_lines")
@@ -143,10 +149,14 @@ def test_bad_lines_fail_alone_naming_their_line(run: Run) -> None:
     good = [r for r in run.results if r["index"] not in bad]
     assert all(r["finish_reason"] != "error" and r["token_ids"] for r in good), good
     assert run.returncode == 1  # some lines failed: not a clean run
-    # Ten prompts, twelve completions: the seeded line's three copies, the rest one each.
-    assert "prompts: 10 | completions: 12 (2 failed)" in run.stderr, run.stderr
-    assert "2 of 12 completions failed" in run.stderr
+    # Eleven prompts, 13 completions: the seeded line's three copies, the rest one each.
+    assert "prompts: 11 | completions: 13 (2 failed)" in run.stderr, run.stderr
+    assert "2 of 13 completions failed" in run.stderr
     assert [r["index"] for r in run.results] == sorted(r["index"] for r in run.results)
+
+
+def test_a_logit_bias_line_forces_its_token(run: Run) -> None:
+    assert run.one("logit_bias")["token_ids"] == [65, 65, 65]
 
 
 def test_n_copies_are_lines_of_one_index_in_seq_order_and_reproduce(run: Run) -> None:

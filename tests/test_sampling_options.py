@@ -1,5 +1,6 @@
-"""The sampling options clients send, end to end: stop strings, logprobs, penalties,
-min_tokens, n and seeds, through LLM, AsyncLLM and the OpenAI server (real processes).
+"""The sampling options clients send, end to end: stop strings, logprobs, penalties, logit
+biases, min_tokens, n and seeds, through LLM, AsyncLLM and the OpenAI server (real
+processes).
 
 Oracles are independent: transformers' logits of the same random checkpoint with the
 penalties and masks written out here in plain torch, a log-softmax of those logits for
@@ -36,8 +37,10 @@ STEPS = 12
 
 # -- references -------------------------------------------------------------------
 def penalized(logits: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams):
-    """The penalties as their definitions read, one token at a time."""
+    """The logit bias, then the penalties, as their definitions read, one token at a time."""
     logits = logits.clone()
+    for t, bias in (p.logit_bias or {}).items():
+        logits[t] += bias
     for t in set(prompt) | set(out):  # repetition (HF): prompt and generated tokens
         v = float(logits[t])
         logits[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
@@ -179,6 +182,35 @@ def test_penalties_equal_a_reference(llm: LLM, hf: HFReference, penalty: dict) -
     assert got.token_ids == hf.greedy(PROMPT, params)
     assert neighbour.token_ids == hf.greedy(PROMPT[:4], plain)
     assert got.token_ids != hf.greedy(PROMPT, plain)  # the penalty did something
+
+
+def test_a_logit_bias_moves_greedy_tokens_as_a_reference_says(llm: LLM, hf: HFReference) -> None:
+    """OpenAI's logit_bias: added before the penalties; -100 keeps a token out, a large
+    bias forces one; logprobs stay the model's own; a neighbour is untouched."""
+    plain = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    first = hf.greedy(PROMPT, plain)
+    # Ban the plain run's first two tokens, lift another one, with a penalty on top.
+    bias = {first[0]: -100.0, first[1]: -100.0, 7: 3.0}
+    biased = SamplingParams(
+        max_tokens=STEPS,
+        temperature=0,
+        ignore_eos=True,
+        logit_bias=bias,
+        frequency_penalty=0.4,
+        logprobs=2,
+    )
+    forced = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={9: 100.0})
+    got, neighbour, always = llm.generate(
+        [PROMPT, PROMPT[:4], PROMPT], [biased, plain, forced], use_tqdm=False
+    )
+    assert got.token_ids == hf.greedy(PROMPT, biased)
+    assert got.token_ids != first and first[0] not in got.token_ids
+    assert neighbour.token_ids == hf.greedy(PROMPT[:4], plain)
+    assert always.token_ids == [9] * 4
+    assert got.logprobs is not None
+    for i, lp in enumerate(got.logprobs):
+        raw = torch.log_softmax(hf.logits(PROMPT + got.token_ids[:i]), -1)
+        assert lp.logprob == pytest.approx(float(raw[got.token_ids[i]]), abs=1e-4)
 
 
 def test_batched_penalties_equal_the_definitions() -> None:
@@ -442,6 +474,12 @@ def test_openai_client_stop_logprobs_and_n(client: openai.OpenAI, chat_model: Pa
     ]
     assert [c.logprob for c in streamed_lps] == pytest.approx([c.logprob for c in content])
 
+    # logit_bias as the client sends it (token ids as strings): +100 forces a token.
+    forced = client.completions.create(
+        **{**kw, "max_tokens": 3}, logit_bias={"9": 100}, extra_body=extra
+    )
+    assert forced.choices[0].model_extra["token_ids"] == [9, 9, 9]
+
     # n: four choices, seeded copies differing, the prompt counted once.
     many = client.completions.create(**{**kw, "temperature": 1.0}, n=4, seed=5, extra_body=extra)
     assert sorted(c.index for c in many.choices) == [0, 1, 2, 3]
@@ -471,7 +509,10 @@ def test_openai_client_stop_logprobs_and_n(client: openai.OpenAI, chat_model: Pa
         ({"stop": ["a", ""]}, "stop"),
         ({"seed": -1}, "seed"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 101}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else v,
 )

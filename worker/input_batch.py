@@ -87,7 +87,9 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
-        # The row uses penalties, min_tokens or logprobs: a step whose rows all say no
+        self.logit_biased = np.zeros(max_num_reqs, dtype=bool)
+        # The row uses penalties, min_tokens, logprobs or a logit bias: a step whose rows
+        # all say no
         # skips that work after one check.
         self.extras = np.zeros(max_num_reqs, dtype=bool)
         self.num_extras = 0  # rows with extras set: 0 skips even that check
@@ -104,6 +106,7 @@ class InputBatch:
             self.repetition_penalty,
             self.min_tokens,
             self.num_logprobs,
+            self.logit_biased,
             self.extras,
         )
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, device)
@@ -390,7 +393,11 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        extras = params.has_penalties or params.min_tokens > 0 or params.logprobs is not None
+        biased = bool(params.logit_bias)
+        self.logit_biased[row] = biased
+        extras = (
+            params.has_penalties or params.min_tokens > 0 or params.logprobs is not None or biased
+        )
         self.extras[row] = extras
         self.num_extras += extras
         self.block_table.add_row(block_ids, row)

@@ -38,7 +38,13 @@ from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
-from worker.sampler import PenaltyTensors, SamplingTensors, compute_logprobs, sample
+from worker.sampler import (
+    PenaltyTensors,
+    SamplingTensors,
+    compute_logprobs,
+    logit_bias_tensors,
+    sample,
+)
 from worker.staging import StepBuffers
 from worker.weights import iterate_weights
 
@@ -589,8 +595,8 @@ class ModelRunner:
     def _sampling_extras(
         self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """Penalties and min_tokens masks into sampling; the logprob rows and counts.
-        Only for a step in which some row uses one of them."""
+        """Logit biases, penalties and min_tokens masks into sampling; the logprob rows and
+        counts. Only for a step in which some row uses one of them."""
         batch = self.batch
         device = self.device
         vocab = self.model_config.vocab_size
@@ -608,6 +614,15 @@ class ModelRunner:
                 frequency,
                 repetition,
                 vocab,
+                device,
+            )
+        biased = np.flatnonzero(batch.logit_biased[rows])
+        if biased.size:
+            sampling.bias = logit_bias_tensors(
+                [
+                    (i, batch.requests[req_ids[i]].sampling_params.logit_bias or {})
+                    for i in biased.tolist()
+                ],
                 device,
             )
         early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)

@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, min-token masks, temperature, top-k, top-p and
-per-request seeds in one pass; logprobs for the rows that ask.
+"""Batched sampling: logit biases, penalties, min-token masks, temperature, top-k, top-p
+and per-request seeds in one pass; logprobs for the rows that ask.
 
 Sampling uses the exponential race: with q_i ~ Exponential(1) independent,
 argmax_i(p_i / q_i) is distributed as Categorical(p). Its randomness is one row of
@@ -95,6 +95,8 @@ class SamplingTensors:
     # token) pairs that may not be sampled yet (EOS and stop tokens below min_tokens).
     penalties: PenaltyTensors | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, values) added to the logits first (SamplingParams.logit_bias).
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -146,6 +148,24 @@ class SamplingTensors:
         )
 
 
+def logit_bias_tensors(
+    biases: Sequence[tuple[int, dict[int, float]]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SamplingTensors.bias from (row, logit_bias) pairs."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for row, bias in biases:
+        rows += [row] * len(bias)
+        token_ids += bias.keys()
+        values += bias.values()
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The per-request generator a caller keeps for a request with a seed."""
     gen = torch.Generator(device=device)
@@ -165,6 +185,9 @@ def sample(
     draws from shared_generator, or torch's default generator when that is None).
     logits is left unchanged (logprobs are taken from it after).
     """
+    if tensors.bias is not None:
+        rows, token_ids, values = tensors.bias
+        logits = logits.index_put((rows, token_ids), values, accumulate=True)
     if tensors.penalties is not None:
         logits = apply_penalties(logits, tensors.penalties)
     if tensors.banned is not None:
