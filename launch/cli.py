@@ -349,6 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: no limit)",
     )
     v.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic log line of throughput, queues, KV usage and prefix-cache hits",
+    )
+    v.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between those lines (default: %(default)s)",
+    )
+    v.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help="every route but /health, /metrics and /version wants `Authorization: Bearer "

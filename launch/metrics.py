@@ -23,6 +23,7 @@ as it streams each request.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -101,6 +102,13 @@ class ServerMetrics:
             registry=r,
         ).set_function(open_requests)
         self._last: SchedulerStats | None = None
+        # Plain totals for the periodic log line (StatsLog), beside the Prometheus series.
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        return self._last
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -115,6 +123,7 @@ class ServerMetrics:
 
     def request(self, num_prompt_tokens: int) -> RequestTimer:
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.total_prompt_tokens += num_prompt_tokens
         self.request_prompt.observe(num_prompt_tokens)
         return RequestTimer(self)
 
@@ -149,9 +158,59 @@ class RequestTimer:
         self._last = now
         self.num_tokens += n
         m.generation_tokens.inc(n)
+        m.total_generation_tokens += n
 
     def finish(self, finish_reason: str) -> None:
         m = self._metrics
         m.e2e.observe(time.monotonic() - self._start)
         m.request_generation.observe(self.num_tokens)
         m.success.labels(m.model_name, finish_reason).inc()
+
+
+class StatsLog:
+    """vLLM's periodic server log line: throughput since the last line, the queues, KV
+    usage and the prefix-cache hit rate over the interval. An idle interval after an
+    idle one says nothing, so a quiet server's log stays quiet."""
+
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic):
+        self.metrics = metrics
+        self.clock = clock
+        self._at = clock()
+        self._prompt = metrics.total_prompt_tokens
+        self._generation = metrics.total_generation_tokens
+        self._queries = self._hits = self._preemptions = 0
+        self._idle = True
+
+    def line(self) -> str | None:
+        """The line for the interval since the last call, or None for a second idle one."""
+        m = self.metrics
+        now = self.clock()
+        seconds = max(now - self._at, 1e-9)
+        stats = m.last_stats
+        queries = stats.prefix_cache_queries if stats else 0
+        hits = stats.prefix_cache_hits if stats else 0
+        preemptions = stats.num_preemptions if stats else 0
+        prompt = m.total_prompt_tokens - self._prompt
+        generation = m.total_generation_tokens - self._generation
+        new_queries, new_hits = queries - self._queries, hits - self._hits
+        new_preemptions = preemptions - self._preemptions
+        running = stats.num_running if stats else 0
+        waiting = stats.num_waiting if stats else 0
+        self._at, self._prompt = now, m.total_prompt_tokens
+        self._generation = m.total_generation_tokens
+        self._queries, self._hits, self._preemptions = queries, hits, preemptions
+        idle = not (prompt or generation or running or waiting)
+        if idle and self._idle:
+            return None
+        self._idle = idle
+        return (
+            f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generation / seconds:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * (stats.kv_cache_usage if stats else 0.0):.1f}%, "
+            f"Prefix cache hit rate: {100 * new_hits / new_queries if new_queries else 0.0:.1f}%, "
+            f"Preemptions: {new_preemptions}"
+        )
+
+
+STATS_LOGGER = logging.getLogger("pagedserve.stats")

@@ -25,6 +25,7 @@ import uvicorn
 
 from launch.async_llm import AsyncLLM
 from launch.engine import EngineDeadError
+from launch.metrics import STATS_LOGGER, StatsLog
 from launch.server import OpenAIServer
 
 log = logging.getLogger("pagedserve.serve")
@@ -98,6 +99,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         print("pagedserve serve: --max-waiting-requests must be >= 0", file=sys.stderr)
         return 2
+    if not args.log_stats_interval > 0:
+        print("pagedserve serve: --log-stats-interval must be > 0", file=sys.stderr)
+        return 2
     if args.api_key is not None and not args.api_key.strip():
         # An empty key would let anyone in who sends "Bearer ": refuse it instead.
         print("pagedserve serve: --api-key is empty (unset it for no key)", file=sys.stderr)
@@ -134,13 +138,21 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
+    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         await engine.start()
+        stats = None
+        if not args.disable_log_stats:
+            stats = asyncio.get_running_loop().create_task(
+                _log_stats(StatsLog(api.metrics), args.log_stats_interval)
+            )
         yield
+        if stats is not None:
+            stats.cancel()
         await engine.aclose()  # after uvicorn closed its connections
 
-    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key)
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),
@@ -153,6 +165,17 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_S,
     )
+
+
+async def _log_stats(log: StatsLog, interval: float) -> None:
+    # Shown at the default log level, as vLLM shows its own: it is how one sees a server
+    # work (--disable-log-stats turns it off).
+    STATS_LOGGER.setLevel(logging.INFO)
+    while True:
+        await asyncio.sleep(interval)
+        line = log.line()
+        if line is not None:
+            STATS_LOGGER.info(line)
 
 
 def _loop() -> str:

@@ -442,10 +442,10 @@ def test_tokenize_and_detokenize_give_what_generation_uses(
         assert json.loads(v.read())["version"]
 
 
-def test_an_api_key_guards_every_route_but_the_probes(
+def test_an_api_key_guards_every_route_but_the_probes_and_stats_are_logged(
     builtin_server: Callable[..., Server],
 ) -> None:
-    server = builtin_server("--api-key", "s3cret")
+    server = builtin_server("--api-key", "s3cret", "--log-stats-interval", "0.2")
     good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0)
     args = dict(prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
@@ -460,6 +460,11 @@ def test_an_api_key_guards_every_route_but_the_probes(
     for path in ("/health", "/metrics", "/version"):
         with urllib.request.urlopen(server.url + path, timeout=60) as r:
             assert r.status == 200, path
+    # vLLM's periodic line, at the default log level: the interval that held the stream's
+    # tokens reports them (waited for, not timed).
+    line = server.watch.wait_for(r"pagedserve.stats: Avg prompt throughput: .*").group(0)
+    assert "Running:" in line and "KV cache usage:" in line
+    server.watch.wait_for(r"Avg generation throughput: [1-9]")
 
 
 def _sse_stream(url: str, body: dict) -> subprocess.Popen[bytes]:
