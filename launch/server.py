@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
+/v1/models/{id}), GET /health,
 GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize and GET /version. With an API key (--api-key), every route but
 /health, /metrics and /version wants `Authorization: Bearer KEY`. Streaming answers
@@ -131,6 +132,7 @@ class OpenAIServer:
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route(
@@ -144,10 +146,31 @@ class OpenAIServer:
         return app if self.api_key is None else RequireAPIKey(app, self.api_key)
 
     # -- small routes -------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedserve",
+            "max_model_len": self.engine.max_model_len,
+        }
+
     async def models(self, _request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedserve"}
-        card["max_model_len"] = self.engine.max_model_len
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (the openai client's models.retrieve)."""
+        if request.path_params["model"] != self.model_name:
+            return error_response(
+                APIError(
+                    f"the model {request.path_params['model']!r} does not exist; this server "
+                    f"serves {self.model_name!r}",
+                    404,
+                    param="model",
+                    code="model_not_found",
+                )
+            )
+        return json_response(self._card())
 
     async def health(self, _request: Request) -> Response:
         if self.engine.dead_reason is not None:

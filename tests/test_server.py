@@ -191,6 +191,9 @@ def test_completions_and_chat_equal_llm_generate(
     assert salted.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
     assert salted.choices[0].token_ids == reference["chat"]  # type: ignore[attr-defined]
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_several_prompts_in_one_request_are_answered_prompt_major(
