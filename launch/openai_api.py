@@ -136,8 +136,8 @@ class CompletionRequest(_Request, kw_only=True):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
+        if self.echo and self.logprobs is not None:
+            bad.append("echo")  # with logprobs it would need the prompt's (prompt_logprobs)
         if self.best_of not in (None, 1):
             bad.append("best_of")
         if self.suffix:

@@ -257,7 +257,15 @@ class OpenAIServer:
             except (TypeError, ValueError) as e:
                 message = f"prompt {i}: {e}" if several else str(e)
                 raise APIError(message, param="prompt", code="invalid_value") from None
-        return await self._generate(request, body, ids, body.max_tokens, "cmpl", chat=False)
+        echo = None
+        if body.echo:  # each prompt as given; token ids as the tokenizer reads them
+            try:
+                echo = [p if isinstance(p, str) else self.engine.inputs.decode(p) for p in prompts]
+            except ValueError as e:
+                raise APIError(str(e), param="echo", code="invalid_value") from None
+        return await self._generate(
+            request, body, ids, body.max_tokens, "cmpl", chat=False, echo=echo
+        )
 
     async def chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
@@ -295,8 +303,10 @@ class OpenAIServer:
         max_tokens: int | None,
         prefix: str,
         chat: bool,
+        echo: list[str] | None = None,
     ) -> Response:
-        """Check every prompt's parameters, then send them all as one stream."""
+        """Check every prompt's parameters, then send them all as one stream. echo: each
+        prompt's text, to answer before its completions (completions' echo)."""
         engine = self.engine
         params = [
             sampling_params(
@@ -324,7 +334,7 @@ class OpenAIServer:
         stream = engine.generate_many(
             prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
         )
-        call = _Call(self, body, stream, request_id, chat, params[0])
+        call = _Call(self, body, stream, request_id, chat, params[0], echo)
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
@@ -379,8 +389,10 @@ class _Call:
         request_id: str,
         chat: bool,
         params: SamplingParams,
+        echo: list[str] | None = None,
     ) -> None:
         self.server = server
+        self.echo = echo
         self.body = body
         self.stream = stream
         self.id = request_id
@@ -450,6 +462,8 @@ class _Call:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.texts)
+            if self.echo is not None:
+                text = self.echo[c.prompt] + text
             choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -482,6 +496,10 @@ class _Call:
                 for i in range(len(self.choices)):
                     first = {"role": "assistant", "content": ""}
                     yield sse_event(self._envelope([self._chunk(i, first, None, None)], None))
+            elif self.echo is not None:
+                for i, c in enumerate(self.choices):
+                    chunk = self._chunk(i, self.echo[c.prompt], None, None)
+                    yield sse_event(self._envelope([chunk], None))
             async for out in self._outputs():
                 c = self.choices[out.index]
                 text, finish = out.text, out.finish_reason

@@ -394,6 +394,27 @@ def test_health_and_reset_prefix_cache(server: Server) -> None:
     assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_echo_puts_each_prompt_before_its_completions(
+    server: Server, client: openai.OpenAI, chat_model: Path
+) -> None:
+    from tokenizers import Tokenizer
+
+    decode = Tokenizer.from_file(str(chat_model / "tokenizer.json")).decode
+    args = dict(model=MODEL_NAME, max_tokens=N, temperature=0, extra_body=EXTRA)
+    plain = client.completions.create(prompt=[PROMPT_TEXT, PROMPT_IDS], **args)
+    echoed = client.completions.create(prompt=[PROMPT_TEXT, PROMPT_IDS], echo=True, **args)
+    prompts = [PROMPT_TEXT, decode(PROMPT_IDS)]
+    for c, p, e in zip(plain.choices, prompts, echoed.choices):
+        assert e.text == p + c.text and e.model_extra["token_ids"] == c.model_extra["token_ids"]
+    assert echoed.usage == plain.usage  # the echo is text, not tokens
+    chunks = list(client.completions.create(prompt=PROMPT_TEXT, echo=True, stream=True, **args))
+    assert "".join(ch.choices[0].text for ch in chunks) == PROMPT_TEXT + plain.choices[0].text
+    status, answer = post(
+        f"{server.url}/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}
+    )
+    assert status == 400 and answer["error"]["param"] == "echo", answer
+
+
 def test_tokenize_and_detokenize_give_what_generation_uses(
     server: Server, client: openai.OpenAI, chat_model: Path
 ) -> None:
