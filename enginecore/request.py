@@ -6,7 +6,7 @@ import enum
 from typing import NamedTuple
 
 from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids
-from protocol.engine import SamplingParams
+from protocol.engine import Logprobs, SamplingParams
 
 _NEVER = 1 << 62
 
@@ -58,6 +58,7 @@ class Request:
         "num_prompt_tokens",
         "priority",
         "prompt_embeds_hash",
+        "prompt_logprobs",
         "request_id",
         "sampling_params",
         "skip_reading_prefix_cache",
@@ -111,6 +112,9 @@ class Request:
         self.prompt_embeds_hash = prompt_embeds_hash
         # Prompt logprobs need every prompt position's logits: the cache cannot give them.
         self.skip_reading_prefix_cache = wants_prompt_logprobs
+        # Those received so far (prompt tokens 1, 2, ...), until sent with the first token;
+        # None when not asked for, or once sent.
+        self.prompt_logprobs: list[Logprobs] | None = [] if wants_prompt_logprobs else None
         self.block_hashes: list[bytes] = []
         # What each block hash was computed from (see BlockHasher.extend).
         self.block_hash_inputs: list[bytes] = []

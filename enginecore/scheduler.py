@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 
+from msgspec.structs import replace
+
 from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
@@ -29,6 +31,7 @@ from enginecore.request_queue import make_request_queue
 from protocol.config import SchedulingPolicy
 from protocol.engine import (
     BUILTIN_SAMPLING_DEFAULTS,
+    Logprobs,
     RequestOutput,
     SamplingDefaults,
     SamplingParams,
@@ -41,6 +44,7 @@ from protocol.worker import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -177,6 +181,7 @@ class Scheduler:
             prompt_token_ids,
             self.kv_cache_manager.block_hasher,
             cache_salt=cache_salt,
+            wants_prompt_logprobs=sampling_params.prompt_logprobs is not None,
             sampling_params=sampling_params,
             priority=priority,
         )
@@ -491,6 +496,10 @@ class Scheduler:
         wire is not trusted: a wrong answer must stop the engine with a reason, not leave
         a request waiting forever)."""
         self._check_output(scheduler_output, output)
+        # Before the tokens: a request may finish at its first token, and still gets these.
+        answered = (
+            self._take_prompt_logprobs(output.prompt_logprobs) if output.prompt_logprobs else None
+        )
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
         eos = self.eos_token_ids
@@ -540,7 +549,39 @@ class Scheduler:
                 )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+        if answered:
+            outputs = [
+                replace(o, prompt_logprobs=answered[o.request_id])
+                if o.request_id in answered
+                else o
+                for o in outputs
+            ]
         return outputs
+
+    def _take_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> dict[str, list[Logprobs]]:
+        """Add each chunk to its request's prompt logprobs; those now complete, by request
+        (sent with its first token, which this step samples). A chunk that repeats what
+        arrived (the prompt recomputed after a preemption) adds nothing; one that skips
+        tokens stops the engine (the wire is not trusted)."""
+        complete: dict[str, list[Logprobs]] = {}
+        for chunk in chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.prompt_logprobs is None:
+                continue  # finished, aborted, or answered already
+            have = request.prompt_logprobs
+            due = len(have) + 1  # the next prompt token without a logprob
+            end = chunk.start + len(chunk.logprobs)
+            if chunk.start > due or end > request.num_prompt_tokens:
+                raise ValueError(
+                    f"prompt logprobs of request {chunk.req_id} for tokens {chunk.start} to "
+                    f"{end - 1}, but token {due} is due and the prompt has "
+                    f"{request.num_prompt_tokens}"
+                )
+            have += chunk.logprobs[due - chunk.start :]
+            if len(have) == request.num_prompt_tokens - 1:
+                complete[chunk.req_id] = have
+                request.prompt_logprobs = None
+        return complete
 
     def _check_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """The cheap whole-output checks: step, counts, token range (C loops)."""

@@ -86,6 +86,8 @@ class StreamOutput:
     index: int = 0
     logprobs: list[Logprobs] | None = None  # one per new token, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # On a sequence's first output, when asked for: one per prompt token, None first.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class _Prepared(NamedTuple):
@@ -204,6 +206,7 @@ class RequestStream:
             self._index[core_id],
             out.logprobs,
             out.stop_reason,
+            out.prompt_logprobs,
         )
 
     def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:

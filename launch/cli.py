@@ -55,6 +55,7 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Token id (a JSON object's key, so a string of digits) -> value in [-100, 100].
     logit_bias: dict[int, float] | None = None
 
@@ -419,6 +420,7 @@ _LINE_OPTIONS = (
     "frequency_penalty",
     "repetition_penalty",
     "logprobs",
+    "prompt_logprobs",
     "logit_bias",
 )
 

@@ -31,6 +31,8 @@ class CompletionOutput:
     logprobs: list[Logprobs] | None = None  # one per token, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     seq_index: int = 0
+    # When asked for (prompt_logprobs): one per prompt token, None for the first.
+    prompt_logprobs: list[Logprobs | None] | None = None
     # When a stop string ended it: the text before it (the tokens run to the one that
     # completed the match).
     _stop_text: list[str] | None = field(default=None, repr=False)
@@ -173,6 +175,8 @@ class LLM:
                     out.token_ids.extend(o.new_token_ids)
                     if out.logprobs is not None and o.logprobs:
                         out.logprobs.extend(o.logprobs)
+                    if step.prompt_logprobs is not None:
+                        out.prompt_logprobs = step.prompt_logprobs
                     if out._stop_text is not None:
                         out._stop_text.append(step.text)
                     summary.output_tokens += len(o.new_token_ids)

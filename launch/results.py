@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import msgspec
 
-from protocol.engine import SamplingParams
+from protocol.engine import Logprobs, SamplingParams
 
 MAX_LISTED_ERRORS = 20
 
@@ -52,14 +52,10 @@ class ResultWriter:
         if params is not None and params.stop and out.finish_reason != "error":
             line["stop_reason"] = out.stop_reason
         if out.logprobs is not None:
-            # Objects, not msgspec's positional arrays: the file is read by other programs.
-            line["logprobs"] = [
-                {
-                    "logprob": lp.logprob,
-                    "top_token_ids": lp.top_token_ids,
-                    "top_logprobs": lp.top_logprobs,
-                }
-                for lp in out.logprobs
+            line["logprobs"] = [_logprob_object(lp) for lp in out.logprobs]
+        if out.prompt_logprobs is not None:
+            line["prompt_logprobs"] = [
+                None if lp is None else _logprob_object(lp) for lp in out.prompt_logprobs
             ]
         if out.error is not None:
             line["error"] = out.error
@@ -92,3 +88,12 @@ class ResultWriter:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(b"".join(raw + b"\n" for raw in lines))
         os.replace(tmp, self.path)
+
+
+def _logprob_object(lp: Logprobs) -> dict[str, Any]:
+    # An object, not msgspec's positional array: the file is read by other programs.
+    return {
+        "logprob": lp.logprob,
+        "top_token_ids": lp.top_token_ids,
+        "top_logprobs": lp.top_logprobs,
+    }

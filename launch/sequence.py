@@ -25,6 +25,8 @@ class SequenceOutput:
     finish_reason: str | None
     logprobs: list[Logprobs] | None  # one per new token, when asked for
     stop_reason: str | int | None  # the stop string or stop token id that ended it
+    # With the first output, when asked for: one per prompt token, None for the first.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class SequenceState:
@@ -72,6 +74,7 @@ class SequenceState:
             finish,
             o.logprobs,
             stop_reason,
+            None if o.prompt_logprobs is None else [None, *o.prompt_logprobs],
         )
 
 
@@ -100,3 +103,5 @@ def merge(first: SequenceOutput, later: SequenceOutput) -> None:
     first.stop_reason = later.stop_reason
     if later.logprobs:
         first.logprobs = (first.logprobs or []) + later.logprobs
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = later.prompt_logprobs

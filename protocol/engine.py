@@ -63,6 +63,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # Logprobs of the prompt's tokens (each given the ones before it) with that many top
+    # alternatives; the request then skips the prefix cache (a cached token has no
+    # logits), as vLLM's do.
+    prompt_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -108,6 +112,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
                 raise ValueError(
@@ -199,6 +207,9 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list[Logprobs] | None = None
+    # With the request's first token, when it asked for prompt_logprobs: one per prompt
+    # token after the first (the first has nothing before it).
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

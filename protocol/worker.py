@@ -13,7 +13,7 @@ from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -101,6 +101,16 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
     preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The logprobs of prompt tokens start, start + 1, ... of one request, computed in
+    this step's chunk of its prefill (empty when the chunk holds no token's predecessor:
+    a one-token prompt)."""
+
+    req_id: str
+    start: int  # >= 1: the first prompt token has no logprob
+    logprobs: list[Logprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=True):
     """Sampled tokens of the step, for the requests that reached the end of their tokens
     (a request in the middle of a chunked prefill samples nothing)."""
@@ -111,6 +121,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     # Empty when no request of the step asked for logprobs (the common case costs one
     # byte); else parallel to req_ids, None for the requests that did not ask.
     logprobs: list[Logprobs | None] = []
+    # For each request of the step that asked for prompt_logprobs and prefilled prompt
+    # tokens in it.
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

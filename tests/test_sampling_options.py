@@ -162,6 +162,41 @@ def test_logprobs_are_a_log_softmax_of_the_model_s_logits(llm: LLM, hf: HFRefere
     assert plain.logprobs is None
 
 
+def test_prompt_logprobs_are_a_log_softmax_at_every_prompt_position(
+    llama_dir: Path, hf: HFReference
+) -> None:
+    """Each prompt token's logprob given the tokens before it (and the top alternatives),
+    against one transformers forward over the prompt, through a prefill chunked in
+    16-token steps; a second request with the same prompt recomputes it rather than
+    reading the prefix cache (a cached token has no logits), so it gets the same."""
+    prompt = [(7 * i + 3) % 100 + 1 for i in range(40)]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    with LLM(str(llama_dir), device=CPU, max_num_batched_tokens=16) as llm:
+        first, plain, one = llm.generate(
+            [prompt, prompt[:5], [9]],
+            [params, SamplingParams(max_tokens=2), params],
+            use_tqdm=False,
+        )
+        (again,) = llm.generate([prompt], params, use_tqdm=False)
+    with torch.no_grad():
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, -1)
+    got = first.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        lp = got[i]
+        assert lp is not None
+        assert lp.logprob == pytest.approx(float(want[i - 1, prompt[i]]), abs=1e-4), i
+        assert lp.top_token_ids == want[i - 1].topk(3).indices.tolist(), i
+        assert lp.top_logprobs == pytest.approx(want[i - 1].topk(3).values.tolist(), abs=1e-4)
+    assert first.token_ids == hf.greedy(prompt, SamplingParams(max_tokens=2, temperature=0))
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs is not None
+    assert [lp.logprob for lp in again.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in got[1:]], abs=1e-5
+    )
+    assert plain.prompt_logprobs is None and one.prompt_logprobs == [None]
+
+
 @pytest.mark.parametrize(
     "penalty",
     [

@@ -88,6 +88,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         self.logit_biased = np.zeros(max_num_reqs, dtype=bool)
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         # The row uses penalties, min_tokens, logprobs or a logit bias: a step whose rows
         # all say no
         # skips that work after one check.
@@ -107,6 +108,7 @@ class InputBatch:
             self.min_tokens,
             self.num_logprobs,
             self.logit_biased,
+            self.num_prompt_logprobs,
             self.extras,
         )
         self.block_table = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, device)
@@ -395,8 +397,14 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         biased = bool(params.logit_bias)
         self.logit_biased[row] = biased
+        prompt_lp = params.prompt_logprobs
+        self.num_prompt_logprobs[row] = -1 if prompt_lp is None else prompt_lp
         extras = (
-            params.has_penalties or params.min_tokens > 0 or params.logprobs is not None or biased
+            params.has_penalties
+            or params.min_tokens > 0
+            or params.logprobs is not None
+            or biased
+            or prompt_lp is not None
         )
         self.extras[row] = extras
         self.num_extras += extras
@@ -435,6 +443,7 @@ class InputBatch:
         self.top_p[row] = 1.0
         self.repetition_penalty[row] = 1.0
         self.num_logprobs[row] = -1
+        self.num_prompt_logprobs[row] = -1
 
     def _condense(self) -> None:
         """Fill each hole, lowest first, with the last live row."""

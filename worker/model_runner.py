@@ -25,7 +25,12 @@ import torch
 from protocol.config import WorkerConfig, available_host_memory
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
-from protocol.worker import ModelRunnerOutput, SchedulerOutput, WorkerConfigure
+from protocol.worker import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+    WorkerConfigure,
+)
 from worker import bench_clock
 from worker.attention import AttentionMetadata
 from worker.bench_clock import DeviceClock
@@ -52,6 +57,9 @@ log = logging.getLogger("pagedserve.worker")
 
 # CPU workers get an explicit KV budget (there is no device memory to profile).
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
+# Prompt positions whose logits are taken at once for prompt_logprobs: a chunk of a long
+# prompt would otherwise hold [chunk, vocab] float32 logits (8192 x 150k: 4.9 GB).
+PROMPT_LOGPROBS_SLICE = 512
 # Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
 # allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
 GPU_STEP_MARGIN_BYTES = 768 << 20
@@ -96,6 +104,23 @@ class StepInputs:
     logprob_counts: list[int] = field(default_factory=list)
     # Filled by collect: parallel to sampling_req_ids, or empty when nobody asked.
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    # Requests that asked for prompt_logprobs and prefill prompt tokens in this step;
+    # their logprobs are computed at launch (rank 0 keeps them).
+    prompt_plan: list[PromptPlan] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class PromptPlan:
+    """One request's prompt tokens whose logprobs this step's chunk yields: tokens
+    start .. start + count - 1, each predicted by the hidden state before it, which sits
+    at flat_start + j in the step's tokens."""
+
+    req_id: str
+    start: int
+    flat_start: int
+    targets: np.ndarray  # [count] the prompt tokens themselves
+    num_top: int
 
 
 @dataclass
@@ -495,9 +520,54 @@ class ModelRunner:
             generators=generators,
             inputs=inputs,
         )
+        if batch.num_extras:
+            step.prompt_plan = self._prompt_plan(inputs)
         if self._in_flight is None:
             self._finish_prepare(step)
         return step
+
+    def _prompt_plan(self, inputs: ModelInputs) -> list[PromptPlan]:
+        """The prompt tokens this step yields logprobs for, per asking request (prompt
+        tokens are known at planning, whatever step is in flight)."""
+        batch = self.batch
+        rows = inputs.block_table_rows
+        wanted = batch.num_prompt_logprobs[rows]
+        plan: list[PromptPlan] = []
+        for i in np.flatnonzero(wanted >= 0).tolist():
+            row = int(rows[i])
+            first = int(inputs.num_computed_tokens[i])
+            flat_start = int(inputs.query_start_loc[i])
+            scheduled = int(inputs.query_start_loc[i + 1]) - flat_start
+            num_prompt = int(batch.num_prompt_tokens[row])
+            if not scheduled or first >= num_prompt:
+                continue  # decoding: its prompt was answered
+            # The hidden state at position p predicts token p + 1, if that is a prompt token.
+            count = max(min(first + scheduled, num_prompt - 1) - first, 0)
+            targets = batch.token_ids[row, first + 1 : first + 1 + count].astype(np.int64)
+            plan.append(
+                PromptPlan(inputs.req_ids[i], first + 1, flat_start, targets, int(wanted[i]))
+            )
+        return plan
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, plan: list[PromptPlan]
+    ) -> list[PromptLogprobs]:
+        """Every rank takes the logits (the LM head gathers across TP ranks); rank 0
+        turns them into logprobs."""
+        answer = self.config.rank == 0
+        out: list[PromptLogprobs] = []
+        for p in plan:
+            found: list[Logprobs] = []
+            for a in range(0, len(p.targets), PROMPT_LOGPROBS_SLICE):
+                b = min(a + PROMPT_LOGPROBS_SLICE, len(p.targets))
+                at = torch.arange(p.flat_start + a, p.flat_start + b, device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, at))
+                if answer:
+                    targets = torch.from_numpy(p.targets[a:b]).to(self.device)
+                    every = torch.arange(b - a, device=self.device)
+                    found += compute_logprobs(logits, every, targets, [p.num_top] * (b - a))
+            out.append(PromptLogprobs(p.req_id, p.start, found))
+        return out if answer else []
 
     def _finish_prepare(self, step: StepInputs) -> None:
         """What needs every token known: the token ids and the sampling extras."""
@@ -529,6 +599,8 @@ class ModelRunner:
             tuner.before_step(len(step.positions), len(step.attn.query_start_loc) - 1)
             start = time.perf_counter()
         hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
+        if step.prompt_plan:
+            step.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_plan)
         tokens = logits = None
         if step.sampling_req_ids:
             logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
@@ -590,7 +662,9 @@ class ModelRunner:
         )
         if self.clock is not None:
             self.clock.collected()
-        return ModelRunnerOutput(step.step_id, step.sampling_req_ids, tokens, step.logprobs)
+        return ModelRunnerOutput(
+            step.step_id, step.sampling_req_ids, tokens, step.logprobs, step.prompt_logprobs
+        )
 
     def _sampling_extras(
         self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
