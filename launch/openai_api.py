@@ -6,14 +6,15 @@ prompt-major); every prompt is checked before any is sent.
 
 Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
 engine does not implement is a 400 naming the field, never silently ignored. Options the
-engine does not support yet (logit_bias, prompt_logprobs, echo, suffix, best_of, tools,
-response_format) are accepted only at their neutral values. Sampling options are checked
+engine does not support yet (suffix, best_of, tools, response_format, a streamed echo with
+logprobs) are accepted only at their neutral values. Sampling options are checked
 by SamplingParams.validate: n in [1, 16], at most 4 non-empty stop strings, presence and
 frequency penalties in [-2, 2], repetition_penalty > 0, min_tokens in [0, max_tokens],
 logprobs / top_logprobs in [0, 20], seed in [0, 2**63). Extensions beyond OpenAI's API
 (vLLM's): top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, cache_salt,
 priority (lower first, with --scheduling-policy priority; else only 0), return_token_ids
-(the token ids of prompt and completion in the response), and for chat
+(the token ids of prompt and completion in the response), prompt_logprobs (each prompt
+token's logprob and that many alternatives, vLLM's shape), and for chat
 add_generation_prompt and chat_template_kwargs.
 """
 
@@ -102,15 +103,16 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0
     # OpenAI's: token ids (as JSON keys, strings of digits) to values in [-100, 100].
     logit_bias: dict[int, float] | None = None
-    # Not supported yet: accepted only at their neutral values (unsupported()).
+    # vLLM's: the prompt's tokens with their logprobs and that many alternatives.
     prompt_logprobs: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
-        bad = []
-        if self.prompt_logprobs is not None:
-            bad.append("prompt_logprobs")
-        return bad
+        return []
+
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob comes with; None: none."""
+        return self.prompt_logprobs
 
     def stop_strings(self) -> list[str]:
         """null and [] mean none; a lone "" too (OpenAI's clients send it for none)."""
@@ -136,8 +138,8 @@ class CompletionRequest(_Request, kw_only=True):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo and self.logprobs is not None:
-            bad.append("echo")  # with logprobs it would need the prompt's (prompt_logprobs)
+        if self.echo and self.logprobs is not None and self.stream:
+            bad.append("echo")  # its prompt logprobs would have to wait for the first token
         if self.best_of not in (None, 1):
             bad.append("best_of")
         if self.suffix:
@@ -146,6 +148,16 @@ class CompletionRequest(_Request, kw_only=True):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt's tokens come with logprobs (OpenAI's echo + logprobs)."""
+        return self.echo and self.logprobs is not None
+
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo_logprobs:
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts: one text or token-id list, or a list of them (at most
@@ -313,6 +325,7 @@ def sampling_params(
         repetition_penalty=body.repetition_penalty,
         logprobs=body.num_logprobs(),
         logit_bias=body.logit_bias or None,
+        prompt_logprobs=body.num_prompt_logprobs(),
     )
     try:
         params.validate(vocab_size)
@@ -362,6 +375,23 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(
+    token_ids: list[int], logprobs: list[Logprobs | None], token_text: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, else a map of token
+    ids (the prompt's own, then the likeliest) to {logprob, decoded_token}."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for t, lp in zip(token_ids, logprobs):
+        if lp is None:
+            out.append(None)
+            continue
+        entries = {str(t): {"logprob": lp.logprob, "decoded_token": token_text(t)}}
+        for i, v in zip(lp.top_token_ids, lp.top_logprobs):
+            entries.setdefault(str(i), {"logprob": v, "decoded_token": token_text(i)})
+        out.append(entries)
+    return out
 
 
 def chat_logprobs(

@@ -45,6 +45,7 @@ from launch.openai_api import (
     decode_body,
     sampling_params,
     usage,
+    vllm_prompt_logprobs,
 )
 from protocol.engine import Logprobs, SamplingParams
 
@@ -352,6 +353,7 @@ class _Choice:
         "num_cached",
         "offset",
         "prompt",
+        "prompt_logprobs",
         "sent",
         "stop_reason",
         "texts",
@@ -367,12 +369,16 @@ class _Choice:
         self.stop_reason: str | int | None = None
         self.sent = 0  # tokens already streamed
         self.offset = 0  # text streamed so far, in characters (completions' text_offset)
+        # With the first output, when asked for (None first); streamed once, then None.
+        self.prompt_logprobs: list[Logprobs | None] | None = None
 
     def add(self, out: StreamOutput) -> None:
         self.ids += out.new_token_ids
         self.texts.append(out.text)
         if self.logprobs is not None and out.logprobs:
             self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             self.finish, self.stop_reason = out.finish_reason, out.stop_reason
             self.num_cached = out.num_cached_tokens
@@ -453,6 +459,26 @@ class _Call:
             return chat_logprobs(ids, lps, self._token_text)
         return completion_logprobs(ids, lps, self._token_text, offset)
 
+    def _prompt_logprobs(self, c: _Choice) -> list[Any] | None:
+        if c.prompt_logprobs is None:
+            return None
+        ids = self.stream.prompts[c.prompt]
+        return vllm_prompt_logprobs(ids, c.prompt_logprobs, self._token_text)
+
+    def _echo_logprobs(self, c: _Choice, completion: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's echo with logprobs: the prompt's tokens first (the first one without a
+        logprob: nothing comes before it), then the completion's."""
+        ids = self.stream.prompts[c.prompt]
+        first = self._token_text(ids[0])
+        found = [lp for lp in (c.prompt_logprobs or [])[1:] if lp is not None]
+        head = completion_logprobs(ids[1:], found, self._token_text, len(first))
+        return {
+            "tokens": [first, *head["tokens"], *completion["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
+            "text_offset": [0, *head["text_offset"], *completion["text_offset"]],
+        }
+
     async def complete(self) -> Response:
         try:
             async for _ in self._outputs():
@@ -462,21 +488,25 @@ class _Call:
         choices = []
         for i, c in enumerate(self.choices):
             text = "".join(c.texts)
-            if self.echo is not None:
-                text = self.echo[c.prompt] + text
+            echo = "" if self.echo is None else self.echo[c.prompt]
             choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
-            choice.update(
-                logprobs=self._logprobs(c, 0, 0), finish_reason=c.finish, stop_reason=c.stop_reason
-            )
+                choice["text"] = echo + text
+            logprobs = self._logprobs(c, 0, len(echo))
+            if logprobs is not None and self.echo is not None:
+                logprobs = self._echo_logprobs(c, logprobs)
+            choice.update(logprobs=logprobs, finish_reason=c.finish, stop_reason=c.stop_reason)
+            if self.body.prompt_logprobs is not None and not self.chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
             if self.body.return_token_ids:
                 choice["token_ids"] = c.ids
                 choice["prompt_token_ids"] = self.stream.prompts[c.prompt]
             choices.append(choice)
         answer = self._envelope(choices, self._usage())
+        if self.body.prompt_logprobs is not None and self.chat:
+            answer["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
         if self.body.return_token_ids and len(self.stream.prompts) == 1:
             answer["prompt_token_ids"] = self.stream.prompt_token_ids
         return json_response(answer)
@@ -516,7 +546,12 @@ class _Call:
                     choice["stop_reason"] = c.stop_reason
                 c.sent = len(c.ids)
                 c.offset += len(text)
-                yield sse_event(self._envelope([choice], None))
+                envelope = self._envelope([choice], None)
+                if c.prompt_logprobs is not None:  # the choice's first chunk: once
+                    prompt = self._prompt_logprobs(c)
+                    (envelope if self.chat else choice)["prompt_logprobs"] = prompt
+                    c.prompt_logprobs = None
+                yield sse_event(envelope)
             if self.body.include_usage:
                 yield sse_event(self._envelope([], self._usage()))
         except APIError as e:

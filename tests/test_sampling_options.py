@@ -530,6 +530,58 @@ def test_openai_client_stop_logprobs_and_n(client: openai.OpenAI, chat_model: Pa
     assert sorted(per_index) == [0, 1, 2] and len(set(per_index.values())) == 1  # greedy
 
 
+def test_prompt_logprobs_and_echo_with_logprobs_through_the_server(
+    server: Server, client: openai.OpenAI, chat_model: Path
+) -> None:
+    """vLLM's prompt_logprobs (per prompt token: null first, then the token's own and the
+    likeliest ids) and OpenAI's echo + logprobs (the prompt's tokens first in the legacy
+    shape), both equal to LLM.generate's prompt logprobs (checked against transformers
+    above)."""
+    ids = [11, 12, 13, 14, 15, 16]
+    with LLM(str(chat_model), device=CPU) as llm:
+        (ref,) = llm.generate(
+            [ids],
+            SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2),
+            use_tqdm=False,
+        )
+    assert ref.prompt_logprobs is not None and ref.prompt_logprobs[0] is None
+    want = [lp.logprob for lp in ref.prompt_logprobs[1:]]  # type: ignore[union-attr]
+    kw = dict(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0)
+    extra = {"ignore_eos": True, "prompt_logprobs": 2}
+    got = client.completions.create(**kw, extra_body=extra).choices[0]
+    entries = got.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(want)
+    for e, t, lp in zip(entries[1:], ids[1:], ref.prompt_logprobs[1:]):
+        assert lp is not None  # the prompt's own token, then the two likeliest
+        assert set(e) == {str(t), *map(str, lp.top_token_ids)}
+    streamed = list(client.completions.create(**kw, stream=True, extra_body=extra))
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in streamed]
+    assert firsts[0] == entries and not any(firsts[1:])
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    # echo + logprobs: the prompt's tokens, then the completion's.
+    echoed = client.completions.create(
+        **kw, echo=True, logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
+    lp = echoed.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want)
+    assert len(lp.tokens) == len(ids) + 2 and lp.text_offset[0] == 0
+    assert all(x <= 0 for x in lp.token_logprobs[len(ids) :])
+    assert echoed.choices[0].model_extra["token_ids"] == ref.token_ids
+    status, answer = post(
+        f"{server.url}/v1/completions",
+        {"prompt": ids, "echo": True, "logprobs": 1, "stream": True},
+    )
+    assert status == 400 and answer["error"]["param"] == "echo", answer
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -543,7 +595,7 @@ def test_openai_client_stop_logprobs_and_n(client: openai.OpenAI, chat_model: Pa
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
         ({"seed": -1}, "seed"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"logit_bias": {"3": 101}}, "logit_bias"),
         ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
