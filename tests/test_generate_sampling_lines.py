@@ -111,6 +111,7 @@ def run(llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> Run:
         ("penalties", {"prompt": pen_prompt, "max_tokens": 8, **GREEDY, **PENALTIES}),
         ("bad_n", '{"prompt": "x", "n": 0}'),
         ("logprobs", {"prompt": "abc", "max_tokens": 4, **GREEDY, "logprobs": 2}),
+        ("prompt_logprobs", {"prompt": "abcd", "max_tokens": 2, **GREEDY, "prompt_logprobs": 1}),
         ("seeded", {**SEEDED, "ignore_eos": True}),
         ("bad_penalty", '{"prompt": "x", "repetition_penalty": 0}'),
         # JSON keys are strings: the line's token ids come as "65".
@@ -149,10 +150,23 @@ def test_bad_lines_fail_alone_naming_their_line(run: Run) -> None:
     good = [r for r in run.results if r["index"] not in bad]
     assert all(r["finish_reason"] != "error" and r["token_ids"] for r in good), good
     assert run.returncode == 1  # some lines failed: not a clean run
-    # Eleven prompts, 13 completions: the seeded line's three copies, the rest one each.
-    assert "prompts: 11 | completions: 13 (2 failed)" in run.stderr, run.stderr
-    assert "2 of 13 completions failed" in run.stderr
+    # Twelve prompts, 14 completions: the seeded line's three copies, the rest one each.
+    assert "prompts: 12 | completions: 14 (2 failed)" in run.stderr, run.stderr
+    assert "2 of 14 completions failed" in run.stderr
     assert [r["index"] for r in run.results] == sorted(r["index"] for r in run.results)
+
+
+def test_prompt_logprobs_give_one_entry_per_prompt_token(run: Run) -> None:
+    result = run.one("prompt_logprobs")
+    entries = result["prompt_logprobs"]
+    assert len(entries) == len(result["prompt_token_ids"]) and entries[0] is None
+    (want,) = run.oracle("prompt_logprobs")
+    assert want.prompt_logprobs is not None
+    for entry, lp in zip(entries[1:], want.prompt_logprobs[1:]):
+        assert lp is not None and len(entry["top_token_ids"]) == 1
+        assert entry["top_token_ids"] == lp.top_token_ids
+        assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+    assert "prompt_logprobs" not in run.one("plain")
 
 
 def test_a_logit_bias_line_forces_its_token(run: Run) -> None:
