@@ -3,6 +3,7 @@ socket to the microsecond, and napping before the spin."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -129,3 +130,43 @@ def test_a_due_wait_longer_than_its_budget_sleeps_through_it(pair) -> None:
     a.send(b"step")
     assert not short.ready(b)
     assert b.recv(zmq.NOBLOCK) == b"step"
+
+
+def _returns(call, timeout_s: float = 60.0) -> object:
+    """call()'s result, run on a thread: a wait that never gives up fails the test (after
+    a timeout far beyond any wait under test) instead of hanging the suite."""
+    result: list[object] = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    assert result, "the wait never gave up"
+    return result[0]
+
+
+def test_a_due_wait_gives_up_when_nothing_comes(pair) -> None:
+    """Spin, nap or sleep-then-spin: each is bounded by the last wait, never open-ended
+    (an idle engine must not spin)."""
+    _a, b = pair
+    for last, nap in ((0.001, False), (0.001, True), (0.01, False)):
+        due = DueWait(0.005, longest_s=1.0)
+        due.last = last
+        assert _returns(functools.partial(due.ready, b, nap=nap)) is False, (last, nap)
+
+
+def test_a_nap_sleeps_on_the_socket_instead_of_spinning(pair) -> None:
+    """A napping wait for a message 0.5 s away costs next to no CPU; a spin through it
+    would cost about half a second of it (twice the bound asserted, even if a loaded
+    machine gave the spinning thread only half a CPU)."""
+    import time
+
+    a, b = pair
+    due = DueWait(60.0, longest_s=120.0)
+    due.last = 30.0
+    sender = threading.Timer(0.5, a.send, args=(b"step",))
+    cpu = time.thread_time()
+    sender.start()
+    assert due.ready(b, nap=True)
+    used = time.thread_time() - cpu
+    sender.join()
+    assert b.recv(zmq.NOBLOCK) == b"step"
+    assert used < 0.1, f"the nap used {used:.3f} s of CPU"
