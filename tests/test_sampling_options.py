@@ -315,6 +315,17 @@ def test_min_tokens_keeps_eos_back(eos_first: tuple[Path, int], hf: HFReference)
     assert eos in held.token_ids  # the case really arises
 
 
+def test_min_tokens_ends_exactly_where_eos_is_first_allowed(llm: LLM) -> None:
+    """EOS made the likeliest token everywhere (a +100 logit bias): the request ends on
+    it at the first position min_tokens allows, not one sooner or later."""
+    eos = llm.eos_token_ids[0]
+    for k in (0, 1, 3):
+        params = SamplingParams(max_tokens=10, temperature=0, min_tokens=k, logit_bias={eos: 100.0})
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+        assert out.token_ids[-1] == eos and len(out.token_ids) == k + 1, (k, out.token_ids)
+        assert eos not in out.token_ids[:-1] and out.finish_reason == "stop"
+
+
 def test_the_core_stops_on_eos_only_after_min_tokens() -> None:
     # The core's own rule, fed tokens directly: it holds even if a worker let EOS through.
     from kv_helpers import sched_config
