@@ -192,7 +192,12 @@ def churn(manager: KVCacheManager, publisher: KVEventPublisher, steps: int, seed
         manager.free(x)
 
 
-@pytest.mark.parametrize("specs", [(full(),), (full(), window(6))], ids=["full", "hybrid"])
+@pytest.mark.parametrize(
+    "specs",
+    [(full(),), (full(), window(6)), (full(8), window(12, 4))],
+    # The last: full blocks of 8 tokens span two 4-token hash blocks each.
+    ids=["full", "hybrid", "two-block-sizes"],
+)
 def test_subscriber_rebuilds_the_cached_hashes(specs: tuple) -> None:
     ctx = zmq.Context()
     manager = make_manager(24, *specs, enable_kv_events=True, hash_seed=b"s3cret")
@@ -224,8 +229,11 @@ def test_subscriber_rebuilds_the_cached_hashes(specs: tuple) -> None:
         kinds = {
             (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in sub.stored
         }
-        expected = [(0, "full_attention", None), (1, "sliding_window", 6)]
-        assert kinds == set(expected[: len(specs)])
+        windows = [getattr(spec, "sliding_window", None) for spec in specs]
+        expected = {
+            (i, "sliding_window" if w else "full_attention", w) for i, w in enumerate(windows)
+        }
+        assert kinds == expected
     finally:
         publisher.close()
         sub.sub.close(linger=0)
