@@ -102,38 +102,46 @@ def test_every_admission_takes_the_best_ranked_waiting_requests() -> None:
     assert arrived > 100
 
 
-def test_priority_preempts_the_lowest_priority_and_readmits_it_in_rank_order() -> None:
+@pytest.mark.parametrize(
+    ("policy", "priorities", "want"),
+    [
+        ("fcfs", (0, 0, 0), ("B", "victim first")),
+        ("priority", (2, 1, 0), ("A", "C first")),
+        # The victim outranks C, or ties it and arrived first: it goes back ahead of C.
+        ("priority", (0, 1, 2), ("B", "victim first")),
+        ("priority", (0, 1, 1), ("B", "victim first")),
+    ],
+    ids=["fcfs", "victim-ranks-last", "victim-outranks", "victim-ties-older"],
+)
+def test_priority_preempts_the_lowest_priority_and_readmits_it_in_rank_order(
+    policy: str, priorities: tuple[int, int, int], want: tuple[str, str]
+) -> None:
     """A runs, then B joins it, then C waits for a seat; A and B outgrow a pool that holds
     one of them. fcfs preempts B (the last to arrive) and readmits it before C (a
-    preempted request arrived before everyone waiting); priority (A 2, B 1, C 0) preempts A,
-    the lowest, though B joined later, and readmits it after C."""
-    seen = {}
-    for policy in ("fcfs", "priority"):
-        # 9 blocks of 4 tokens (8 usable); A and B each grow to 8 + 20 tokens, 7 blocks.
-        sched = scheduler(policy, num_blocks=9)
-        ranked = policy == "priority"  # fcfs serves only priority 0
-        steps: list[SchedulerOutput] = []
-        for rid, priority, n, max_tokens in (("A", 2, 8, 20), ("B", 1, 8, 20), ("C", 0, 4, 2)):
-            assert add(sched, rid, n, max_tokens, priority if ranked else 0) is None
-            steps.append(step(sched)[0])
-        finished: list[str] = []
-        while sched.has_unfinished_requests():
-            so, outs = step(sched)
-            steps.append(so)
-            finished += [o.request_id for o in outs if o.finish_reason == "length"]
-        assert sorted(finished) == ["A", "B", "C"]
-        first = next(i for i, so in enumerate(steps) if so.preempted_req_ids)
-        (victim,) = steps[first].preempted_req_ids
-        back = next(
-            i for i, so in enumerate(steps) if i > first and victim in so.cached_reqs.req_ids
-        )
-        c_in = next(i for i, so in enumerate(steps) if "C" in [r.req_id for r in so.new_reqs])
-        assert c_in > first  # C waited for a seat until after the preemption
-        seen[policy] = (
-            victim,
-            "victim first" if back < c_in else "C first" if c_in < back else "same step",
-        )
-    assert seen == {"fcfs": ("B", "victim first"), "priority": ("A", "C first")}
+    preempted request arrived before everyone waiting); priority preempts the lowest
+    ranked running request (A at 2 against B at 1, though B joined later) and readmits it
+    in rank order with C (priority, then arrival)."""
+    # 9 blocks of 4 tokens (8 usable); A and B each grow to 8 + 20 tokens, 7 blocks.
+    sched = scheduler(policy, num_blocks=9)
+    steps: list[SchedulerOutput] = []
+    for (rid, n, max_tokens), priority in zip(
+        (("A", 8, 20), ("B", 8, 20), ("C", 4, 2)), priorities
+    ):
+        assert add(sched, rid, n, max_tokens, priority) is None
+        steps.append(step(sched)[0])
+    finished: list[str] = []
+    while sched.has_unfinished_requests():
+        so, outs = step(sched)
+        steps.append(so)
+        finished += [o.request_id for o in outs if o.finish_reason == "length"]
+    assert sorted(finished) == ["A", "B", "C"]
+    first = next(i for i, so in enumerate(steps) if so.preempted_req_ids)
+    (victim,) = steps[first].preempted_req_ids
+    back = next(i for i, so in enumerate(steps) if i > first and victim in so.cached_reqs.req_ids)
+    c_in = next(i for i, so in enumerate(steps) if "C" in [r.req_id for r in so.new_reqs])
+    assert c_in > first  # C waited for a seat until after the preemption
+    order = "victim first" if back < c_in else "C first" if c_in < back else "same step"
+    assert (victim, order) == want
 
 
 def test_a_priority_under_fcfs_fails_alone() -> None:
