@@ -18,6 +18,12 @@ from cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
 LINES = [json.dumps({"prompt_token_ids": p, "temperature": 0, "max_tokens": 8}) for p in PROMPTS]
+# With prompt logprobs too: every rank takes the prompt positions' logits (the LM head
+# gathers across ranks), rank 0 answers.
+TP_LINES = [
+    *LINES,
+    json.dumps({"prompt_token_ids": PROMPTS[1], "max_tokens": 2, "prompt_logprobs": 2}),
+]
 
 
 class Cluster:
@@ -107,24 +113,42 @@ def test_external_workers_give_the_spawned_outputs(llama_dir: Path, tmp_path: Pa
     spawned_dir, external_dir = tmp_path / "spawned", tmp_path / "external"
     spawned_dir.mkdir()
     external_dir.mkdir()
-    proc, spawned = generate_cli(llama_dir, LINES, spawned_dir, "--tp", "2", "--block-size", "4")
+    proc, spawned = generate_cli(llama_dir, TP_LINES, spawned_dir, "--tp", "2", "--block-size", "4")
     assert proc.returncode == 0, proc.stderr
+    _check_prompt_logprobs(llama_dir, spawned[-1])
     cluster = Cluster(2, tmp_path, tcp=True)
     try:
-        inp, out = _write_lines(external_dir, LINES)
+        inp, out = _write_lines(external_dir, TP_LINES)
         gen, watch = cluster.start_core(inp, out, "--model", str(llama_dir), "--block-size", "4")
         for rank in (1, 0):  # any order: the core waits for both
             cluster.start(rank, llama_dir, "--block-size", "4")
         assert gen.wait(timeout=600) == 0, watch.join()
         external = [json.loads(x) for x in out.read_text().splitlines()]
-        assert len(external) == len(spawned) == len(LINES)
+        assert len(external) == len(spawned) == len(TP_LINES)
         assert [r["token_ids"] for r in external] == [r["token_ids"] for r in spawned]
-        assert all(len(r["token_ids"]) == 8 for r in external)
+        assert all(len(r["token_ids"]) == 8 for r in external[: len(LINES)])
+        assert external[-1]["prompt_logprobs"] == spawned[-1]["prompt_logprobs"]
         # The core's shutdown reaches the external workers: they exit by themselves.
         for worker in cluster.workers.values():
             assert worker.wait(timeout=60) == 0
     finally:
         cluster.stop()
+
+
+def _check_prompt_logprobs(model: Path, result: dict) -> None:
+    """A TP 2 run's prompt logprobs: a log-softmax of transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = result["prompt_token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    entries = result["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    for i, entry in enumerate(entries[1:], start=1):
+        assert abs(entry["logprob"] - float(want[i - 1, prompt[i]])) < 1e-4, i
+        assert entry["top_token_ids"] == want[i - 1].topk(2).indices.tolist(), i
 
 
 def test_a_worker_that_never_arrives_is_named(llama_dir: Path, tmp_path: Path) -> None:

@@ -313,7 +313,12 @@ BAD_BODIES = {
     "n too large": ({"prompt": "x", "n": 17}, "n", "invalid_value"),
     "5 stop strings": ({"prompt": "x", "stop": list("abcde")}, "stop", "invalid_value"),
     "penalty": ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
-    "logit_bias": ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "unsupported_parameter"),
+    "logit_bias out of range": (
+        {"prompt": "x", "logit_bias": {"5": 101}},
+        "logit_bias",
+        "invalid_value",
+    ),
+    "suffix": ({"prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
     "top_p": ({"prompt": "x", "top_p": 0}, "top_p", "invalid_value"),
     # The server runs the default fcfs policy: only priority 0 is served.
     "priority without its policy": ({"prompt": "x", "priority": 3}, "priority", "invalid_value"),
@@ -409,8 +414,9 @@ def test_echo_puts_each_prompt_before_its_completions(
     assert echoed.usage == plain.usage  # the echo is text, not tokens
     chunks = list(client.completions.create(prompt=PROMPT_TEXT, echo=True, stream=True, **args))
     assert "".join(ch.choices[0].text for ch in chunks) == PROMPT_TEXT + plain.choices[0].text
+    # With logprobs (not streamed): the prompt's tokens lead them (test_sampling_options).
     status, answer = post(
-        f"{server.url}/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}
+        f"{server.url}/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}
     )
     assert status == 400 and answer["error"]["param"] == "echo", answer
 
