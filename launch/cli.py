@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, get_args
@@ -111,40 +112,31 @@ def parse_bytes(name: str):
     return parse
 
 
-def _fraction(name: str):
-    def parse(text: str) -> float:
+def _ranged(name: str, kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str):
+    """An argparse type: text read as kind, then checked by ok; errors name the flag."""
+
+    def parse(text: str) -> Any:
         try:
-            value = float(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {text}")
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {text}")
         return value
 
     return parse
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be an integer, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"--port must be in [0, 65535], got {value}")
-    return value
 
 
 def _positive(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
+    return _ranged(name, int, lambda v: v >= 1, ">= 1")
 
-    return parse
+
+def _fraction(name: str):
+    return _ranged(name, float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+_port = _ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
 # WorkerConfig's few own defaults (settings no launcher but this one sets).
