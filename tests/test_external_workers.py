@@ -22,7 +22,9 @@ LINES = [json.dumps({"prompt_token_ids": p, "temperature": 0, "max_tokens": 8}) 
 # gathers across ranks), rank 0 answers.
 TP_LINES = [
     *LINES,
-    json.dumps({"prompt_token_ids": PROMPTS[1], "max_tokens": 2, "prompt_logprobs": 2}),
+    json.dumps(
+        {"prompt_token_ids": PROMPTS[1], "temperature": 0, "max_tokens": 2, "prompt_logprobs": 2}
+    ),
 ]
 
 
