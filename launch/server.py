@@ -264,8 +264,20 @@ class OpenAIServer:
                 echo = [p if isinstance(p, str) else self.engine.inputs.decode(p) for p in prompts]
             except ValueError as e:
                 raise APIError(str(e), param="echo", code="invalid_value") from None
+        max_tokens = body.max_tokens
+        prompt_only = max_tokens == 0 and body.echo
+        if prompt_only:
+            # Scoring a text (its echo and, with logprobs, its tokens' logprobs): the engine
+            # generates at least one token, which the answer leaves out.
+            if body.stream:
+                raise APIError(
+                    "max_tokens 0 (echo only) is not streamed: send stream false",
+                    param="max_tokens",
+                    code="invalid_value",
+                )
+            max_tokens = 1
         return await self._generate(
-            request, body, ids, body.max_tokens, "cmpl", chat=False, echo=echo
+            request, body, ids, max_tokens, "cmpl", chat=False, echo=echo, prompt_only=prompt_only
         )
 
     async def chat(self, request: Request) -> Response:
@@ -305,9 +317,11 @@ class OpenAIServer:
         prefix: str,
         chat: bool,
         echo: list[str] | None = None,
+        prompt_only: bool = False,
     ) -> Response:
         """Check every prompt's parameters, then send them all as one stream. echo: each
-        prompt's text, to answer before its completions (completions' echo)."""
+        prompt's text, to answer before its completions (completions' echo); prompt_only:
+        answer the echo alone (max_tokens 0), not the token generated."""
         engine = self.engine
         params = [
             sampling_params(
@@ -335,7 +349,7 @@ class OpenAIServer:
         stream = engine.generate_many(
             prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
         )
-        call = _Call(self, body, stream, request_id, chat, params[0], echo)
+        call = _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only)
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
@@ -396,9 +410,11 @@ class _Call:
         chat: bool,
         params: SamplingParams,
         echo: list[str] | None = None,
+        prompt_only: bool = False,
     ) -> None:
         self.server = server
         self.echo = echo
+        self.prompt_only = prompt_only
         self.body = body
         self.stream = stream
         self.id = request_id
@@ -444,7 +460,8 @@ class _Call:
         """Each prompt counted once (its first copy's cache hits: later copies hit what
         the first brought in), completion tokens of every choice."""
         cached = sum(c.num_cached for c in self.choices[:: self.n])
-        return usage(self.num_prompt_tokens, self.timer.num_tokens, cached)
+        generated = 0 if self.prompt_only else self.timer.num_tokens
+        return usage(self.num_prompt_tokens, generated, cached)
 
     def _token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
@@ -487,6 +504,9 @@ class _Call:
             return error_response(e)
         choices = []
         for i, c in enumerate(self.choices):
+            if self.prompt_only:  # the one token generated is not part of the answer
+                c.ids, c.texts = [], []
+                c.logprobs = None if c.logprobs is None else []
             text = "".join(c.texts)
             echo = "" if self.echo is None else self.echo[c.prompt]
             choice: dict[str, Any] = {"index": i}

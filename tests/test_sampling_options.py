@@ -586,11 +586,24 @@ def test_prompt_logprobs_and_echo_with_logprobs_through_the_server(
     assert len(lp.tokens) == len(ids) + 2 and lp.text_offset[0] == 0
     assert all(x <= 0 for x in lp.token_logprobs[len(ids) :])
     assert echoed.choices[0].model_extra["token_ids"] == ref.token_ids
-    status, answer = post(
-        f"{server.url}/v1/completions",
-        {"prompt": ids, "echo": True, "logprobs": 1, "stream": True},
+    # max_tokens 0 with echo: scoring a text, the prompt's logprobs alone.
+    scored = client.completions.create(
+        **{**kw, "max_tokens": 0},
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    assert status == 400 and answer["error"]["param"] == "echo", answer
+    lp = scored.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(want)
+    assert len(lp.tokens) == len(ids) and scored.choices[0].model_extra["token_ids"] == []
+    assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
+    for body, param in (
+        ({"prompt": ids, "echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"prompt": ids, "echo": True, "max_tokens": 0, "stream": True}, "max_tokens"),
+        ({"prompt": ids, "max_tokens": 0}, "max_tokens"),
+    ):
+        status, answer = post(f"{server.url}/v1/completions", body)
+        assert status == 400 and answer["error"]["param"] == param, answer
 
 
 @pytest.mark.parametrize(
