@@ -248,6 +248,24 @@ def test_a_logit_bias_moves_greedy_tokens_as_a_reference_says(llm: LLM, hf: HFRe
         assert lp.logprob == pytest.approx(float(raw[got.token_ids[i]]), abs=1e-4)
 
 
+def test_a_frequency_penalty_grows_with_each_repetition(llm: LLM, hf: HFReference) -> None:
+    """A logit bias makes the plain run's first token come back again and again; the
+    frequency penalty (per occurrence, OpenAI's) pushes it down further each time, which a
+    penalty per distinct token would not (the greedy run above never repeats a token)."""
+    first = hf.greedy(PROMPT, SamplingParams(max_tokens=1, temperature=0))[0]
+    params = SamplingParams(
+        max_tokens=STEPS,
+        temperature=0,
+        ignore_eos=True,
+        logit_bias={first: 4.0},
+        frequency_penalty=0.9,
+    )
+    want = hf.greedy(PROMPT, params)
+    assert want.count(first) >= 3  # the case this test is about
+    (got,) = llm.generate([PROMPT], params, use_tqdm=False)
+    assert got.token_ids == want
+
+
 def test_batched_penalties_equal_the_definitions() -> None:
     import numpy as np
 
