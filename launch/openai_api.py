@@ -240,18 +240,12 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[str]:
-        return []
-
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None
     tokens: list[int]
-
-    def unsupported(self) -> list[str]:
-        return []
 
 
 def decode_body(
@@ -271,7 +265,7 @@ def decode_body(
         raise APIError(text, param=at.group(1) if at else None, code=code) from None
     except msgspec.DecodeError as e:
         raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
-    bad = body.unsupported()
+    bad = body.unsupported() if isinstance(body, _Request) else []
     if bad:
         raise APIError(
             f"{', '.join(bad)}: not supported yet by this server (leave at the default)",

@@ -216,17 +216,9 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
         self._check_model(body.model)
-        vocab = self.engine.vocab_size
-        for t in body.tokens:
-            if not 0 <= t < vocab:
-                raise APIError(
-                    f"token id {t} is outside the vocabulary [0, {vocab})",
-                    param="tokens",
-                    code="invalid_value",
-                )
-        try:
-            text = self.engine.inputs.decode(body.tokens)
-        except ValueError as e:
+        try:  # the range check every token-id prompt gets
+            text = self.engine.inputs.decode(self.engine.prompt_token_ids(body.tokens))
+        except (TypeError, ValueError) as e:
             raise APIError(str(e), param="tokens", code="invalid_value") from None
         return json_response({"prompt": text})
 

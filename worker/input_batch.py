@@ -89,9 +89,8 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         self.logit_biased = np.zeros(max_num_reqs, dtype=bool)
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
-        # The row uses penalties, min_tokens, logprobs or a logit bias: a step whose rows
-        # all say no
-        # skips that work after one check.
+        # The row uses penalties, min_tokens, logprobs, prompt logprobs or a logit bias: a
+        # step whose rows all say no skips that work after one check.
         self.extras = np.zeros(max_num_reqs, dtype=bool)
         self.num_extras = 0  # rows with extras set: 0 skips even that check
         self._row_arrays = (
