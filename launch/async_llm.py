@@ -348,7 +348,7 @@ class AsyncLLM:
         defaults), cache salt and priority; raises naming `what`."""
         params = params if params is not None else p.sampling_params
         params = SamplingParams() if params is None else params
-        params = checked_params(params, what, self.vocab_size)
+        params = checked_params(params, what, self.vocab_size, self.inputs)
         priority = p.priority if priority is None else priority
         try:
             self.engine.check_priority(priority)

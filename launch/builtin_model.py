@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from launch.tokenizer import BYTE_TOKENIZER_FILE
+from worker.structured_output import BYTE_TOKENIZER_FILE
 
 NAME = "builtin-tiny-llama-v1"
 SEED = 1234

@@ -21,6 +21,7 @@ from typing import Any, get_args
 import msgspec
 
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.openai_api import StructuredOutputsBody
 from protocol.config import (
     DType,
     GenerationConfigMode,
@@ -59,6 +60,8 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
     # Token id (a JSON object's key, so a string of digits) -> value in [-100, 100].
     logit_bias: dict[int, float] | None = None
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...}
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 # Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
@@ -434,6 +437,8 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
             options = {k: getattr(line, k) for k in _LINE_OPTIONS if getattr(line, k) is not None}
             if isinstance(line.stop, str):
                 options["stop"] = [line.stop]
+            if line.structured_outputs is not None:
+                options["structured_outputs"] = line.structured_outputs.to_wire()
             params = SamplingParams(
                 max_tokens=_pick(line.max_tokens, args.max_tokens),
                 temperature=_pick(line.temperature, args.temperature),

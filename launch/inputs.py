@@ -14,6 +14,7 @@ import msgspec
 from launch.chat import ChatTemplate, load_chat_template
 from launch.tokenizer import Tokenizer, load_tokenizer
 from protocol.engine import SamplingParams
+from worker.structured_output import grammar_of
 
 
 @dataclass
@@ -43,9 +44,12 @@ def to_prompt(item: object) -> Prompt:
     raise TypeError(f"a prompt is a str, a list of token ids or a Prompt, not {item!r}")
 
 
-def checked_params(params: object, what: str, vocab_size: int) -> SamplingParams:
+def checked_params(
+    params: object, what: str, vocab_size: int, inputs: InputProcessor | None = None
+) -> SamplingParams:
     """params, if it is a SamplingParams whose fields have the declared types and sane
-    values (msgspec does not check types at construction: 8.0 would reach the wire).
+    values (msgspec does not check types at construction: 8.0 would reach the wire), and
+    whose structured output compiles (for inputs' model, which needs a tokenizer for it).
     what names the request in errors ("prompt 3")."""
     if not isinstance(params, SamplingParams):
         raise TypeError(
@@ -57,6 +61,13 @@ def checked_params(params: object, what: str, vocab_size: int) -> SamplingParams
         raise TypeError(f"{what}: SamplingParams: {e}") from None
     try:
         params.validate(vocab_size)
+        if params.structured_outputs is not None:
+            if inputs is not None and inputs.tokenizer is None:
+                raise ValueError(
+                    f"structured_outputs: model {inputs.model_dir} has no tokenizer "
+                    "(tokenizer.json), which they need"
+                )
+            grammar_of(params.structured_outputs)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
     return params

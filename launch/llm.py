@@ -111,7 +111,7 @@ class LLM:
         items = _as_prompt_list(prompts)
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
-        params = _per_prompt_params(sampling_params, len(items), self.vocab_size)
+        params = _per_prompt_params(sampling_params, len(items), self.vocab_size, self.inputs)
         results: list[CompletionOutput] = []
         pending: dict[str, tuple[int, SequenceState]] = {}
         summary = RunSummary()
@@ -127,7 +127,7 @@ class LLM:
                 request_params = default
                 if p.sampling_params is not None:
                     request_params = checked_params(
-                        p.sampling_params, f"prompt {index}", self.vocab_size
+                        p.sampling_params, f"prompt {index}", self.vocab_size, self.inputs
                     )
                 self.engine.check_priority(p.priority)
                 # Text only for stop strings: the whole text is decoded once at the end.
@@ -285,7 +285,10 @@ def _as_prompt_list(prompts: object) -> list:
 
 
 def _per_prompt_params(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int, vocab_size: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    n: int,
+    vocab_size: int,
+    inputs: InputProcessor,
 ) -> list[SamplingParams]:
     """One checked SamplingParams per prompt (raises before anything is sent)."""
     if params is None:
@@ -293,8 +296,8 @@ def _per_prompt_params(
     if isinstance(params, (list, tuple)):
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
-        return [checked_params(p, f"prompt {i}", vocab_size) for i, p in enumerate(params)]
-    checked = checked_params(params, "prompt 0", vocab_size)
+        return [checked_params(p, f"prompt {i}", vocab_size, inputs) for i, p in enumerate(params)]
+    checked = checked_params(params, "prompt 0", vocab_size, inputs)
     return [checked] * n
 
 

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from protocol.engine import Logprobs, SamplingParams
+from protocol.engine import Logprobs, SamplingParams, StructuredOutputs
+from worker.structured_output import grammar_of
 
 # OpenAI's legacy completions default; chat completions default to the context left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -77,6 +78,47 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's response_format: text, json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's structured_outputs: json (a schema, as an object or its JSON text),
+    json_object, regex, choice or grammar (Lark or GBNF)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def to_wire(self) -> StructuredOutputs:
+        schema = self.json
+        return StructuredOutputs(
+            json=schema if schema is None or isinstance(schema, str) else _json_text(schema),
+            json_object=self.json_object,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            disable_any_whitespace=self.disable_any_whitespace,
+        )
+
+
+def _json_text(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
+
+
 class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share."""
 
@@ -105,10 +147,51 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     # vLLM's: the prompt's tokens with their logprobs and that many alternatives.
     prompt_logprobs: int | None = None
+    # The output kept inside a language: OpenAI's response_format, or vLLM's extension.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
         return []
+
+    def structured(self) -> tuple[StructuredOutputs | None, str]:
+        """The wire's StructuredOutputs for response_format or structured_outputs (at most
+        one of them), and the field's name for errors."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text":
+            if so is not None:
+                raise APIError(
+                    "give response_format or structured_outputs, not both",
+                    param="structured_outputs",
+                    code="invalid_value",
+                )
+            if fmt.type == "json_object":
+                return StructuredOutputs(json_object=True), "response_format"
+            if fmt.json_schema is None:
+                raise APIError(
+                    "response_format of type json_schema needs a json_schema",
+                    param="response_format",
+                    code="missing_required_parameter",
+                )
+            schema = fmt.json_schema.schema
+            if schema is None:
+                return StructuredOutputs(json_object=True), "response_format"
+            return StructuredOutputs(json=_json_text(schema)), "response_format"
+        if so is None:
+            return None, "structured_outputs"
+        schema_text = (
+            so.json if so.json is None or isinstance(so.json, str) else _json_text(so.json)
+        )
+        spec = StructuredOutputs(
+            json=schema_text,
+            json_object=so.json_object,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
+        return spec, "structured_outputs"
 
     def num_prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with; None: none."""
@@ -202,7 +285,6 @@ class ChatCompletionRequest(_Request, kw_only=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -212,8 +294,6 @@ class ChatCompletionRequest(_Request, kw_only=True):
             bad.append("tools")
         if self.tool_choice not in (None, "none"):
             bad.append("tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            bad.append("response_format")
         return bad
 
     def num_logprobs(self) -> int | None:
@@ -282,9 +362,11 @@ def sampling_params(
     max_model_len: int,
     vocab_size: int,
     which: str = "the prompt",
+    has_tokenizer: bool = True,
 ) -> SamplingParams:
     """The engine's SamplingParams for body, checked; max_tokens None: default. which
-    names the prompt in errors ("prompt 3" of several)."""
+    names the prompt in errors ("prompt 3" of several); has_tokenizer: whether the model
+    has one (structured outputs need it)."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(
@@ -303,6 +385,7 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    structured, structured_param = body.structured()
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -320,6 +403,7 @@ def sampling_params(
         logprobs=body.num_logprobs(),
         logit_bias=body.logit_bias or None,
         prompt_logprobs=body.num_prompt_logprobs(),
+        structured_outputs=structured,
     )
     try:
         params.validate(vocab_size)
@@ -327,7 +411,21 @@ def sampling_params(
         param = str(e).split()[0]
         if param == "logprobs" and isinstance(body, ChatCompletionRequest):
             param = "top_logprobs"
+        elif param == "structured_outputs":
+            param = structured_param
         raise APIError(str(e), param=param, code="invalid_value") from None
+    if structured is not None:
+        if not has_tokenizer:
+            raise APIError(
+                f"{structured_param}: this model has no tokenizer (tokenizer.json), which "
+                "structured outputs need",
+                param=structured_param,
+                code="invalid_value",
+            )
+        try:
+            grammar_of(structured)
+        except ValueError as e:
+            raise APIError(str(e), param=structured_param, code="invalid_value") from None
     return params
 
 

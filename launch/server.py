@@ -323,6 +323,7 @@ class OpenAIServer:
                 engine.max_model_len,
                 engine.vocab_size,
                 f"prompt {i}" if len(prompts) > 1 else "the prompt",
+                engine.inputs.tokenizer is not None,
             )
             for i, ids in enumerate(prompts)
         ]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
-BYTE_TOKENIZER_FILE = "pagedserve_tokenizer.json"
+from worker.structured_output import read_byte_tokenizer
 
 
 class Tokenizer(Protocol):
@@ -55,11 +54,5 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     directory = Path(model_dir)
     if (directory / "tokenizer.json").exists():
         return HFTokenizer(directory / "tokenizer.json")
-    marker = directory / BYTE_TOKENIZER_FILE
-    if marker.exists():
-        try:
-            spec = json.loads(marker.read_text())
-            return ByteTokenizer(spec["bos_token_id"], spec["eos_token_id"])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{marker}: malformed byte tokenizer description: {e}") from None
-    return None
+    byte = read_byte_tokenizer(directory)
+    return None if byte is None else ByteTokenizer(*byte)

@@ -30,6 +30,72 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: bounds a step's sampling work
+# A structured-output spec's text (schema, regex, grammar, choices together): bounds the
+# worker's compile of it, which runs on the step's thread.
+MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
+MAX_CHOICES = 256
+
+
+class StructuredOutputs(
+    msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """Constrain a request's output to a language (vLLM's StructuredOutputsParams): exactly
+    one of a JSON Schema (`json`, as JSON text), any JSON object (`json_object`), a
+    regular expression (`regex`, Rust regex syntax, matching the whole output), one of
+    several strings (`choice`) or a grammar (`grammar`: Lark, or llama.cpp's GBNF).
+    Each worker masks every token the language cannot continue with, and allows only
+    EOS once it is complete. disable_any_whitespace: JSON without optional whitespace
+    (by default a model may put whitespace between JSON tokens, as vLLM's does).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def kind(self) -> str:
+        """The one constraint set: "json", "json_object", "regex", "choice" or "grammar"
+        (ValueError when none or several are)."""
+        given = [
+            name
+            for name, value in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
+            )
+            if value
+        ]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice "
+                f"and grammar (got {found})"
+            )
+        return given[0]
+
+    def validate(self) -> None:
+        """Shape and size only; whether the language parses is the worker module's check
+        (worker/structured_output.py), run at the boundary too."""
+        kind = self.kind()
+        size = sum(len(x) for x in (self.json or "", self.regex or "", self.grammar or ""))
+        if self.choice is not None:
+            if not self.choice or len(self.choice) > MAX_CHOICES:
+                raise ValueError(
+                    f"structured_outputs choice takes 1 to {MAX_CHOICES} strings, "
+                    f"got {len(self.choice)}"
+                )
+            if not all(self.choice):
+                raise ValueError("structured_outputs choice strings must not be empty")
+            size += sum(len(c) for c in self.choice)
+        if size > MAX_STRUCTURED_OUTPUT_BYTES:
+            raise ValueError(
+                f"structured_outputs {kind} is {size} characters; at most "
+                f"{MAX_STRUCTURED_OUTPUT_BYTES}"
+            )
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -67,6 +133,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # alternatives; the request then skips the prefix cache (a cached token has no
     # logits), as vLLM's do.
     prompt_logprobs: int | None = None
+    # The output must be in this language (JSON Schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -129,6 +197,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     )
                 if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
                     raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
+            # The language decides where the output ends (EOS, once it is complete).
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be combined with structured_outputs: the output "
+                    "ends when its language is complete"
+                )
+            if self.ignore_eos:
+                raise ValueError(
+                    "ignore_eos cannot be combined with structured_outputs: the output "
+                    "ends with EOS when its language is complete"
+                )
 
     def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
         """Every field set: unset ones from defaults, a temperature below

@@ -404,6 +404,7 @@ class InputBatch:
             or params.logprobs is not None
             or biased
             or prompt_lp is not None
+            or params.structured_outputs is not None
         )
         self.extras[row] = extras
         self.num_extras += extras

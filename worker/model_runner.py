@@ -51,6 +51,7 @@ from worker.sampler import (
     sample,
 )
 from worker.staging import StepBuffers
+from worker.structured_output import GrammarMatchers
 from worker.weights import iterate_weights
 
 log = logging.getLogger("pagedserve.worker")
@@ -230,6 +231,8 @@ class ModelRunner:
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generators: dict[str, torch.Generator] = {}
+        # Requests whose output must stay inside a language (structured outputs).
+        self.grammars = GrammarMatchers(config.model, self.eos_token_ids)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._in_flight: InFlight | None = None  # launched, not yet collected
         self.clock = DeviceClock.from_env()  # benchmarks only
@@ -451,9 +454,15 @@ class ModelRunner:
         schedules no tokens). While a step is in flight (the worker plans its successor
         before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
+        grammars = self.grammars
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
+            if grammars:
+                grammars.drop(rid)
         batch.apply(so)
+        for r in so.new_reqs:
+            if r.sampling_params.structured_outputs is not None:
+                grammars.add(r.req_id, r.sampling_params.structured_outputs)
         if so.total_num_scheduled_tokens == 0:
             return None
         if self.clock is not None:
@@ -653,6 +662,8 @@ class ModelRunner:
                 logprobs[i] = lp
             step.logprobs = logprobs
         self._in_flight = None
+        if self.grammars:
+            self.grammars.consume(step.sampling_req_ids, tokens)
         self.batch.fill_reserved(
             step.sampling_req_ids,
             tokens,
@@ -699,6 +710,13 @@ class ModelRunner:
                 ],
                 device,
             )
+        if self.grammars:
+            allowed = self.grammars.fill_bitmask(req_ids)
+            if allowed is not None:
+                sampling.allowed = (
+                    torch.tensor(allowed[0], dtype=torch.int64, device=device),
+                    torch.from_numpy(allowed[1]).to(device),
+                )
         early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)
         if early.size:
             # Below min_tokens nothing that would stop the request may be sampled.

@@ -97,6 +97,9 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, values) added to the logits first (SamplingParams.logit_bias).
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows [K] int64, bitmasks [K, W] int32): only the tokens whose bit is set may be
+    # sampled in those rows (structured outputs; bit j of word w is token 32 * w + j).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -166,6 +169,20 @@ def logit_bias_tensors(
     )
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor
+) -> torch.Tensor:
+    """A new [N, V] tensor: in each of rows, -inf for every token whose bit is clear in
+    that row's bitmask (and for tokens past the bitmask's width)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1)
+    vocab = logits.shape[-1]
+    if bits.shape[1] < vocab:
+        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
+    masked = logits.index_select(0, rows).masked_fill(bits[:, :vocab] == 0, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The per-request generator a caller keeps for a request with a seed."""
     gen = torch.Generator(device=device)
@@ -192,6 +209,8 @@ def sample(
         logits = apply_penalties(logits, tensors.penalties)
     if tensors.banned is not None:
         logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
+    if tensors.allowed is not None:
+        logits = apply_token_bitmask(logits, *tensors.allowed)
     greedy_tokens = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return greedy_tokens
