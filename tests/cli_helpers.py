@@ -33,7 +33,11 @@ def generate_cmd(inp: Path, out: Path, *flags: str, model: Path | str | None = N
 
 
 def generate_cli(
-    model: Path | str, lines: list[str], tmp: Path, *flags: str, env: dict[str, str] | None = None
+    model: Path | str | None,
+    lines: list[str],
+    tmp: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     """Run generate over raw input lines; (the process, the parsed output lines). env adds
     variables to the tests' environment."""
