@@ -44,8 +44,8 @@ class StructuredOutputs(
     regular expression (`regex`, Rust regex syntax, matching the whole output), one of
     several strings (`choice`) or a grammar (`grammar`: Lark, or llama.cpp's GBNF).
     Each worker masks every token the language cannot continue with, and allows only
-    EOS once it is complete. disable_any_whitespace: JSON without optional whitespace
-    (by default a model may put whitespace between JSON tokens, as vLLM's does).
+    EOS once it is complete. JSON may hold up to 32 whitespace characters between two of
+    its tokens (pretty-printing), or none with disable_any_whitespace.
     """
 
     json: str | None = None

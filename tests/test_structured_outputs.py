@@ -19,7 +19,7 @@ import pytest
 import torch
 from cli_helpers import CPU, generate_cli
 
-from launch import LLM, SamplingParams
+from launch import LLM, Prompt, SamplingParams
 from launch.builtin_model import builtin_model_dir
 from protocol.engine import StructuredOutputs
 from worker.sampler import apply_token_bitmask
@@ -167,3 +167,140 @@ def test_constrained_greedy_equals_transformers_with_the_same_masks(
         check_language(kind, r["text"])
     if mode == "preemption":
         assert int(re.search(r"preemptions: (\d+)", proc.stderr).group(1)) > 0, proc.stderr
+
+
+# -- the pieces --------------------------------------------------------------------------
+
+
+def test_apply_token_bitmask_masks_exactly_the_clear_bits_of_its_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 70, generator=gen)
+    rows = torch.tensor([3, 0])
+    words = torch.randint(-(2**31), 2**31 - 1, (2, 2), dtype=torch.int32, generator=gen)
+    got = apply_token_bitmask(logits, rows, words)  # 64 bits for 70 tokens: 64..69 banned
+    want = logits.clone()
+    for k, row in enumerate(rows.tolist()):
+        for t in range(70):
+            word = int(words[k, t // 32]) & 0xFFFFFFFF if t < 64 else 0
+            if not (word >> (t % 32)) & 1:
+                want[row, t] = float("-inf")
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)  # a new tensor; the input is left as it was
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutputs(), "exactly one of"),
+        (StructuredOutputs(regex="a", choice=["a"]), "got regex, choice"),
+        (StructuredOutputs(choice=[]), "choice takes 1 to"),
+        (StructuredOutputs(choice=["a", ""]), "must not be empty"),
+        (StructuredOutputs(regex="a" * 70_000), "at most"),
+        (StructuredOutputs(regex="a(b"), "unclosed group"),
+        (StructuredOutputs(json='{"type": "foo"}'), "foo"),
+        (StructuredOutputs(json="[1]"), "a JSON Schema is a JSON object"),
+        (StructuredOutputs(json="{"), "structured_outputs json"),
+        (StructuredOutputs(grammar='start: "a" | missing'), "missing"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_what_is_wrong(spec: StructuredOutputs, message: str) -> None:
+    with pytest.raises(ValueError, match="structured_outputs") as e:
+        grammar_of(spec)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(min_tokens=2), "min_tokens cannot be combined"),
+        (dict(ignore_eos=True), "ignore_eos cannot be combined"),
+    ],
+)
+def test_options_that_would_fight_the_language_are_refused(params: dict, message: str) -> None:
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="a"), **params)
+    with pytest.raises(ValueError, match=message):
+        p.validate()
+
+
+def _allowed(words: np.ndarray) -> list[int]:
+    return np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")).tolist()
+
+
+def test_matchers_follow_each_request_and_a_broken_one_may_only_end(tmp_path: Path) -> None:
+    grammars = GrammarMatchers(builtin_model_dir(), [EOS])
+    grammars.add("a", StructuredOutputs(regex="ab"))
+    # Past the boundary checks (a client of the core's protocol): ends at once, alone.
+    grammars.add("bad", StructuredOutputs(regex="a(b"))
+    grammars.add("c", StructuredOutputs(choice=["x", "yz"]))
+    rows, words = grammars.fill_bitmask(["free", "a", "bad", "c"])
+    assert rows == [1, 2, 3]
+    assert [_allowed(w) for w in words] == [[ord("a")], [EOS], [ord("x"), ord("y")]]
+    grammars.consume(["free", "a", "c"], [5, ord("a"), ord("y")])
+    rows, words = grammars.fill_bitmask(["a", "c"])
+    assert [_allowed(w) for w in words] == [[ord("b")], [ord("z")]]
+    grammars.consume(["a", "c"], [ord("b"), ord("z")])
+    assert [_allowed(w) for w in grammars.fill_bitmask(["a", "c"])[1]] == [[EOS], [EOS]]
+    # EOS ends them; a token a planned-ahead step sampled after it changes nothing.
+    grammars.consume(["a", "a"], [EOS, 7])
+    assert _allowed(grammars.fill_bitmask(["a"])[1][0]) == [EOS]
+    for r in ("a", "bad", "c"):
+        grammars.drop(r)
+    assert not grammars and grammars.fill_bitmask(["a"]) is None
+    # A model without a tokenizer: every constrained request may only end.
+    bare = GrammarMatchers(tmp_path, [3])
+    bare.add("r", StructuredOutputs(regex="ab"))
+    assert _allowed(bare.fill_bitmask(["r"])[1][0]) == [3]
+
+
+# -- the Python API and the command line --------------------------------------------------
+
+
+def test_seeded_constrained_samples_repeat_whatever_shares_the_batch() -> None:
+    spec = StructuredOutputs(regex="[a-z]{2,6}( [0-9]{1,3})?")
+    alone = SamplingParams(max_tokens=20, temperature=1.0, seed=11, structured_outputs=spec)
+    neighbour = SamplingParams(max_tokens=20, temperature=1.0, seed=5)
+    chooser = SamplingParams(
+        max_tokens=20, temperature=1.0, n=3, seed=2, structured_outputs=SPECS["choice"]
+    )
+    with LLM(device=CPU) as llm:
+        (first,) = llm.generate(["Word: "], alone, use_tqdm=False)
+        crowd = llm.generate(["x", "Word: ", "Pick: "], [neighbour, alone, chooser], use_tqdm=False)
+    assert crowd[1].token_ids == first.token_ids and first.finish_reason == "stop"
+    assert re.fullmatch("[a-z]{2,6}( [0-9]{1,3})?", first.text), first.text
+    assert [o.text in CHOICES for o in crowd[2:]] == [True] * 3
+    assert crowd[0].finish_reason == "length"
+
+
+def test_the_boundary_refuses_bad_specs_and_models_without_a_tokenizer(llama_dir: Path) -> None:
+    bad = SamplingParams(structured_outputs=StructuredOutputs(regex="a(b"))
+    with LLM(device=CPU) as llm:
+        with pytest.raises(ValueError, match="prompt 1: structured_outputs regex"):
+            llm.generate(["a", "b"], [SamplingParams(), bad], use_tqdm=False)
+        # One bad prompt among good ones, given with the prompt: it fails alone.
+        out = llm.generate(
+            ["ok", Prompt("bad", sampling_params=bad)],
+            SamplingParams(max_tokens=3, structured_outputs=SPECS["choice"]),
+            use_tqdm=False,
+        )
+        assert out[0].text in CHOICES and out[1].finish_reason == "error"
+        assert "unclosed group" in (out[1].error or "")
+    with LLM(str(llama_dir), device=CPU) as llm, pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(structured_outputs=SPECS["choice"]))
+
+
+def test_generate_lines_take_structured_outputs_and_a_bad_one_fails_alone(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        {"prompt": "Id: ", "max_tokens": 30, "structured_outputs": {"regex": "[A-Z]{2}[0-9]{4}"}},
+        {"prompt": "Id: ", "structured_outputs": {"regex": "[A-Z", "choice": ["a"]}},
+        {"prompt": "Obj: ", "max_tokens": 200, "structured_outputs": {"json": SCHEMA}},
+    ]
+    proc, results = generate_cli(None, [json.dumps(x) for x in lines], tmp_path)
+    assert proc.returncode != 0  # a line failed; the others ran
+    good, bad, obj = results
+    assert re.fullmatch("[A-Z]{2}[0-9]{4}", good["text"]) and good["finish_reason"] == "stop"
+    assert bad["finish_reason"] == "error" and "exactly one of" in bad["error"]
+    assert obj["finish_reason"] == "stop", obj
+    check_language("json", obj["text"])

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.worker")
 
+# What JSON may hold between two of its tokens: room for pretty-printing (a newline and
+# 15 levels of two-space indentation), bounded, so a model that keeps choosing whitespace
+# (some do, under an unbounded pattern) cannot spend a whole output on it.
+JSON_WHITESPACE = r"[ \t\r\n]{0,32}"
+
 # The built-in byte-level model's tokenizer description (no tokenizer.json): launch/
 # writes and reads it too.
 BYTE_TOKENIZER_FILE = "pagedserve_tokenizer.json"
@@ -63,7 +68,11 @@ def _grammar(key: bytes) -> str:
 
     spec = msgspec.msgpack.decode(key, type=StructuredOutputs)
     kind = spec.kind()
-    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    options: dict[str, object] = (
+        {"whitespace_flexible": False}
+        if spec.disable_any_whitespace
+        else {"whitespace_pattern": JSON_WHITESPACE}
+    )
     try:
         if kind == "json" or kind == "json_object":
             schema = spec.json if spec.json is not None else '{"type": "object"}'
