@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rng = random.Random(0)
     runs: dict[str, list[dict[str, Any]]] = {}
-    with LLM(a.model, device="cpu", log_level="warning") as llm:
+    context = a.prompt_tokens + a.tokens
+    with LLM(a.model, device="cpu", log_level="warning", max_model_len=context) as llm:
         vocab = min(llm.vocab_size, 256) if a.model is None else llm.vocab_size
         prompts = [
             [rng.randrange(1, vocab) for _ in range(a.prompt_tokens)] for _ in range(a.requests)

@@ -22,7 +22,7 @@ from cli_helpers import CPU, generate_cli
 from launch import LLM, Prompt, SamplingParams
 from launch.builtin_model import builtin_model_dir
 from protocol.engine import StructuredOutputs
-from worker.sampler import apply_token_bitmask
+from worker.sampler import SamplingTensors, sample, token_bans, unpack_bans
 from worker.structured_output import GrammarMatchers, grammar_of, grammar_tokenizer
 
 BOS, EOS = 256, 257  # the built-in model's byte tokenizer
@@ -172,21 +172,39 @@ def test_constrained_greedy_equals_transformers_with_the_same_masks(
 # -- the pieces --------------------------------------------------------------------------
 
 
-def test_apply_token_bitmask_masks_exactly_the_clear_bits_of_its_rows() -> None:
+def test_token_bans_are_exactly_the_clear_bits_and_the_tokens_past_them() -> None:
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 70, generator=gen)
-    rows = torch.tensor([3, 0])
-    words = torch.randint(-(2**31), 2**31 - 1, (2, 2), dtype=torch.int32, generator=gen)
-    got = apply_token_bitmask(logits, rows, words)  # 64 bits for 70 tokens: 64..69 banned
-    want = logits.clone()
-    for k, row in enumerate(rows.tolist()):
-        for t in range(70):
-            word = int(words[k, t // 32]) & 0xFFFFFFFF if t < 64 else 0
-            if not (word >> (t % 32)) & 1:
-                want[row, t] = float("-inf")
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 2), dtype=torch.int32, generator=gen)
+    got = token_bans(words.numpy(), 70, torch.device("cpu"))  # 64 bits for 70 tokens
+    want = torch.ones(3, 70, dtype=torch.bool)
+    for k in range(3):
+        for t in range(64):
+            want[k, t] = not (int(words[k, t // 32]) & 0xFFFFFFFF) >> (t % 32) & 1
     assert torch.equal(got, want)
-    assert not torch.equal(got, logits)  # a new tensor; the input is left as it was
-    assert torch.isfinite(logits).all()
+    assert torch.equal(unpack_bans(words)[:, :64], want[:, :64])  # the GPU's way
+    assert torch.equal(token_bans(words.numpy(), 40, torch.device("cpu")), want[:, :40])
+
+
+def test_the_sampler_masks_only_the_constrained_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    before = logits.clone()
+    ok = {1: [7, 9], 2: [3], 3: [0, 10, 20, 30]}  # row 0 is free
+    rows = torch.tensor(list(ok))
+    banned = torch.ones(3, 50, dtype=torch.bool)
+    for k, tokens in enumerate(ok.values()):
+        banned[k, tokens] = False
+    for temperature in (0.0, 1.5):
+        params = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0)] * 4
+        tensors = SamplingTensors.from_params(params, "cpu")
+        tensors.grammar = (rows, banned)
+        for draw in range(20):
+            tokens = sample(logits, tensors, [None] * 4, torch.Generator().manual_seed(draw))
+            assert all(int(tokens[r]) in allowed for r, allowed in ok.items()), tokens
+            if temperature == 0.0:
+                want_1 = 7 if logits[1, 7] > logits[1, 9] else 9
+                assert int(tokens[0]) == int(logits[0].argmax()) and int(tokens[1]) == want_1
+    assert torch.equal(logits, before)  # logprobs are taken from it after
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ from worker.sampler import (
     compute_logprobs,
     logit_bias_tensors,
     sample,
+    token_bans,
 )
 from worker.staging import StepBuffers
 from worker.structured_output import GrammarMatchers
@@ -711,11 +712,11 @@ class ModelRunner:
                 device,
             )
         if self.grammars:
-            allowed = self.grammars.fill_bitmask(req_ids)
-            if allowed is not None:
-                sampling.allowed = (
-                    torch.tensor(allowed[0], dtype=torch.int64, device=device),
-                    torch.from_numpy(allowed[1]).to(device),
+            found = self.grammars.fill_bitmask(req_ids)
+            if found is not None:
+                sampling.grammar = (
+                    torch.tensor(found[0], dtype=torch.int64, device=device),
+                    token_bans(found[1], vocab, device),
                 )
         early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)
         if early.size:

@@ -97,9 +97,9 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, values) added to the logits first (SamplingParams.logit_bias).
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # (rows [K] int64, bitmasks [K, W] int32): only the tokens whose bit is set may be
-    # sampled in those rows (structured outputs; bit j of word w is token 32 * w + j).
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows [K] int64, banned [K, V] bool): tokens those rows may not sample (structured
+    # outputs: what their languages cannot continue with; token_bans builds it).
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -169,18 +169,26 @@ def logit_bias_tensors(
     )
 
 
-def apply_token_bitmask(
-    logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor
-) -> torch.Tensor:
-    """A new [N, V] tensor: in each of rows, -inf for every token whose bit is clear in
-    that row's bitmask (and for tokens past the bitmask's width)."""
+def token_bans(words: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[K, vocab_size] bool, True where bit t % 32 of words[k, t // 32] is clear (and past
+    the bitmask's width): the tokens each row may not sample. On a GPU the words cross
+    to the device, 32x smaller than the mask, and are unpacked there."""
+    if device.type == "cpu":
+        bits = np.unpackbits(np.invert(words).view(np.uint8), axis=1, bitorder="little")
+        banned = torch.from_numpy(bits).view(torch.bool)
+    else:
+        banned = unpack_bans(torch.from_numpy(words).to(device))
+    k, width = banned.shape
+    if width >= vocab_size:
+        return banned[:, :vocab_size]
+    rest = torch.ones((k, vocab_size - width), dtype=torch.bool, device=banned.device)
+    return torch.cat([banned, rest], dim=1)
+
+
+def unpack_bans(words: torch.Tensor) -> torch.Tensor:
+    """token_bans' unpacking with tensor ops, for bitmask words already on the device."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1)
-    vocab = logits.shape[-1]
-    if bits.shape[1] < vocab:
-        bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
-    masked = logits.index_select(0, rows).masked_fill(bits[:, :vocab] == 0, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    return ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1) == 0
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -209,9 +217,13 @@ def sample(
         logits = apply_penalties(logits, tensors.penalties)
     if tensors.banned is not None:
         logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
-    if tensors.allowed is not None:
-        logits = apply_token_bitmask(logits, *tensors.allowed)
     greedy_tokens = logits.argmax(dim=-1)
+    grammar = tensors.grammar
+    if grammar is not None:
+        # Only the constrained rows are masked (a copy of them), not the whole batch.
+        rows, banned = grammar
+        constrained = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
+        greedy_tokens.index_copy_(0, rows, constrained.argmax(dim=-1))
     if tensors.all_greedy:
         return greedy_tokens
 
@@ -221,6 +233,8 @@ def sample(
         tensors.greedy, torch.ones_like(tensors.temperature), tensors.temperature
     )
     scaled = logits / temperature[:, None]
+    if grammar is not None:
+        scaled.index_copy_(0, rows, constrained / temperature.index_select(0, rows)[:, None])
     if tensors.any_top_k or tensors.any_top_p:
         scaled = _apply_top_k_top_p(scaled, tensors)
     probs = torch.softmax(scaled, dim=-1)
