@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,28 +138,37 @@ class _ByteTokens:
 
 
 class GrammarMatchers:
-    """The matchers of one worker's constrained requests, by request id. The tokenizer is
-    built on the first constrained request (a large vocabulary takes ~0.3 s). A request
-    whose spec does not compile (the launcher checks them; a client speaking the core's
-    protocol directly may not), or a model without a tokenizer, gets no matcher (None):
-    it may only end, with EOS, at once."""
+    """The matchers of one worker's constrained requests, by request id.
+
+    A matcher is compiled on a thread of its own (llguidance lets go of the GIL while it
+    builds one; a large schema takes tens of milliseconds, the tokenizer's trie ~0.3 s
+    the first time) while the request's prompt runs, and waited for only when its first
+    token is sampled. A request whose spec does not compile (the launcher checks them; a
+    client speaking the core's protocol directly may not), or a model without a
+    tokenizer, gets no matcher (None): it may only end, with EOS, at once."""
 
     def __init__(self, model_dir: str | Path, eos_token_ids: Sequence[int]) -> None:
         self.model_dir = model_dir
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self.matchers: dict[str, llguidance.LLMatcher | None] = {}
+        self._compiler: ThreadPoolExecutor | None = None
+        self.matchers: dict[str, llguidance.LLMatcher | Future | None] = {}
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
 
     def add(self, req_id: str, spec: StructuredOutputs) -> None:
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.matchers[req_id] = self._compiler.submit(self._compile, req_id, spec)
+
+    def _compile(self, req_id: str, spec: StructuredOutputs) -> llguidance.LLMatcher | None:
         from llguidance import LLMatcher
 
         matcher: LLMatcher | None = None
         try:
-            if self._tokenizer is None:
+            if self._tokenizer is None:  # one compiler thread: no race
                 self._tokenizer = grammar_tokenizer(self.model_dir, self.eos_token_ids)
             matcher = LLMatcher(self._tokenizer, grammar_of(spec), log_level=0)
             error = matcher.get_error() if matcher.is_error() else None
@@ -166,16 +176,26 @@ class GrammarMatchers:
             error = str(e)
         if error is not None:
             log.warning("request %r: bad structured output (%s); it ends at once", req_id, error)
-        self.matchers[req_id] = matcher
+        return matcher
+
+    def _ready(self, req_id: str) -> llguidance.LLMatcher | None:
+        m = self.matchers[req_id]
+        if isinstance(m, Future):
+            m = self.matchers[req_id] = m.result()
+        return m
 
     def drop(self, req_id: str) -> None:
-        self.matchers.pop(req_id, None)
+        m = self.matchers.pop(req_id, None)
+        if isinstance(m, Future):
+            m.cancel()
 
     def consume(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
         """Advance each constrained request by the token it sampled."""
         matchers = self.matchers
         for req_id, token in zip(req_ids, token_ids):
             m = matchers.get(req_id)
+            if isinstance(m, Future):  # not sampled yet: nothing to follow
+                continue
             # A stopped matcher has seen EOS: its request has ended, and a token a step
             # planned ahead sampled for it anyway is dropped by the core.
             if m is not None and not m.is_stopped() and not m.consume_token(token):
@@ -191,7 +211,7 @@ class GrammarMatchers:
         bitmasks as int32 words: bit j of word w is token 32 * w + j), or None when no
         request is constrained. Tokens past the bitmask's width are not allowed."""
         matchers = self.matchers
-        found = [(i, matchers[r]) for i, r in enumerate(req_ids) if r in matchers]
+        found = [(i, self._ready(r)) for i, r in enumerate(req_ids) if r in matchers]
         if not found:
             return None
         tok = self._tokenizer
