@@ -173,16 +173,18 @@ def token_bans(words: np.ndarray, vocab_size: int, device: torch.device) -> torc
     """[K, vocab_size] bool, True where bit t % 32 of words[k, t // 32] is clear (and past
     the bitmask's width): the tokens each row may not sample. On a GPU the words cross
     to the device, 32x smaller than the mask, and are unpacked there."""
+    k, width = words.shape[0], words.shape[1] * 32
     if device.type == "cpu":
-        bits = np.unpackbits(np.invert(words).view(np.uint8), axis=1, bitorder="little")
-        banned = torch.from_numpy(bits).view(torch.bool)
-    else:
-        banned = unpack_bans(torch.from_numpy(words).to(device))
-    k, width = banned.shape
+        banned = np.ones((k, vocab_size), dtype=bool)
+        n = min(width, vocab_size)
+        clear = np.invert(words).view(np.uint8)
+        banned[:, :n] = np.unpackbits(clear, axis=1, count=n, bitorder="little")
+        return torch.from_numpy(banned)
+    bits = unpack_bans(torch.from_numpy(words).to(device))
     if width >= vocab_size:
-        return banned[:, :vocab_size]
-    rest = torch.ones((k, vocab_size - width), dtype=torch.bool, device=banned.device)
-    return torch.cat([banned, rest], dim=1)
+        return bits[:, :vocab_size]
+    rest = torch.ones((k, vocab_size - width), dtype=torch.bool, device=device)
+    return torch.cat([bits, rest], dim=1)
 
 
 def unpack_bans(words: torch.Tensor) -> torch.Tensor:
