@@ -60,7 +60,9 @@ class ChatTemplate:
         import jinja2
 
         checked = check_messages(messages)
-        variables = {**self.special_tokens, **template_kwargs}
+        # transformers always defines tools and documents (None when not given), and
+        # templates test them either way ("if tools", "tools is not none").
+        variables = {**self.special_tokens, "tools": None, "documents": None, **template_kwargs}
         try:
             return self._template.render(
                 messages=checked, add_generation_prompt=add_generation_prompt, **variables

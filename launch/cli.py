@@ -22,6 +22,7 @@ import msgspec
 
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.openai_api import StructuredOutputsBody
+from launch.tools import TOOL_CALL_PARSERS
 from protocol.config import (
     DType,
     GenerationConfigMode,
@@ -362,6 +363,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="every route but /health, /metrics and /version wants `Authorization: Bearer "
         f"KEY` (default: ${API_KEY_ENV}, which keeps the key out of the process list; "
         "unset: no key)",
+    )
+    v.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, read out of its answers: lets a chat request "
+        'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
+        'a 400 and "required", a named function and "none" still work',
+    )
+    v.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
     )
     _add_worker_flags(v)
     _add_engine_flags(v)

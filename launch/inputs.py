@@ -31,6 +31,8 @@ class Prompt:
     priority: int = 0
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Function tools for the chat template, in OpenAI's shape (launch/tools.py).
+    tools: list[dict[str, Any]] | None = None
 
 
 def to_prompt(item: object) -> Prompt:
@@ -131,7 +133,9 @@ class InputProcessor:
                 "template with --chat-template"
             )
         return self.chat_template.render(
-            p.messages, p.add_generation_prompt, **(p.chat_template_kwargs or {})
+            p.messages,
+            p.add_generation_prompt,
+            **{"tools": p.tools, **(p.chat_template_kwargs or {})},
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -6,8 +6,8 @@ prompt-major); every prompt is checked before any is sent.
 
 Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
 engine does not implement is a 400 naming the field, never silently ignored. Options the
-engine does not support yet (suffix, best_of, tools, a streamed echo with logprobs) are
-accepted only at their neutral values. Sampling options are checked
+engine does not support yet (suffix, best_of, a streamed echo with logprobs) are accepted
+only at their neutral values. Sampling options are checked
 by SamplingParams.validate: n in [1, 16], at most 4 non-empty stop strings, presence and
 frequency penalties in [-2, 2], repetition_penalty > 0, min_tokens in [0, max_tokens],
 logprobs / top_logprobs in [0, 20], seed in [0, 2**63). Extensions beyond OpenAI's API
@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from launch.tools import ToolChoice, ToolDef
 from protocol.engine import Logprobs, SamplingParams, StructuredOutputs
 from worker.structured_output import grammar_of
 
@@ -284,18 +285,11 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
-        return bad
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -320,6 +314,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None  # rendered as a chat completion's would be
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -364,10 +359,12 @@ def sampling_params(
     vocab_size: int,
     which: str = "the prompt",
     has_tokenizer: bool = True,
+    constraint: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for body, checked; max_tokens None: default. which
     names the prompt in errors ("prompt 3" of several); has_tokenizer: whether the model
-    has one (structured outputs need it)."""
+    has one (structured outputs need it); constraint: the language tool_choice holds the
+    output to (launch/tools.py), which excludes the body's own."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(
@@ -387,6 +384,15 @@ def sampling_params(
             code="context_length_exceeded",
         )
     structured, structured_param = body.structured()
+    if constraint is not None:
+        if structured is not None:
+            raise APIError(
+                f"tool_choice holds the output to the tool's arguments: it cannot be "
+                f"combined with {structured_param}",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        structured, structured_param = constraint, "tool_choice"
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,

@@ -27,6 +27,7 @@ from launch.async_llm import AsyncLLM
 from launch.engine import EngineDeadError
 from launch.metrics import STATS_LOGGER, StatsLog
 from launch.server import OpenAIServer
+from launch.tools import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pagedserve.serve")
 
@@ -102,6 +103,13 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if not args.log_stats_interval > 0:
         print("pagedserve serve: --log-stats-interval must be > 0", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print(
+            "pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser "
+            f"({', '.join(TOOL_CALL_PARSERS)})",
+            file=sys.stderr,
+        )
+        return 2
     if args.api_key is not None and not args.api_key.strip():
         # An empty key would let anyone in who sends "Bearer ": refuse it instead.
         print("pagedserve serve: --api-key is empty (unset it for no key)", file=sys.stderr)
@@ -138,7 +146,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
-    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key)
+    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key, args.tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:

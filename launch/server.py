@@ -47,6 +47,15 @@ from launch.openai_api import (
     usage,
     vllm_prompt_logprobs,
 )
+from launch.tools import (
+    ToolCallParser,
+    ToolError,
+    ToolPlan,
+    held_back,
+    new_call_id,
+    plan_tools,
+    template_messages,
+)
 from protocol.engine import Logprobs, SamplingParams
 
 _json = msgspec.json.Encoder()
@@ -113,9 +122,11 @@ class OpenAIServer:
         model_name: str,
         max_waiting: int | None = None,
         api_key: str | None = None,
+        tool_call_parser: ToolCallParser | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
         self.max_waiting = max_waiting
         self.api_key = api_key
         # Requests admitted that have not had their first token: what
@@ -201,9 +212,10 @@ class OpenAIServer:
                 ids = inputs.encode(body.prompt, special)
             else:
                 chat = Prompt(
-                    messages=body.messages,
+                    messages=template_messages(body.messages),
                     add_generation_prompt=body.add_generation_prompt,
                     chat_template_kwargs=body.chat_template_kwargs,
+                    tools=[msgspec.to_builtins(t) for t in body.tools] if body.tools else None,
                 )
                 ids = inputs.encode(inputs.chat_text(chat), bool(body.add_special_tokens))
         except (TypeError, ValueError) as e:
@@ -275,10 +287,17 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
+        try:
+            tools = plan_tools(
+                body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser
+            )
+        except ToolError as e:
+            raise APIError(str(e), param=e.param, code="invalid_value") from None
         prompt = Prompt(
-            messages=body.messages,
+            messages=template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
+            tools=tools.template_tools() if tools is not None else None,
         )
         try:
             ids = self.engine.prompt_token_ids(prompt)
@@ -289,7 +308,9 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        return await self._generate(request, body, [ids], max_tokens, "chatcmpl", chat=True)
+        return await self._generate(
+            request, body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools
+        )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -310,10 +331,12 @@ class OpenAIServer:
         chat: bool,
         echo: list[str] | None = None,
         prompt_only: bool = False,
+        tools: ToolPlan | None = None,
     ) -> Response:
         """Check every prompt's parameters, then send them all as one stream. echo: each
         prompt's text, to answer before its completions (completions' echo); prompt_only:
-        answer the echo alone (max_tokens 0), not the token generated."""
+        answer the echo alone (max_tokens 0), not the token generated; tools: what the
+        chat's tools make of its answer."""
         engine = self.engine
         params = [
             sampling_params(
@@ -324,6 +347,7 @@ class OpenAIServer:
                 engine.vocab_size,
                 f"prompt {i}" if len(prompts) > 1 else "the prompt",
                 engine.inputs.tokenizer is not None,
+                tools.constraint if tools is not None else None,
             )
             for i, ids in enumerate(prompts)
         ]
@@ -342,7 +366,7 @@ class OpenAIServer:
         stream = engine.generate_many(
             prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
         )
-        call = _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only)
+        call = _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
@@ -364,6 +388,7 @@ class _Choice:
         "sent",
         "stop_reason",
         "texts",
+        "tool_call",
     )
 
     def __init__(self, prompt: int, logprobs: bool) -> None:
@@ -378,6 +403,8 @@ class _Choice:
         self.offset = 0  # text streamed so far, in characters (completions' text_offset)
         # With the first output, when asked for (None first); streamed once, then None.
         self.prompt_logprobs: list[Logprobs | None] | None = None
+        # A streamed named tool call: its id once its first delta is out.
+        self.tool_call: str | None = None
 
     def add(self, out: StreamOutput) -> None:
         self.ids += out.new_token_ids
@@ -404,10 +431,13 @@ class _Call:
         params: SamplingParams,
         echo: list[str] | None = None,
         prompt_only: bool = False,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.server = server
         self.echo = echo
         self.prompt_only = prompt_only
+        # A chat's tools, unless "none": its answers may be tool calls.
+        self.tools = tools if tools is not None and tools.choice != "none" else None
         self.body = body
         self.stream = stream
         self.id = request_id
@@ -503,14 +533,22 @@ class _Call:
             text = "".join(c.texts)
             echo = "" if self.echo is None else self.echo[c.prompt]
             choice: dict[str, Any] = {"index": i}
+            finish = c.finish
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = self.tools.calls(text, c.finish == "stop")
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.body() for call in calls]
+                        finish = "tool_calls" if c.finish == "stop" else c.finish
+                choice["message"] = message
             else:
                 choice["text"] = echo + text
             logprobs = self._logprobs(c, 0, len(echo))
             if logprobs is not None and self.echo is not None:
                 logprobs = self._echo_logprobs(c, logprobs)
-            choice.update(logprobs=logprobs, finish_reason=c.finish, stop_reason=c.stop_reason)
+            choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
             if self.body.prompt_logprobs is not None and not self.chat:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
             if self.body.return_token_ids:
@@ -546,13 +584,17 @@ class _Call:
             async for out in self._outputs():
                 c = self.choices[out.index]
                 text, finish = out.text, out.finish_reason
-                if not (text or finish or (ids_too and out.new_token_ids)):
+                delta: Any
+                if self.tools is not None:
+                    delta, finish, text = self._tool_delta(c, finish)
+                    if delta is None:
+                        continue  # held until the calls can be read
+                elif not (text or finish or (ids_too and out.new_token_ids)):
                     # A character unfinished or text held back for a stop string: its
                     # tokens (and logprobs) go with the next chunk of this choice.
                     continue
-                delta: Any = (
-                    ({"content": text} if text or not finish else {}) if self.chat else text
-                )
+                else:
+                    delta = ({"content": text} if text or not finish else {}) if self.chat else text
                 choice = self._chunk(out.index, delta, finish, c.ids[c.sent :] if ids_too else None)
                 choice["logprobs"] = self._logprobs(c, c.sent, c.offset)
                 if finish is not None:
@@ -570,6 +612,41 @@ class _Call:
         except APIError as e:
             yield sse_event(e.body())
         yield b"data: [DONE]\n\n"
+
+    def _tool_delta(
+        self, c: _Choice, finish: str | None
+    ) -> tuple[dict[str, Any] | None, str | None, str]:
+        """A streamed chat answer under tools: (its next delta, or None to hold it; the
+        finish reason; the text the delta released). A named function's arguments stream
+        as they come; an "auto" answer streams its text up to where a tool call may
+        begin; calls that must be read whole ("required", a parsed call) go out at the
+        end, complete."""
+        plan = self.tools
+        assert plan is not None
+        full = "".join(c.texts)
+        fresh = full[c.offset :]
+        if plan.choice == "named":
+            if finish == "stop":
+                finish = "tool_calls"
+            if not fresh:
+                return ({} if finish else None), finish, ""
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": fresh}}
+            if c.tool_call is None:
+                c.tool_call = new_call_id()
+                call.update(id=c.tool_call, type="function")
+                call["function"] = {"name": plan.name, "arguments": fresh}
+            return {"tool_calls": [call]}, finish, fresh
+        if finish is None:
+            if plan.choice != "auto":
+                return None, None, ""
+            ready = fresh[: len(fresh) - held_back(fresh)] if fresh else ""
+            return ({"content": ready} if ready else None), None, ready
+        content, calls = plan.calls(fresh, finish == "stop")
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **call.body()} for k, call in enumerate(calls)]
+            finish = "tool_calls" if finish == "stop" else finish
+        return delta, finish, fresh
 
     def _chunk(
         self, index: int, delta: Any, finish: str | None, ids: list[int] | None
