@@ -109,7 +109,7 @@ def load_chat_template(model_dir: str | Path, override: str | None = None) -> Ch
     special = _special_tokens(directory)
     if override is not None:
         path = Path(override)
-        if path.is_file():
+        if _is_file(path):
             try:
                 return ChatTemplate(path.read_text(), special, str(path))
             except (OSError, UnicodeDecodeError) as e:
@@ -129,6 +129,15 @@ def load_chat_template(model_dir: str | Path, override: str | None = None) -> Ch
             continue
         return ChatTemplate(_pick_template(raw["chat_template"], path), special, str(path))
     return None
+
+
+def _is_file(path: Path) -> bool:
+    """Whether path names a file; False for text no file can be named (an inline template
+    longer than a file name may be: the system refuses to look it up)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _pick_template(value: object, path: Path) -> str:

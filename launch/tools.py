@@ -41,7 +41,7 @@ class ToolError(ValueError):
         self.param = param
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; None: no arguments
