@@ -221,9 +221,12 @@ class LLM:
         on_finish: Callable[[CompletionOutput], None] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[CompletionOutput]:
         """generate() for conversations: one ([{"role": ..., "content": ...}, ...]) or a
-        list of them, each rendered with the model's chat template."""
+        list of them, each rendered with the model's chat template. tools: function tools
+        in OpenAI's shape, for the template (the answer is text, as vLLM's LLM.chat
+        gives it; the server reads calls out of it, launch/tools.py)."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             conversations = [messages]
         elif isinstance(messages, (list, tuple)):
@@ -237,6 +240,7 @@ class LLM:
                 messages=c,  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for c in conversations
         ]

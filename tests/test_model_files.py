@@ -377,3 +377,61 @@ def test_cli_messages_lines(llama_dir: Path, tmp_path: Path) -> None:
     assert [r["finish_reason"] for r in results] == ["length", "error", "length"]
     assert f"{inp}:2" in results[1]["error"]
     assert len(results[0]["token_ids"]) == 5
+
+
+# Tools as Qwen 2.5's template tests and renders them (abridged): `tools` is defined
+# even when none are given, as transformers renders it.
+TOOLS_TEMPLATE = (
+    "{% if tools is not none %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "{% else %}(no tools){% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function | tojson }}</call>{% endfor %}"
+    "{% endfor %}" + " " * 300  # longer than a file name may be
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_tools_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from launch.chat import ChatTemplate
+    from launch.inputs import InputProcessor
+    from launch.tools import template_messages
+
+    word_tokenizer(tmp_path)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "x"}}}]
+    history = [*CONVERSATION, {"role": "assistant", "content": "", "tool_calls": calls}]
+    wire = [  # the same conversation as a client sends it: arguments as JSON text
+        *CONVERSATION,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {**calls[0], "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}
+            ],
+        },
+    ]
+    ours = ChatTemplate(TOOLS_TEMPLATE, {}, "test")
+    for tools in (TOOLS, None):
+        want = hf.apply_chat_template(
+            history, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False
+        )
+        assert ours.render(template_messages(wire), True, tools=tools) == want
+        assert ours.render(template_messages(wire), True) == hf.apply_chat_template(
+            history, chat_template=TOOLS_TEMPLATE, tokenize=False
+        )
+    # An inline --chat-template longer than a file name is a template, not a crash.
+    chat = Prompt(messages=CONVERSATION, tools=TOOLS)
+    text = InputProcessor(str(tmp_path), TOOLS_TEMPLATE).chat_text(chat)
+    assert text.startswith('<tools>{"type": "function"')
