@@ -586,7 +586,7 @@ class _Call:
                 text, finish = out.text, out.finish_reason
                 delta: Any
                 if self.tools is not None:
-                    delta, finish, text = self._tool_delta(c, finish)
+                    delta, finish, text = self._tool_delta(c, text, finish)
                     if delta is None:
                         continue  # held until the calls can be read
                 elif not (text or finish or (ids_too and out.new_token_ids)):
@@ -614,7 +614,7 @@ class _Call:
         yield b"data: [DONE]\n\n"
 
     def _tool_delta(
-        self, c: _Choice, finish: str | None
+        self, c: _Choice, text: str, finish: str | None
     ) -> tuple[dict[str, Any] | None, str | None, str]:
         """A streamed chat answer under tools: (its next delta, or None to hold it; the
         finish reason; the text the delta released). A named function's arguments stream
@@ -623,8 +623,8 @@ class _Call:
         end, complete."""
         plan = self.tools
         assert plan is not None
-        full = "".join(c.texts)
-        fresh = full[c.offset :]
+        # A named call holds nothing back: what is new is this output's text.
+        fresh = text if plan.choice == "named" else "".join(c.texts)[c.offset :]
         if plan.choice == "named":
             if finish == "stop":
                 finish = "tool_calls"

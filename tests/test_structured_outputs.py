@@ -265,10 +265,15 @@ def test_matchers_follow_each_request_and_a_broken_one_may_only_end(tmp_path: Pa
     for r in ("a", "bad", "c"):
         grammars.drop(r)
     assert not grammars and grammars.fill_bitmask(["a"]) is None
-    # A model without a tokenizer: every constrained request may only end.
+    # A model without a tokenizer, or with one llguidance cannot read: every constrained
+    # request may only end.
     bare = GrammarMatchers(tmp_path, [3])
     bare.add("r", StructuredOutputs(regex="ab"))
     assert _allowed(bare.fill_bitmask(["r"])[1][0]) == [3]
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    broken = GrammarMatchers(tmp_path, [3])
+    broken.add("r", StructuredOutputs(regex="ab"))
+    assert _allowed(broken.fill_bitmask(["r"])[1][0]) == [3]
 
 
 # -- the Python API and the command line --------------------------------------------------

@@ -1,6 +1,6 @@
 """Structured outputs: a request's tokens kept inside a language, with llguidance.
 
-Every worker rank keeps one matcher per constrained request (grammar_matcher), advances
+Every worker rank keeps one matcher per constrained request (GrammarMatchers.add), advances
 it with each token the request samples (GrammarMatchers.consume), and before a step
 samples fills one bitmask row per constrained request (fill_bitmask): a set bit is a
 token the language can continue with; once the language is complete only EOS is. The
@@ -171,8 +171,8 @@ class GrammarMatchers:
                 self._tokenizer = grammar_tokenizer(self.model_dir, self.eos_token_ids)
             matcher = LLMatcher(self._tokenizer, grammar_of(spec), log_level=0)
             error = matcher.get_error() if matcher.is_error() else None
-        except ValueError as e:
-            error = str(e)
+        except Exception as e:  # whatever the library raises ends this request alone
+            matcher, error = None, f"{type(e).__name__}: {e}"
         if error is not None:
             log.warning("request %r: bad structured output (%s); it ends at once", req_id, error)
         return matcher
