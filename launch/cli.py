@@ -45,6 +45,7 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -329,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--top-p", type=float, help="likewise (else 1.0: off)")
     g.add_argument("--top-k", type=int, help="likewise (else 0: off)")
+    g.add_argument(
+        "--min-p",
+        type=float,
+        help="likewise (else 0: off): tokens less likely than this times the likeliest one "
+        "are not sampled",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_engine_flags(g)
 
@@ -457,6 +464,7 @@ def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
                 temperature=_pick(line.temperature, args.temperature),
                 top_p=_pick(line.top_p, args.top_p),
                 top_k=_pick(line.top_k, args.top_k),
+                min_p=_pick(line.min_p, args.min_p),
                 **options,
             )
             params.validate()

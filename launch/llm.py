@@ -254,7 +254,9 @@ class LLM:
         """The model's sampling defaults (generation_config.json), spelled out; fields a
         request leaves unset take these anyway."""
         d = self.sampling_defaults
-        return SamplingParams(temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+        return SamplingParams(
+            temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p
+        )
 
     def _finished(self, out: CompletionOutput, finish: Callable[[CompletionOutput], None]) -> None:
         if out._stop_text is not None:

@@ -129,6 +129,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -398,6 +399,7 @@ def sampling_params(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p,
         seed=body.seed,
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,

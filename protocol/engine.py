@@ -18,6 +18,7 @@ class SamplingDefaults(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
 
 
 BUILTIN_SAMPLING_DEFAULTS = SamplingDefaults()
@@ -100,8 +101,10 @@ class StructuredOutputs(
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick each next token. temperature 0 (or below GREEDY_TEMPERATURE) is
-    greedy; top_k 0 and top_p 1 are off. temperature, top_p and top_k left unset (None)
-    take the model's defaults (SamplingDefaults) when the core admits the request.
+    greedy; top_k 0, top_p 1 and min_p 0 are off (min_p: tokens less likely than min_p
+    times the likeliest one are not sampled). temperature, top_p, top_k and min_p left
+    unset (None) take the model's defaults (SamplingDefaults) when the core admits the
+    request.
 
     n and stop are the client's (launch/): it fans a request out into n core requests
     (copy i seeded with seed + i) and matches stop strings on the detokenized text; the
@@ -135,6 +138,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     # The output must be in this language (JSON Schema, regex, choice, grammar).
     structured_outputs: StructuredOutputs | None = None
+    min_p: float | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -154,6 +158,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and not 0 <= self.top_k < 2**63:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:  # NaN too
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         # Unbounded ints would not even encode (msgpack stops at 2**64).
@@ -214,7 +220,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
         """Every field set: unset ones from defaults, a temperature below
         GREEDY_TEMPERATURE as 0. Returns self when nothing changes."""
-        t, p, k = self.temperature, self.top_p, self.top_k
+        t, p, k, m = self.temperature, self.top_p, self.top_k, self.min_p
         if t is None:
             t = defaults.temperature
         if t < GREEDY_TEMPERATURE:
@@ -223,9 +229,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             p = defaults.top_p
         if k is None:
             k = defaults.top_k
-        if t == self.temperature and p == self.top_p and k == self.top_k:
+        if m is None:
+            m = defaults.min_p
+        if t == self.temperature and p == self.top_p and k == self.top_k and m == self.min_p:
             return self
-        return msgspec.structs.replace(self, temperature=t, top_p=p, top_k=k)
+        return msgspec.structs.replace(self, temperature=t, top_p=p, top_k=k, min_p=m)
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):

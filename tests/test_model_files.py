@@ -58,12 +58,18 @@ def test_unset_fields_take_the_defaults_and_set_ones_stay() -> None:
 
 def test_generation_config_parsing(tmp_path: Path) -> None:
     path = tmp_path / "generation_config.json"
-    path.write_text(json.dumps({"eos_token_id": [128001, 128008, 128009], "temperature": 0.6}))
+    path.write_text(
+        json.dumps({"eos_token_id": [128001, 128008, 128009], "temperature": 0.6, "min_p": 0.1})
+    )
     eos, defaults = load_generation_config(tmp_path)
     assert eos == (128001, 128008, 128009)
-    assert defaults == SamplingDefaults(temperature=0.6)
+    assert defaults == SamplingDefaults(temperature=0.6, min_p=0.1)
     assert load_generation_config(tmp_path, "none") == ((), SamplingDefaults())
-    for bad, field in (({"eos_token_id": "x"}, "eos_token_id"), ({"top_p": 2}, "top_p")):
+    for bad, field in (
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"top_p": 2}, "top_p"),
+        ({"min_p": -0.5}, "min_p"),
+    ):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=f"generation_config.json: {field}"):
             load_generation_config(tmp_path)
@@ -92,7 +98,7 @@ def test_every_eos_id_stops_and_generation_defaults_apply(llama_dir: Path, tmp_p
     with LLM(str(model), device=CPU) as llm:
         assert llm.eos_token_ids == [config_eos, *eos]
         assert llm.get_default_sampling_params() == SamplingParams(
-            temperature=0.0, top_p=1.0, top_k=7
+            temperature=0.0, top_p=1.0, top_k=7, min_p=0.0
         )
         # temperature unset: the file's 0 makes it greedy; a tiny one is greedy too.
         stopped = llm.generate(PROMPTS, SamplingParams(max_tokens=N), use_tqdm=False)

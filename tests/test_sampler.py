@@ -125,7 +125,7 @@ def test_from_arrays_matches_from_params() -> None:
     params = [
         SamplingParams(temperature=0.0, top_k=5),
         SamplingParams(temperature=0.7, top_p=0.9),
-        SamplingParams(temperature=1.0, top_k=3, seed=4),
+        SamplingParams(temperature=1.0, top_k=3, seed=4, min_p=0.2),
     ]
     a = SamplingTensors.from_params(params, "cpu")
     params = [p.resolve() for p in params]  # as the core sends them
@@ -134,7 +134,32 @@ def test_from_arrays_matches_from_params() -> None:
         np.array([p.top_k for p in params], dtype=np.int64),
         np.array([p.top_p for p in params], dtype=np.float32),
         "cpu",
+        min_p=np.array([p.min_p for p in params], dtype=np.float32),
     )
-    for name in ("temperature", "top_k", "top_p", "greedy"):
+    for name in ("temperature", "top_k", "top_p", "greedy", "min_p"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert (a.all_greedy, a.any_top_k, a.any_top_p) == (b.all_greedy, b.any_top_k, b.any_top_p)
+
+
+def test_min_p_never_samples_below_its_floor_and_leaves_other_rows_alone() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(256, 30, generator=gen) * 2
+    min_ps = [0.0 if i % 4 == 0 else 0.05 * (i % 4) for i in range(256)]
+    params = [SamplingParams(temperature=1.3, min_p=m) for m in min_ps]
+    tokens = _sample(logits, params, shared=torch.Generator().manual_seed(6))
+    probs = torch.softmax(logits / 1.3, dim=-1)
+    chosen = probs.gather(1, tokens[:, None])[:, 0]
+    floor = torch.tensor(min_ps) * probs.amax(-1)
+    assert torch.all(chosen >= floor)
+    # The floor bites: without it, some rows would have drawn below it.
+    free = _sample(
+        logits, [SamplingParams(temperature=1.3)] * 256, shared=torch.Generator().manual_seed(6)
+    )
+    assert torch.any(probs.gather(1, free[:, None])[:, 0] < floor)
+    # Rows without min_p draw exactly what they draw in a batch without it (same noise).
+    assert torch.equal(tokens[::4], free[::4])
+    # min_p 1 keeps only the likeliest token: greedy at any temperature.
+    top = _sample(logits, [SamplingParams(temperature=5.0, min_p=1.0)] * 256, shared=gen)
+    assert torch.equal(top, logits.argmax(-1))
+    tensors = SamplingTensors.from_params([SamplingParams(temperature=0.0, min_p=0.5)], CPU)
+    assert tensors.min_p is None  # greedy rows never need the stage

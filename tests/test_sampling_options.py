@@ -385,6 +385,18 @@ def test_seeded_sampling_is_reproducible_and_ignores_its_neighbours(llm: LLM) ->
     assert llm.generate([PROMPT], other, use_tqdm=False)[0].token_ids != alone.token_ids
 
 
+def test_min_p_one_is_greedy_and_a_small_one_only_trims(llm: LLM, hf: HFReference) -> None:
+    """min_p 1 leaves only the likeliest token, so hot sampling is greedy (transformers'
+    tokens); a tiny min_p leaves a seeded sample as it was."""
+    greedy = hf.greedy(PROMPT, SamplingParams(max_tokens=STEPS, temperature=0))
+    hot = SamplingParams(max_tokens=STEPS, temperature=3.0, min_p=1.0, ignore_eos=True, seed=1)
+    seeded = SamplingParams(max_tokens=STEPS, temperature=0.8, seed=9, ignore_eos=True)
+    trimmed = msgspec_replace(seeded, min_p=1e-9)
+    outs = llm.generate([PROMPT] * 3, [hot, seeded, trimmed], use_tqdm=False)
+    assert outs[0].token_ids == greedy
+    assert outs[1].token_ids == outs[2].token_ids != greedy
+
+
 def test_llm_generate_n_gives_n_outputs_per_prompt_sharing_its_blocks(llm: LLM) -> None:
     prompt = list(range(11, 11 + 40))  # 2 full blocks of 16 and 8 tokens
     params = SamplingParams(max_tokens=STEPS, temperature=1.0, seed=7, n=3, ignore_eos=True)
@@ -642,6 +654,8 @@ def test_prompt_logprobs_and_echo_with_logprobs_through_the_server(
         ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else v,
 )

@@ -41,7 +41,7 @@ def load_generation_config(
 
     defaults = SamplingDefaults()
     values = {}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float)):
         value = raw.get(name)
         if value is None:
             continue
@@ -50,17 +50,20 @@ def load_generation_config(
         if kind is int and value != int(value):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
         values[name] = kind(value)
-    t, p, k = (values.get(n) for n in ("temperature", "top_p", "top_k"))
+    t, p, k, m = (values.get(n) for n in ("temperature", "top_p", "top_k", "min_p"))
     if t is not None and not (t >= 0.0 and math.isfinite(t)):
         raise ValueError(f"{path}: temperature must be >= 0, got {t}")
     if p is not None and not 0.0 < p <= 1.0:
         raise ValueError(f"{path}: top_p must be in (0, 1], got {p}")
     if k is not None and k < 0:
         raise ValueError(f"{path}: top_k must be >= 0, got {k}")
+    if m is not None and not 0.0 <= m <= 1.0:
+        raise ValueError(f"{path}: min_p must be in [0, 1], got {m}")
     if values:
         defaults = SamplingDefaults(
             temperature=defaults.temperature if t is None else t,
             top_p=defaults.top_p if p is None else p,
             top_k=defaults.top_k if k is None else k,
+            min_p=defaults.min_p if m is None else m,
         )
     return tuple(dict.fromkeys(eos_ids)), defaults

@@ -81,6 +81,7 @@ class InputBatch:
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.seeded = np.zeros(max_num_reqs, dtype=bool)
         self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
@@ -100,6 +101,7 @@ class InputBatch:
             self.temperature,
             self.top_k,
             self.top_p,
+            self.min_p,
             self.seeded,
             self.presence_penalty,
             self.frequency_penalty,
@@ -388,6 +390,7 @@ class InputBatch:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p or 0.0
         self.seeded[row] = params.seed is not None and params.temperature >= GREEDY_TEMPERATURE
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty

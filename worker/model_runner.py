@@ -513,6 +513,7 @@ class ModelRunner:
             batch.top_p[sampling_rows],
             device,
             buffers.sampling,
+            batch.min_p[sampling_rows],
         )
         if batch.seeded[sampling_rows].any():
             generators = [self._generator(rid) for rid in req_ids]

@@ -100,6 +100,8 @@ class SamplingTensors:
     # (rows [K] int64, banned [K, V] bool): tokens those rows may not sample (structured
     # outputs: what their languages cannot continue with; token_bans builds it).
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [N] float32, only when some sampled row sets min_p (else None: the stage is skipped).
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def from_params(
@@ -110,6 +112,7 @@ class SamplingTensors:
         temps = [p.temperature for p in params]
         top_ks = [p.top_k for p in params]
         top_ps = [p.top_p for p in params]
+        min_ps = [p.min_p or 0.0 for p in params]
         greedy = [t < GREEDY_TEMPERATURE for t in temps]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
@@ -120,6 +123,9 @@ class SamplingTensors:
             # Greedy rows ignore k and p, so they need not trigger the sort.
             any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
             any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device)
+            if any(m > 0.0 and not g for m, g in zip(min_ps, greedy))
+            else None,
         )
 
     @classmethod
@@ -130,9 +136,11 @@ class SamplingTensors:
         top_p: np.ndarray,
         device: torch.device | str,
         staged: Sequence[StagedBuffer] | None = None,
+        min_p: np.ndarray | None = None,
     ) -> SamplingTensors:
         """The same from per-row numpy arrays (the persistent batch keeps them); staged:
-        the step's persistent buffers for temperature, top_k, top_p and greedy."""
+        the step's persistent buffers for temperature, top_k, top_p and greedy (min_p is
+        copied only in a step that uses it)."""
         greedy = temperature < GREEDY_TEMPERATURE
         sampled = ~greedy
         arrays = (temperature, top_k, top_p, greedy)
@@ -148,6 +156,9 @@ class SamplingTensors:
             all_greedy=bool(greedy.all()),
             any_top_k=bool((top_k[sampled] > 0).any()),
             any_top_p=bool((top_p[sampled] < 1.0).any()),
+            min_p=torch.from_numpy(min_p).to(device)
+            if min_p is not None and (min_p[sampled] > 0.0).any()
+            else None,
         )
 
 
@@ -237,6 +248,11 @@ def sample(
     scaled = logits / temperature[:, None]
     if grammar is not None:
         scaled.index_copy_(0, rows, constrained / temperature.index_select(0, rows)[:, None])
+    if tensors.min_p is not None:
+        # vLLM's order: min_p on the tempered distribution, then top-k and top-p.
+        probs = torch.softmax(scaled, dim=-1)
+        floor = tensors.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if tensors.any_top_k or tensors.any_top_p:
         scaled = _apply_top_k_top_p(scaled, tensors)
     probs = torch.softmax(scaled, dim=-1)
