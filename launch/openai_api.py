@@ -183,18 +183,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return StructuredOutputs(json=_json_text(schema)), "response_format"
         if so is None:
             return None, "structured_outputs"
-        schema_text = (
-            so.json if so.json is None or isinstance(so.json, str) else _json_text(so.json)
-        )
-        spec = StructuredOutputs(
-            json=schema_text,
-            json_object=so.json_object,
-            regex=so.regex,
-            choice=so.choice,
-            grammar=so.grammar,
-            disable_any_whitespace=so.disable_any_whitespace,
-        )
-        return spec, "structured_outputs"
+        return so.to_wire(), "structured_outputs"
 
     def num_prompt_logprobs(self) -> int | None:
         """How many alternatives each prompt token's logprob comes with; None: none."""
