@@ -48,6 +48,8 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     min_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under --scheduling-policy priority
@@ -437,6 +439,8 @@ _LINE_OPTIONS = (
     "logprobs",
     "prompt_logprobs",
     "logit_bias",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 
 

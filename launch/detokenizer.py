@@ -16,8 +16,9 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self.token_ids: list[int] = []
         # token_ids[prefix:read] is the context already turned into text; [read:] is new.
         self._prefix = 0
@@ -36,9 +37,9 @@ class IncrementalDetokenizer:
         ids = self.token_ids
         if self._read == len(ids):
             return ""
-        decode = self._tokenizer.decode
-        before = decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
-        text = decode(ids[self._prefix :])
+        decode, skip = self._tokenizer.decode, self._skip
+        before = decode(ids[self._prefix : self._read], skip) if self._read > self._prefix else ""
+        text = decode(ids[self._prefix :], skip)
         if not final and text.endswith(REPLACEMENT):
             return ""
         if len(text) <= len(before):

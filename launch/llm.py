@@ -36,6 +36,7 @@ class CompletionOutput:
     # When a stop string ended it: the text before it (the tokens run to the one that
     # completed the match).
     _stop_text: list[str] | None = field(default=None, repr=False)
+    _skip_special_tokens: bool = field(default=True, repr=False)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class LLM:
             summary.prompt_tokens += len(ids)
             for j, (core_id, copy, seq) in enumerate(copies):
                 out = CompletionOutput(index=index, prompt_token_ids=ids, seq_index=j)
+                out._skip_special_tokens = request_params.skip_special_tokens
                 if request_params.logprobs is not None:
                     out.logprobs = []
                 if request_params.stop:
@@ -262,7 +264,7 @@ class LLM:
         if out._stop_text is not None:
             out.text = "".join(out._stop_text)
         elif self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids)
+            out.text = self.tokenizer.decode(out.token_ids, out._skip_special_tokens)
         finish(out)
 
     def close(self) -> None:

@@ -132,6 +132,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -390,6 +392,8 @@ def sampling_params(
         top_k=body.top_k,
         min_p=body.min_p,
         seed=body.seed,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         n=body.n,

@@ -38,10 +38,16 @@ class SequenceState:
             raise ValueError("stop strings need the model's tokenizer (this model has none)")
         self.params = params
         self._detok = (
-            IncrementalDetokenizer(tokenizer) if tokenizer and (text or params.stop) else None
+            IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            if tokenizer and (text or params.stop)
+            else None
         )
         self._text = text
-        self._stop = StopStringMatcher(params.stop, params.min_tokens) if params.stop else None
+        self._stop = (
+            StopStringMatcher(params.stop, params.min_tokens, params.include_stop_str_in_output)
+            if params.stop
+            else None
+        )
         self.num_output_tokens = 0
         self.stopped = False
         self.finished = False

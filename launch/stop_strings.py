@@ -13,10 +13,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def partial_suffix(text: str, targets: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of one of targets:
+    text a stream must hold back until the next delta tells whether a target follows."""
+    best = 0
+    for s in targets:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
 class StopStringMatcher:
-    def __init__(self, stop: Sequence[str], min_tokens: int = 0) -> None:
+    def __init__(self, stop: Sequence[str], min_tokens: int = 0, include: bool = False) -> None:
+        """include: the text released at a match ends with the stop string (vLLM's
+        include_stop_str_in_output), not before it."""
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
+        self.include = include
         self._held = ""  # text not yet released: a suffix that may begin a stop string
         self.matched: str | None = None  # the stop string found, once it is
 
@@ -38,8 +53,9 @@ class StopStringMatcher:
                 first, self.matched = at, s
         if first >= 0:
             self._held = ""
-            return buf[:first]
-        keep = self._hold(buf)
+            assert self.matched is not None
+            return buf[: first + len(self.matched)] if self.include else buf[:first]
+        keep = partial_suffix(buf, self.stop)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
@@ -47,13 +63,3 @@ class StopStringMatcher:
         """At the end without a match: the text still held back."""
         held, self._held = self._held, ""
         return held
-
-    def _hold(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

@@ -13,7 +13,7 @@ class Tokenizer(Protocol):
         """add_special_tokens False: the text already holds them (a rendered chat)."""
         ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -27,8 +27,12 @@ class ByteTokenizer:
         bos = [self.bos_token_id] if add_special_tokens else []
         return [*bos, *text.encode("utf-8")]
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+        names = {self.bos_token_id: b"<s>", self.eos_token_id: b"</s>"}
+        raw = b"".join(bytes([t]) if 0 <= t < 256 else names.get(t, b"") for t in token_ids)
+        return raw.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -45,8 +49,8 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:

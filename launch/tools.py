@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from launch.stop_strings import partial_suffix
 from protocol.engine import StructuredOutputs
 
 TOOL_CALL_PARSERS = ("hermes",)
@@ -235,11 +236,8 @@ def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def held_back(text: str) -> int:
     """How many characters at text's end could begin a Hermes <tool_call> block (a
-    streamed answer holds them until the next delta tells)."""
+    streamed answer holds them until the next delta tells), or do: from the block on."""
     start = text.find(_HERMES_OPEN)
     if start >= 0:
         return len(text) - start
-    for n in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if _HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
+    return partial_suffix(text, (_HERMES_OPEN,))

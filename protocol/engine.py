@@ -139,6 +139,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # The output must be in this language (JSON Schema, regex, choice, grammar).
     structured_outputs: StructuredOutputs | None = None
     min_p: float | None = None
+    # The client's, like n and stop (the core ignores them): a stop string's text ends
+    # the output instead of being cut; special tokens (BOS, EOS, chat markers) decoded
+    # into the text, which by default leaves them out.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def has_penalties(self) -> bool:

@@ -470,6 +470,10 @@ def test_stop_strings_through_async_llm_end_the_request(chat_model: Path) -> Non
             text, ids, last = await text_of(engine, msgspec_replace(base, stop=["zzz", stop]))
             assert text == want and last.finish_reason == "stop" and last.stop_reason == stop
             assert ids == full_ids[: len(ids)] and len(ids) < len(full_ids)
+            # With include_stop_str_in_output the text runs to the stop string's end.
+            kept = msgspec_replace(base, stop=[stop], include_stop_str_in_output=True)
+            text, _, last = await text_of(engine, kept)
+            assert text == want + stop and last.stop_reason == stop
             # The abort reached the core: a later request's steps see an empty pool.
             await text_of(engine, msgspec_replace(base, max_tokens=2))
             assert engine.stats is not None and engine.stats.kv_cache_usage == 0.0
@@ -673,3 +677,32 @@ def test_chat_top_logprobs_need_logprobs(server: Server) -> None:
     body = {**body, "logprobs": True, "top_logprobs": 21, "max_tokens": 2}
     status, answer = post(f"{server.url}/v1/chat/completions", body)
     assert status == 400 and answer["error"]["param"] == "top_logprobs", answer
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(chat_model: Path) -> None:
+    """A +100 bias makes every token <|im_start|> (a special token of the word tokenizer):
+    by default it decodes to nothing, with skip_special_tokens false as `tokenizers`
+    decodes it, streamed (AsyncLLM) and not (LLM), and through a stop string."""
+    from tokenizers import Tokenizer
+
+    want = Tokenizer.from_file(str(chat_model / "tokenizer.json")).decode(
+        [3, 3, 3], skip_special_tokens=False
+    )
+    assert want.count("<|im_start|>") == 3
+    base = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={3: 100.0})
+    shown = msgspec_replace(base, skip_special_tokens=False)
+    with LLM(str(chat_model), device=CPU) as llm:
+        hidden, kept = llm.generate(["What", "What"], [base, shown], use_tqdm=False)
+        (cut,) = llm.generate(["What"], msgspec_replace(shown, stop=["start|> <|im"]))
+    assert hidden.token_ids == kept.token_ids == [3, 3, 3]
+    assert hidden.text == "" and kept.text == want
+    assert cut.text == "<|im_" and cut.finish_reason == "stop"
+
+    async def streamed() -> str:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            return "".join([o.text async for o in engine.generate("What", shown)])
+        finally:
+            await engine.aclose()
+
+    assert run(streamed()) == want
