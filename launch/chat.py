@@ -55,22 +55,65 @@ class ChatTemplate:
         self,
         messages: object,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
+        """The conversation as text. continue_final_message: the text ends inside the last
+        message, right after its content, so the model continues that message (a reply
+        begun for it) instead of starting a new turn; not with add_generation_prompt."""
         import jinja2
 
         checked = check_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message continues the last message: it cannot be combined "
+                    "with add_generation_prompt, which starts a new one"
+                )
+            checked = [*checked[:-1], _marked(checked[-1])]
         # transformers always defines tools and documents (None when not given), and
         # templates test them either way ("if tools", "tools is not none").
         variables = {**self.special_tokens, "tools": None, "documents": None, **template_kwargs}
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=checked, add_generation_prompt=add_generation_prompt, **variables
             )
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from None
+        return _cut_at_mark(text) if continue_final_message else text
+
+
+# Appended to the last message's text to find where it ends once rendered (what follows
+# is the template's end of turn). Its trailing space shows whether the template trimmed
+# the text: then the message's own trailing whitespace is gone too, as transformers has it.
+_CONTINUE_MARK = "\u2063pagedserve-continue\u2063 "
+
+
+def _marked(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_MARK}
+    if isinstance(content, list):
+        parts = list(content)
+        for i in range(len(parts) - 1, -1, -1):
+            if isinstance(parts[i], dict) and "text" in parts[i]:
+                parts[i] = {**parts[i], "text": parts[i]["text"] + _CONTINUE_MARK}
+                return {**message, "content": parts}
+    raise ChatTemplateError("continue_final_message: the last message has no text to continue")
+
+
+def _cut_at_mark(text: str) -> str:
+    mark = _CONTINUE_MARK.rstrip()
+    at = text.rfind(mark)
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template dropped the last message's text"
+        )
+    if text.startswith(_CONTINUE_MARK, at):
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:

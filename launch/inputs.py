@@ -33,6 +33,9 @@ class Prompt:
     chat_template_kwargs: dict[str, Any] | None = None
     # Function tools for the chat template, in OpenAI's shape (launch/tools.py).
     tools: list[dict[str, Any]] | None = None
+    # The output continues the last message (a reply begun for the model) rather than
+    # starting a new turn; add_generation_prompt must then be False.
+    continue_final_message: bool = False
 
 
 def to_prompt(item: object) -> Prompt:
@@ -135,6 +138,7 @@ class InputProcessor:
         return self.chat_template.render(
             p.messages,
             p.add_generation_prompt,
+            p.continue_final_message,
             **{"tools": p.tools, **(p.chat_template_kwargs or {})},
         )
 

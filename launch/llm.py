@@ -224,6 +224,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[CompletionOutput]:
         """generate() for conversations: one ([{"role": ..., "content": ...}, ...]) or a
         list of them, each rendered with the model's chat template. tools: function tools
@@ -243,6 +244,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tools,
+                continue_final_message=continue_final_message,
             )
             for c in conversations
         ]

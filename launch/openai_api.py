@@ -281,6 +281,7 @@ class ChatCompletionRequest(_Request, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     def num_logprobs(self) -> int | None:
@@ -305,6 +306,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a rendered conversation already holds its own).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None  # rendered as a chat completion's would be
 

@@ -216,6 +216,7 @@ class OpenAIServer:
                     add_generation_prompt=body.add_generation_prompt,
                     chat_template_kwargs=body.chat_template_kwargs,
                     tools=[msgspec.to_builtins(t) for t in body.tools] if body.tools else None,
+                    continue_final_message=body.continue_final_message,
                 )
                 ids = inputs.encode(inputs.chat_text(chat), bool(body.add_special_tokens))
         except (TypeError, ValueError) as e:
@@ -298,6 +299,7 @@ class OpenAIServer:
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
             tools=tools.template_tools() if tools is not None else None,
+            continue_final_message=body.continue_final_message,
         )
         try:
             ids = self.engine.prompt_token_ids(prompt)

@@ -441,3 +441,34 @@ def test_tools_render_as_transformers_renders_them(tmp_path: Path) -> None:
     chat = Prompt(messages=CONVERSATION, tools=TOOLS)
     text = InputProcessor(str(tmp_path), TOOLS_TEMPLATE).chat_text(chat)
     assert text.startswith('<tools>{"type": "function"')
+
+
+TRIMMING = "{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}[end]{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template", [CHATML, FANCY, MULTILINE, TRIMMING], ids=["chatml", "fancy", "multiline", "trim"]
+)
+def test_continuing_the_final_message_renders_as_transformers(
+    tmp_path: Path, template: str
+) -> None:
+    """The text ends right after the last message's content (its trailing spaces kept,
+    unless the template trims them), so the model continues that message."""
+    from transformers import PreTrainedTokenizerFast
+
+    word_tokenizer(tmp_path)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+    )
+    ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"}, "test")
+    for last in ("I think ", "Sure", "  spaced  "):
+        conversation = [*CONVERSATION[:2], {"role": "assistant", "content": last}]
+        want = hf.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, continue_final_message=True
+        )
+        assert ours.render(conversation, False, continue_final_message=True) == want
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt"):
+        ours.render(CONVERSATION, True, continue_final_message=True)
+    dropping = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", {}, "test")
+    with pytest.raises(ChatTemplateError, match="dropped the last message"):
+        dropping.render(CONVERSATION, False, continue_final_message=True)

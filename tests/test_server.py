@@ -458,6 +458,20 @@ def test_tokenize_and_detokenize_give_what_generation_uses(
         extra_body=EXTRA,  # type: ignore
     )
     assert r.prompt_token_ids == chat["tokens"]  # type: ignore[attr-defined]
+    # A reply begun for the model, which continues it (vLLM's continue_final_message).
+    begun = [*CONVERSATION[:2], {"role": "assistant", "content": "2 +"}]
+    want = hf.apply_chat_template(
+        begun, chat_template=FANCY, tokenize=False, continue_final_message=True
+    )
+    body = {"messages": begun, "continue_final_message": True, "add_generation_prompt": False}
+    status, cont = post(f"{server.url}/tokenize", body)
+    assert status == 200 and cont["tokens"] == hf.encode(want, add_special_tokens=False)
+    status, answer = post(f"{server.url}/v1/chat/completions", {**body, **EXTRA, "max_tokens": 1})
+    assert status == 200 and answer["prompt_token_ids"] == cont["tokens"], answer
+    status, answer = post(
+        f"{server.url}/v1/chat/completions", {**body, "add_generation_prompt": True}
+    )
+    assert status == 400 and "add_generation_prompt" in answer["error"]["message"], answer
     status, back = post(f"{server.url}/detokenize", {"tokens": text["tokens"]})
     assert status == 200 and back["prompt"] == hf.decode(text["tokens"])
     for url, body, param in (
