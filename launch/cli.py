@@ -50,6 +50,8 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under --scheduling-policy priority
@@ -441,6 +443,8 @@ _LINE_OPTIONS = (
     "logit_bias",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 

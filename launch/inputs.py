@@ -66,6 +66,16 @@ def checked_params(
         raise TypeError(f"{what}: SamplingParams: {e}") from None
     try:
         params.validate(vocab_size)
+        if params.bad_words:
+            if inputs is None or inputs.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer (this model has none)")
+            params = msgspec.structs.replace(
+                params,
+                bad_words_token_ids=bad_word_sequences(
+                    inputs.tokenizer, params.bad_words, params.bad_words_token_ids
+                ),
+            )
+            params.validate(vocab_size)  # the sequences, now that they exist
         if params.structured_outputs is not None:
             if inputs is not None and inputs.tokenizer is None:
                 raise ValueError(
@@ -76,6 +86,20 @@ def checked_params(
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
     return params
+
+
+def bad_word_sequences(
+    tokenizer: Tokenizer, words: list[str], given: list[list[int]]
+) -> list[list[int]]:
+    """The token sequences of bad words, after those given: each word as it starts a text
+    and after a space (a word-initial token often carries its space), each once."""
+    out = [list(seq) for seq in given]
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 class InputProcessor:

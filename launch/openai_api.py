@@ -134,6 +134,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -396,6 +398,8 @@ def sampling_params(
         seed=body.seed,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words or [],
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         n=body.n,

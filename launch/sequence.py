@@ -89,7 +89,7 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
     copies (n 1 each, stop strings left to the client) named request_id when n is 1, else
     "{request_id}-{i}"; with a seed, copy i gets seed + i so that the copies differ.
     Sent back to back, the copies share the prompt's full blocks through the prefix cache."""
-    one = msgspec.structs.replace(params, n=1, stop=[])
+    one = msgspec.structs.replace(params, n=1, stop=[], bad_words=[])
     if params.n == 1:
         return [(request_id, one)]
     if params.seed is None:

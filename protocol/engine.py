@@ -31,6 +31,8 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: bounds a step's sampling work
+MAX_BAD_WORDS = 128  # token sequences per request (each word with and without a space)
+MAX_BAD_WORD_TOKENS = 32  # tokens in one of them
 # A structured-output spec's text (schema, regex, grammar, choices together): bounds the
 # worker's compile of it, which runs on the step's thread.
 MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
@@ -144,6 +146,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # into the text, which by default leaves them out.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Only these tokens may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, as texts (the client's: it tokenizes them into
+    # bad_words_token_ids, which the workers apply: a sequence's last token is banned
+    # wherever the output ends with the rest of it).
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
 
     @property
     def has_penalties(self) -> bool:
@@ -208,6 +217,28 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     )
                 if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
                     raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (null allows every token)")
+            for t in self.allowed_token_ids:
+                if not 0 <= t < limit:
+                    raise ValueError(
+                        f"allowed_token_ids holds {t}, outside the vocabulary [0, {limit})"
+                    )
+        if len(self.bad_words) > MAX_BAD_WORDS or len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} entries")
+        if not all(w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must not be empty or blank")
+        for seq in self.bad_words_token_ids:
+            if not 1 <= len(seq) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(
+                    f"bad_words_token_ids: each sequence holds 1 to {MAX_BAD_WORD_TOKENS} tokens"
+                )
+            for t in seq:
+                if not 0 <= t < limit:
+                    raise ValueError(
+                        f"bad_words_token_ids holds {t}, outside the vocabulary [0, {limit})"
+                    )
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
             # The language decides where the output ends (EOS, once it is complete).

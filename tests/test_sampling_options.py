@@ -660,6 +660,10 @@ def test_prompt_logprobs_and_echo_with_logprobs_through_the_server(
         ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": ["x"] * 129}, "bad_words"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else v,
 )
@@ -706,3 +710,62 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(chat_model: Pa
             await engine.aclose()
 
     assert run(streamed()) == want
+
+
+def _masked_greedy(hf: HFReference, prompt: list[int], steps: int, ok) -> list[int]:
+    """Greedy over transformers' logits, a token at a time, among those ok(out, t) allows."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = hf.logits(prompt + out)
+        banned = [t for t in range(len(logits)) if not ok(out, t)]
+        logits[banned] = float("-inf")
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] >= MIN_GREEDY_MARGIN, "oracle too close to call"
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_allowed_token_ids_and_bad_words_equal_a_reference(
+    llm: LLM, hf: HFReference, chat_model: Path
+) -> None:
+    """Greedy under allowed_token_ids (only those) and bad-word token sequences (a
+    sequence's last token never completes it) equals transformers' greedy with the same
+    tokens masked; a neighbour without them is unchanged."""
+    free = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
+    base = hf.greedy(PROMPT, free)
+    allowed = sorted(set(base[1::2]) | {3, 40})  # not the greedy pick at every step
+    bad = [[base[0], base[1]], [base[4]]]  # a two-token sequence, and a token anywhere
+    outs = llm.generate(
+        [PROMPT] * 3,
+        [
+            msgspec_replace(free, allowed_token_ids=allowed),
+            msgspec_replace(free, bad_words_token_ids=bad),
+            free,
+        ],
+        use_tqdm=False,
+    )
+    assert outs[0].token_ids == _masked_greedy(hf, PROMPT, STEPS, lambda _o, t: t in allowed)
+    assert outs[0].token_ids != base
+
+    def no_bad_word(out: list[int], t: int) -> bool:
+        return all(not (seq[:-1] == out[len(out) - len(seq) + 1 :] and t == seq[-1]) for seq in bad)
+
+    assert outs[1].token_ids == _masked_greedy(hf, PROMPT, STEPS, no_bad_word)
+    assert outs[1].token_ids != base and outs[2].token_ids == base
+
+
+def test_bad_words_are_texts_tokenized_by_the_client(chat_model: Path) -> None:
+    """bad_words (texts) through LLM and the JSONL lines: the word never appears in the
+    output, with or without a space before it; the ids stay as they were until then."""
+    base = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    with LLM(str(chat_model), device=CPU) as llm:
+        (full,) = llm.generate(["What is 2 + 2 ?"], base, use_tqdm=False)
+        word = full.text.split()[2]
+        (clean,) = llm.generate(
+            ["What is 2 + 2 ?"], msgspec_replace(base, bad_words=[word]), use_tqdm=False
+        )
+        with pytest.raises(ValueError, match="bad_words"):
+            llm.generate(["x"], msgspec_replace(base, bad_words=["  "]), use_tqdm=False)
+    assert word not in clean.text.split(), (word, clean.text)
+    first = full.text.split().index(word)
+    assert clean.text.split()[:first] == full.text.split()[:first]

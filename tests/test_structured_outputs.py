@@ -197,7 +197,7 @@ def test_the_sampler_masks_only_the_constrained_rows() -> None:
     for temperature in (0.0, 1.5):
         params = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0)] * 4
         tensors = SamplingTensors.from_params(params, "cpu")
-        tensors.grammar = (rows, banned)
+        tensors.token_masks = (rows, banned)
         for draw in range(20):
             tokens = sample(logits, tensors, [None] * 4, torch.Generator().manual_seed(draw))
             assert all(int(tokens[r]) in allowed for r, allowed in ok.items()), tokens

@@ -89,6 +89,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         self.logit_biased = np.zeros(max_num_reqs, dtype=bool)
+        self.token_limited = np.zeros(max_num_reqs, dtype=bool)  # allowed ids or bad words
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         # The row uses penalties, min_tokens, logprobs, prompt logprobs or a logit bias: a
         # step whose rows all say no skips that work after one check.
@@ -109,6 +110,7 @@ class InputBatch:
             self.min_tokens,
             self.num_logprobs,
             self.logit_biased,
+            self.token_limited,
             self.num_prompt_logprobs,
             self.extras,
         )
@@ -399,6 +401,8 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         biased = bool(params.logit_bias)
         self.logit_biased[row] = biased
+        limited = params.allowed_token_ids is not None or bool(params.bad_words_token_ids)
+        self.token_limited[row] = limited
         prompt_lp = params.prompt_logprobs
         self.num_prompt_logprobs[row] = -1 if prompt_lp is None else prompt_lp
         extras = (
@@ -408,6 +412,7 @@ class InputBatch:
             or biased
             or prompt_lp is not None
             or params.structured_outputs is not None
+            or limited
         )
         self.extras[row] = extras
         self.num_extras += extras

@@ -682,8 +682,9 @@ class ModelRunner:
     def _sampling_extras(
         self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """Logit biases, penalties and min_tokens masks into sampling; the logprob rows and
-        counts. Only for a step in which some row uses one of them."""
+        """Logit biases, penalties, token masks (structured outputs, allowed_token_ids) and
+        bans (bad words, min_tokens) into sampling; the logprob rows and counts. Only for
+        a step in which some row uses one of them."""
         batch = self.batch
         device = self.device
         vocab = self.model_config.vocab_size
@@ -712,18 +713,23 @@ class ModelRunner:
                 ],
                 device,
             )
-        if self.grammars:
-            found = self.grammars.fill_bitmask(req_ids)
-            if found is not None:
-                sampling.grammar = (
-                    torch.tensor(found[0], dtype=torch.int64, device=device),
-                    token_bans(found[1], vocab, device),
-                )
+        limited = np.flatnonzero(batch.token_limited[rows]).tolist()
+        sampling.token_masks = self._token_masks(req_ids, limited)
+        ban_rows: list[int] = []
+        ban_tokens: list[int] = []
+        for i in limited:
+            # A bad word's last token, wherever the output ends with the rest of it.
+            params = batch.requests[req_ids[i]].sampling_params
+            row, end = int(rows[i]), int(num_tokens[i])
+            output = batch.token_ids[row, int(num_prompt[i]) : end]
+            for seq in params.bad_words_token_ids:
+                k = len(seq) - 1
+                if k <= len(output) and (k == 0 or output[len(output) - k :].tolist() == seq[:k]):
+                    ban_rows.append(i)
+                    ban_tokens.append(seq[-1])
         early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)
         if early.size:
             # Below min_tokens nothing that would stop the request may be sampled.
-            ban_rows: list[int] = []
-            ban_tokens: list[int] = []
             for i in early.tolist():
                 params = batch.requests[req_ids[i]].sampling_params
                 stops = list(params.stop_token_ids)
@@ -732,11 +738,11 @@ class ModelRunner:
                 stops = [t for t in stops if t < vocab]
                 ban_rows += [i] * len(stops)
                 ban_tokens += stops
-            if ban_rows:
-                sampling.banned = (
-                    torch.tensor(ban_rows, dtype=torch.int64, device=device),
-                    torch.tensor(ban_tokens, dtype=torch.int64, device=device),
-                )
+        if ban_rows:
+            sampling.banned = (
+                torch.tensor(ban_rows, dtype=torch.int64, device=device),
+                torch.tensor(ban_tokens, dtype=torch.int64, device=device),
+            )
         if self.config.rank != 0:
             return None, []  # only rank 0 answers the core
         wanted = batch.num_logprobs[rows]
@@ -744,6 +750,40 @@ class ModelRunner:
         if not asking.size:
             return None, []
         return torch.from_numpy(asking).to(device), wanted[asking].tolist()
+
+    def _token_masks(
+        self, req_ids: list[str], limited: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """SamplingTensors.token_masks: the tokens the step's constrained rows (structured
+        outputs) and allowed_token_ids rows may not sample; a row with both, the union."""
+        device, vocab = self.device, self.model_config.vocab_size
+        parts: list[tuple[list[int], torch.Tensor]] = []
+        if self.grammars:
+            found = self.grammars.fill_bitmask(req_ids)
+            if found is not None:
+                parts.append((found[0], token_bans(found[1], vocab, device)))
+        requests = self.batch.requests
+        allowed = [
+            (i, ids)
+            for i in limited
+            if (ids := requests[req_ids[i]].sampling_params.allowed_token_ids) is not None
+        ]
+        if allowed:
+            bans = torch.ones((len(allowed), vocab), dtype=torch.bool, device=device)
+            for k, (_, ids) in enumerate(allowed):
+                bans[k, torch.tensor(ids, dtype=torch.int64, device=device)] = False
+            parts.append(([i for i, _ in allowed], bans))
+        if not parts:
+            return None
+        if len(parts) == 1:
+            rows, bans = parts[0]
+            return torch.tensor(rows, dtype=torch.int64, device=device), bans
+        every = sorted({i for rows, _ in parts for i in rows})
+        at = {i: k for k, i in enumerate(every)}
+        union = torch.zeros((len(every), vocab), dtype=torch.bool, device=device)
+        for rows, bans in parts:
+            union[[at[i] for i in rows]] |= bans
+        return torch.tensor(every, dtype=torch.int64, device=device), union
 
     def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on

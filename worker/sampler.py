@@ -98,8 +98,8 @@ class SamplingTensors:
     # (rows, token ids, values) added to the logits first (SamplingParams.logit_bias).
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # (rows [K] int64, banned [K, V] bool): tokens those rows may not sample (structured
-    # outputs: what their languages cannot continue with; token_bans builds it).
-    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    # outputs: what their languages cannot continue with, token_bans; allowed_token_ids).
+    token_masks: tuple[torch.Tensor, torch.Tensor] | None = None
     # [N] float32, only when some sampled row sets min_p (else None: the stage is skipped).
     min_p: torch.Tensor | None = None
 
@@ -231,10 +231,10 @@ def sample(
     if tensors.banned is not None:
         logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_tokens = logits.argmax(dim=-1)
-    grammar = tensors.grammar
-    if grammar is not None:
+    masks = tensors.token_masks
+    if masks is not None:
         # Only the constrained rows are masked (a copy of them), not the whole batch.
-        rows, banned = grammar
+        rows, banned = masks
         constrained = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
         greedy_tokens.index_copy_(0, rows, constrained.argmax(dim=-1))
     if tensors.all_greedy:
@@ -246,7 +246,7 @@ def sample(
         tensors.greedy, torch.ones_like(tensors.temperature), tensors.temperature
     )
     scaled = logits / temperature[:, None]
-    if grammar is not None:
+    if masks is not None:
         scaled.index_copy_(0, rows, constrained / temperature.index_select(0, rows)[:, None])
     if tensors.min_p is not None:
         # vLLM's order: min_p on the tempered distribution, then top-k and top-p.
