@@ -50,7 +50,7 @@ from launch.engine import (
     EngineDeadError,
     EngineProcesses,
 )
-from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
+from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
 from launch.sequence import SequenceOutput, SequenceState, fan_out, merge
 from protocol.engine import (
     EngineDead,
@@ -355,6 +355,7 @@ class AsyncLLM:
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
         ids = self.inputs.token_ids(p, self.vocab_size)
+        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
         return _Prepared(ids, params, cache_salt or p.cache_salt, priority)
 
     def _request_id(self, request_id: str | None) -> str:

@@ -52,6 +52,7 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under --scheduling-policy priority
@@ -445,6 +446,7 @@ _LINE_OPTIONS = (
     "skip_special_tokens",
     "allowed_token_ids",
     "bad_words",
+    "truncate_prompt_tokens",
 )
 
 

@@ -88,6 +88,15 @@ def checked_params(
     return params
 
 
+def truncated(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt's ids as sent: the last k of them (truncate_prompt_tokens; -1: as many
+    as the context holds), or all when k is None."""
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 def bad_word_sequences(
     tokenizer: Tokenizer, words: list[str], given: list[list[int]]
 ) -> list[list[int]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from launch.chat import ChatTemplate
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
-from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt
+from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
 from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
 from protocol.engine import Logprobs, SamplingParams, SchedulerStats
@@ -79,6 +79,7 @@ class LLM:
         self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)
         ready = self.engine.ready
         self.vocab_size = ready.vocab_size
+        self.max_model_len = ready.max_model_len
         self.eos_token_ids = ready.eos_token_ids
         self.sampling_defaults = ready.sampling_defaults
         self.last_summary = RunSummary()
@@ -130,6 +131,7 @@ class LLM:
                     request_params = checked_params(
                         p.sampling_params, f"prompt {index}", self.vocab_size, self.inputs
                     )
+                ids = truncated(ids, request_params.truncate_prompt_tokens, self.max_model_len)
                 self.engine.check_priority(p.priority)
                 # Text only for stop strings: the whole text is decoded once at the end.
                 text = bool(request_params.stop)

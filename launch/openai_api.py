@@ -78,6 +78,7 @@ _ERROR_TYPES = {
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class JSONSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,6 +137,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -400,6 +402,7 @@ def sampling_params(
         skip_special_tokens=body.skip_special_tokens,
         allowed_token_ids=body.allowed_token_ids,
         bad_words=body.bad_words or [],
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         n=body.n,

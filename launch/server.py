@@ -32,7 +32,7 @@ from launch.async_llm import AsyncLLM, RequestStream, StreamOutput
 from launch.chat import ChatTemplateError
 from launch.cli import package_version
 from launch.engine import EngineDeadError
-from launch.inputs import Prompt
+from launch.inputs import Prompt, truncated
 from launch.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from launch.openai_api import (
     APIError,
@@ -340,6 +340,15 @@ class OpenAIServer:
         answer the echo alone (max_tokens 0), not the token generated; tools: what the
         chat's tools make of its answer."""
         engine = self.engine
+        k = body.truncate_prompt_tokens
+        if k is not None:
+            if not (k >= 1 or k == -1):
+                raise APIError(
+                    f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}",
+                    param="truncate_prompt_tokens",
+                    code="invalid_value",
+                )
+            prompts = [truncated(ids, k, engine.max_model_len) for ids in prompts]
         params = [
             sampling_params(
                 body,
@@ -574,6 +583,8 @@ class _Call:
 
     async def events(self) -> AsyncIterator[bytes]:
         ids_too = self.body.return_token_ids
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous_usage_stats
         try:
             if self.chat:
                 for i in range(len(self.choices)):
@@ -603,7 +614,7 @@ class _Call:
                     choice["stop_reason"] = c.stop_reason
                 c.sent = len(c.ids)
                 c.offset += len(text)
-                envelope = self._envelope([choice], None)
+                envelope = self._envelope([choice], self._usage() if continuous else None)
                 if c.prompt_logprobs is not None:  # the choice's first chunk: once
                     prompt = self._prompt_logprobs(c)
                     (envelope if self.chat else choice)["prompt_logprobs"] = prompt

@@ -153,6 +153,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # wherever the output ends with the rest of it).
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    # The client's: only the prompt's last k tokens are sent (-1: as many as the model's
+    # context holds), vLLM's truncate_prompt_tokens.
+    truncate_prompt_tokens: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -217,6 +220,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     )
                 if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
                     raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (k >= 1 or k == -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (null allows every token)")

@@ -769,3 +769,39 @@ def test_bad_words_are_texts_tokenized_by_the_client(chat_model: Path) -> None:
     assert word not in clean.text.split(), (word, clean.text)
     first = full.text.split().index(word)
     assert clean.text.split()[:first] == full.text.split()[:first]
+
+
+def test_prompts_truncated_to_their_last_tokens(llm: LLM, client: openai.OpenAI) -> None:
+    """truncate_prompt_tokens keeps a prompt's last k tokens (LLM and the server); every
+    streamed chunk carries the usage so far with continuous_usage_stats."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    cut, short = llm.generate(
+        [PROMPT, PROMPT[-3:]], [msgspec_replace(params, truncate_prompt_tokens=3), params]
+    )
+    assert cut.prompt_token_ids == PROMPT[-3:] and cut.token_ids == short.token_ids
+    (whole,) = llm.generate([PROMPT], msgspec_replace(params, truncate_prompt_tokens=100))
+    assert whole.prompt_token_ids == PROMPT
+    extra = {"ignore_eos": True, "return_token_ids": True, "truncate_prompt_tokens": 2}
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=[5, 6, 7, 8],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=extra,
+        )
+    )
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=1, extra_body=extra
+    )
+    assert plain.choices[0].prompt_token_ids == [7, 8]  # type: ignore[attr-defined]
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]  # type: ignore[union-attr]
+    assert counts == sorted(counts) and counts[-1] == 3 and len(counts) >= 3
+    assert all(c.usage is not None and c.usage.prompt_tokens == 2 for c in chunks)
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.completions.create(
+                model=MODEL_NAME, prompt="What", extra_body={"truncate_prompt_tokens": bad}
+            )
