@@ -556,6 +556,13 @@ class Scheduler:
                 else o
                 for o in outputs
             ]
+        if output.embeddings:
+            # With the request's first token (the step that finished its prompt).
+            vectors = {e.req_id: e.vector for e in output.embeddings}
+            outputs = [
+                replace(o, embedding=vectors[o.request_id]) if o.request_id in vectors else o
+                for o in outputs
+            ]
         return outputs
 
     def _take_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> dict[str, list[Logprobs]]:

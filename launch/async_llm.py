@@ -88,6 +88,8 @@ class StreamOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # On a sequence's first output, when asked for: one per prompt token, None first.
     prompt_logprobs: list[Logprobs | None] | None = None
+    # On a sequence's first output, when asked for (SamplingParams.embedding).
+    embedding: list[float] | None = None
 
 
 class _Prepared(NamedTuple):
@@ -207,6 +209,7 @@ class RequestStream:
             out.logprobs,
             out.stop_reason,
             out.prompt_logprobs,
+            out.embedding,
         )
 
     def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:

@@ -76,6 +76,11 @@ def checked_params(
                 ),
             )
             params.validate(vocab_size)  # the sequences, now that they exist
+        width = None if params.embedding is None else params.embedding.dimensions
+        if width is not None and inputs is not None and width > inputs.hidden_size:
+            raise ValueError(
+                f"dimensions {width} exceeds the model's embedding width {inputs.hidden_size}"
+            )
         if params.structured_outputs is not None:
             if inputs is not None and inputs.tokenizer is None:
                 raise ValueError(
@@ -118,7 +123,10 @@ class InputProcessor:
     checks its config before any engine process starts, so a bad model fails fast."""
 
     def __init__(self, model_dir: str, chat_template: str | None = None) -> None:
+        from worker.model_config import load_model_config
+
         self.model_dir = model_dir
+        self.hidden_size = load_model_config(model_dir).hidden_size  # an embedding's width
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
         self.chat_template: ChatTemplate | None = load_chat_template(model_dir, chat_template)
 

@@ -13,7 +13,7 @@ from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, Engine
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
 from launch.sequence import SequenceState, fan_out
 from launch.tokenizer import Tokenizer
-from protocol.engine import Logprobs, SamplingParams, SchedulerStats
+from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, SchedulerStats
 
 
 @dataclass
@@ -33,6 +33,8 @@ class CompletionOutput:
     seq_index: int = 0
     # When asked for (prompt_logprobs): one per prompt token, None for the first.
     prompt_logprobs: list[Logprobs | None] | None = None
+    # When asked for (SamplingParams.embedding, LLM.embed): the prompt's embedding.
+    embedding: list[float] | None = None
     # When a stop string ended it: the text before it (the tokens run to the one that
     # completed the match).
     _stop_text: list[str] | None = field(default=None, repr=False)
@@ -181,6 +183,8 @@ class LLM:
                         out.logprobs.extend(o.logprobs)
                     if step.prompt_logprobs is not None:
                         out.prompt_logprobs = step.prompt_logprobs
+                    if step.embedding is not None:
+                        out.embedding = step.embedding
                     if out._stop_text is not None:
                         out._stop_text.append(step.text)
                     summary.output_tokens += len(o.new_token_ids)
@@ -251,6 +255,30 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, on_finish)
+
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int] | Prompt],
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Each prompt's embedding (out.embedding): the final hidden state at its last
+        token, its first `dimensions` values if set, L2-normalized unless asked not to be
+        (EmbeddingParams). One step of prefill per prompt; the token that step samples is
+        left out (token_ids empty). A bad prompt fails alone, as in generate()."""
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            embedding=EmbeddingParams(normalize, dimensions),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        outs = self.generate(prompts, params, use_tqdm)
+        for out in outs:
+            out.token_ids, out.text = [], None
+        return outs
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (the engine refuses while requests run)."""

@@ -315,6 +315,44 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tools: list[ToolDef] | None = None  # rendered as a chat completion's would be
 
 
+class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /v1/embeddings (OpenAI's, with vLLM's truncate_prompt_tokens and normalize)."""
+
+    input: str | list[Any]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # accepted, unused
+    truncate_prompt_tokens: int | None = None
+    normalize: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """The texts or token-id lists to embed (one, or a list of at most
+        MAX_PROMPTS_PER_REQUEST), each checked for its shape."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise APIError("input must not be empty", param="input", code="invalid_value")
+        if _is_token_ids(x):
+            return [x]
+        if len(x) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(
+                f"{len(x)} inputs in one request; at most {MAX_PROMPTS_PER_REQUEST}",
+                param="input",
+                code="invalid_value",
+            )
+        for i, item in enumerate(x):
+            ok = isinstance(item, str) or (isinstance(item, list) and _is_token_ids(item))
+            if not ok or not item:
+                raise APIError(
+                    f"input {i} must be a non-empty string or list of token ids",
+                    param="input",
+                    code="invalid_type" if not ok else "invalid_value",
+                )
+        return x
+
+
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /detokenize (vLLM's): token ids back to text."""
 

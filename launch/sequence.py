@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from launch.detokenizer import IncrementalDetokenizer
 from launch.stop_strings import StopStringMatcher
@@ -27,6 +28,8 @@ class SequenceOutput:
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     # With the first output, when asked for: one per prompt token, None for the first.
     prompt_logprobs: list[Logprobs | None] | None = None
+    # With the first output, when asked for (SamplingParams.embedding).
+    embedding: list[float] | None = None
 
 
 class SequenceState:
@@ -81,7 +84,13 @@ class SequenceState:
             o.logprobs,
             stop_reason,
             None if o.prompt_logprobs is None else [None, *o.prompt_logprobs],
+            None if o.embedding is None else embedding_values(o.embedding),
         )
+
+
+def embedding_values(vector: bytes) -> list[float]:
+    """RequestOutput.embedding (float32, little-endian) as Python floats."""
+    return np.frombuffer(vector, dtype="<f4").tolist()
 
 
 def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
@@ -111,3 +120,5 @@ def merge(first: SequenceOutput, later: SequenceOutput) -> None:
         first.logprobs = (first.logprobs or []) + later.logprobs
     if first.prompt_logprobs is None:
         first.prompt_logprobs = later.prompt_logprobs
+    if first.embedding is None:
+        first.embedding = later.embedding

@@ -15,6 +15,7 @@ choice for all the tokens that arrived meanwhile.
 from __future__ import annotations
 
 import asyncio
+import base64
 import secrets
 import time
 import uuid
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -39,6 +41,7 @@ from launch.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     chat_logprobs,
     completion_logprobs,
@@ -56,7 +59,7 @@ from launch.tools import (
     plan_tools,
     template_messages,
 )
-from protocol.engine import Logprobs, SamplingParams
+from protocol.engine import EmbeddingParams, Logprobs, SamplingParams
 
 _json = msgspec.json.Encoder()
 # JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
@@ -143,6 +146,7 @@ class OpenAIServer:
             routes=[
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+                Route("/v1/embeddings", self._guard(self.embeddings), methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -313,6 +317,81 @@ class OpenAIServer:
         return await self._generate(
             request, body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools
         )
+
+    async def embeddings(self, request: Request) -> Response:
+        """Each input's embedding (EmbeddingParams: last-token pooling): one prefill step
+        per input, as one engine request of several prompts."""
+        body: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
+        self._check_model(body.model)
+        engine = self.engine
+        if body.dimensions is not None and not 1 <= body.dimensions <= engine.inputs.hidden_size:
+            raise APIError(
+                f"dimensions must be in [1, {engine.inputs.hidden_size}] (the model's "
+                f"embedding width), got {body.dimensions}",
+                param="dimensions",
+                code="invalid_value",
+            )
+        k = body.truncate_prompt_tokens
+        if k is not None and not (k >= 1 or k == -1):
+            raise APIError(
+                f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        prompts = []
+        for i, item in enumerate(body.inputs()):
+            try:
+                ids = truncated(engine.prompt_token_ids(item), k, engine.max_model_len)
+            except (TypeError, ValueError) as e:
+                raise APIError(f"input {i}: {e}", param="input", code="invalid_value") from None
+            if len(ids) >= engine.max_model_len:
+                raise APIError(
+                    f"input {i} has {len(ids)} tokens; this model's context is "
+                    f"{engine.max_model_len} (truncate_prompt_tokens cuts it)",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+            prompts.append(ids)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            embedding=EmbeddingParams(body.normalize, body.dimensions),
+        )
+        stream = engine.generate_many(prompts, params, f"embd-{uuid.uuid4().hex}", text=False)
+
+        async def answer() -> Response:
+            vectors: list[list[float] | None] = [None] * len(prompts)
+            try:
+                async for out in stream:
+                    if out.finish_reason == "error":
+                        raise APIError(out.error or "the request failed", 500)
+                    if out.embedding is not None:
+                        vectors[out.index] = out.embedding
+            except EngineDeadError as e:
+                raise APIError(str(e), 500) from None
+            finally:
+                stream.close()
+            data = []
+            for i, v in enumerate(vectors):
+                if v is None:
+                    raise APIError(f"input {i} got no embedding", 500)
+                value: Any = v
+                if body.encoding_format == "base64":
+                    value = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+                data.append({"object": "embedding", "index": i, "embedding": value})
+            n = sum(len(p) for p in prompts)
+            return json_response(
+                {
+                    "id": stream.request_id,
+                    "object": "list",
+                    "created": int(time.time()),
+                    "model": self.model_name,
+                    "data": data,
+                    "usage": {"prompt_tokens": n, "total_tokens": n},
+                }
+            )
+
+        return await _until_disconnect(request, answer())
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -31,6 +31,7 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: bounds a step's sampling work
+MAX_EMBEDDING_DIMENSIONS = 1 << 20  # only a bound for the wire; the model's width is checked
 MAX_BAD_WORDS = 128  # token sequences per request (each word with and without a space)
 MAX_BAD_WORD_TOKENS = 32  # tokens in one of them
 # A structured-output spec's text (schema, regex, grammar, choices together): bounds the
@@ -101,6 +102,16 @@ class StructuredOutputs(
             )
 
 
+class EmbeddingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Return the prompt's embedding: the model's final hidden state at the prompt's last
+    token (last-token pooling, as decoder embedding models such as Qwen3-Embedding,
+    gte-Qwen2 and e5-mistral are trained), its first `dimensions` values when set
+    (Matryoshka models), L2-normalized unless normalize is false."""
+
+    normalize: bool = True
+    dimensions: int | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How to pick each next token. temperature 0 (or below GREEDY_TEMPERATURE) is
     greedy; top_k 0, top_p 1 and min_p 0 are off (min_p: tokens less likely than min_p
@@ -156,6 +167,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # The client's: only the prompt's last k tokens are sent (-1: as many as the model's
     # context holds), vLLM's truncate_prompt_tokens.
     truncate_prompt_tokens: int | None = None
+    # The prompt's embedding comes back with the first token (RequestOutput.embedding).
+    embedding: EmbeddingParams | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -220,6 +233,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     )
                 if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
                     raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+        if self.embedding is not None:
+            d = self.embedding.dimensions
+            if d is not None and not 1 <= d <= MAX_EMBEDDING_DIMENSIONS:
+                raise ValueError(f"dimensions must be >= 1, got {d}")
         k = self.truncate_prompt_tokens
         if k is not None and not (k >= 1 or k == -1):
             raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}")
@@ -341,6 +358,9 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
     # With the request's first token, when it asked for prompt_logprobs: one per prompt
     # token after the first (the first has nothing before it).
     prompt_logprobs: list[Logprobs] | None = None
+    # With the request's first token, when it asked for its embedding (SamplingParams.
+    # embedding): float32 values, little-endian.
+    embedding: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

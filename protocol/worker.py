@@ -111,6 +111,14 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[Logprobs]
 
 
+class PromptEmbedding(msgspec.Struct, frozen=True, array_like=True):
+    """A request's embedding (SamplingParams.embedding), float32 little-endian bytes, from
+    the step that finished its prompt; rank 0 sends it."""
+
+    req_id: str
+    vector: bytes
+
+
 class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=True):
     """Sampled tokens of the step, for the requests that reached the end of their tokens
     (a request in the middle of a chunked prefill samples nothing)."""
@@ -124,6 +132,7 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     # For each request of the step that asked for prompt_logprobs and prefilled prompt
     # tokens in it.
     prompt_logprobs: list[PromptLogprobs] = []
+    embeddings: list[PromptEmbedding] = []
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

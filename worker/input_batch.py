@@ -90,6 +90,9 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         self.logit_biased = np.zeros(max_num_reqs, dtype=bool)
         self.token_limited = np.zeros(max_num_reqs, dtype=bool)  # allowed ids or bad words
+        # The row's embedding is due with its first sampled token (SamplingParams.embedding).
+        self.wants_embedding = np.zeros(max_num_reqs, dtype=bool)
+        self.num_embeddings = 0  # rows with wants_embedding set
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1: not asked
         # The row uses penalties, min_tokens, logprobs, prompt logprobs or a logit bias: a
         # step whose rows all say no skips that work after one check.
@@ -111,6 +114,7 @@ class InputBatch:
             self.num_logprobs,
             self.logit_biased,
             self.token_limited,
+            self.wants_embedding,
             self.num_prompt_logprobs,
             self.extras,
         )
@@ -333,6 +337,11 @@ class InputBatch:
         self.reserve(rows)
         self.fill_reserved(req_ids, token_ids, rows)
 
+    def embedded(self, rows: np.ndarray) -> None:
+        """These rows' embeddings are being computed: no later step computes them again."""
+        self.num_embeddings -= int(self.wants_embedding[rows].sum())
+        self.wants_embedding[rows] = False
+
     def reserve(self, rows: np.ndarray) -> None:
         """Count one more token in each row, its value to come (fill_reserved): a step
         planned meanwhile sees the right lengths and positions."""
@@ -416,6 +425,10 @@ class InputBatch:
         )
         self.extras[row] = extras
         self.num_extras += extras
+        # Once: a request that already sampled (resumed after a preemption) had it.
+        embed = params.embedding is not None and not state.output_token_ids
+        self.wants_embedding[row] = embed
+        self.num_embeddings += embed
         self.block_table.add_row(block_ids, row)
         self._row_to_req[row] = state.req_id
         self.req_id_to_row[state.req_id] = row
@@ -425,6 +438,7 @@ class InputBatch:
         self.row_changes += 1
         self._row_to_req[row] = None
         self.num_extras -= bool(self.extras[row])
+        self.num_embeddings -= bool(self.wants_embedding[row])
         for arr in self._row_arrays:
             arr[row] = 0
         self._neutral(row)

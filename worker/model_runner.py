@@ -27,6 +27,7 @@ from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from protocol.worker import (
     ModelRunnerOutput,
+    PromptEmbedding,
     PromptLogprobs,
     SchedulerOutput,
     WorkerConfigure,
@@ -110,6 +111,9 @@ class StepInputs:
     # their logprobs are computed at launch (rank 0 keeps them).
     prompt_plan: list[PromptPlan] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Sampler positions of the requests whose embedding this step yields (their prompt
+    # ends here; rank 0 only), else None.
+    embed_rows: np.ndarray | None = None
 
 
 @dataclass
@@ -135,6 +139,8 @@ class InFlight:
     done: torch.cuda.Event | None  # recorded after the step's work on a GPU
     # The batch's row_changes at launch: while equal, the sampling rows are where they were.
     rows_at_launch: int = 0
+    # The final hidden states of step.embed_rows, when some request asked.
+    embed_hidden: torch.Tensor | None = None
 
 
 def gpu_kv_budget(
@@ -533,6 +539,12 @@ class ModelRunner:
         )
         if batch.num_extras:
             step.prompt_plan = self._prompt_plan(inputs)
+        if batch.num_embeddings:
+            want = np.flatnonzero(batch.wants_embedding[sampling_rows])
+            if want.size:
+                batch.embedded(sampling_rows[want])
+                if self.config.rank == 0:  # only rank 0 answers the core
+                    step.embed_rows = want
         if self._in_flight is None:
             self._finish_prepare(step)
         return step
@@ -612,10 +624,14 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
         if step.prompt_plan:
             step.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_plan)
-        tokens = logits = None
+        tokens = logits = embed_hidden = None
         if step.sampling_req_ids:
-            logits = self.model.compute_logits(hidden.index_select(0, step.logits_indices))
+            selected = hidden.index_select(0, step.logits_indices)
+            logits = self.model.compute_logits(selected)
             tokens = sample(logits, step.sampling, step.generators, self.default_generator)
+            if step.embed_rows is not None:
+                rows = torch.from_numpy(step.embed_rows).to(self.device)
+                embed_hidden = selected.index_select(0, rows).float()
         if tuner is not None:  # on the CPU the step has run by now
             tuner.after_step(time.perf_counter() - start)
         if step.sampling_req_ids:
@@ -632,6 +648,7 @@ class ModelRunner:
             logits if step.logprob_rows is not None else None,
             done,
             self.batch.row_changes,
+            embed_hidden,
         )
         self._in_flight = flight
         return flight
@@ -675,9 +692,37 @@ class ModelRunner:
         )
         if self.clock is not None:
             self.clock.collected()
+        embeddings = []
+        if flight.embed_hidden is not None:
+            assert step.embed_rows is not None
+            embeddings = self._embeddings(
+                [step.sampling_req_ids[i] for i in step.embed_rows.tolist()], flight.embed_hidden
+            )
         return ModelRunnerOutput(
-            step.step_id, step.sampling_req_ids, tokens, step.logprobs, step.prompt_logprobs
+            step.step_id,
+            step.sampling_req_ids,
+            tokens,
+            step.logprobs,
+            step.prompt_logprobs,
+            embeddings,
         )
+
+    def _embeddings(self, req_ids: list[str], hidden: torch.Tensor) -> list[PromptEmbedding]:
+        """Each request's embedding from its last prompt token's final hidden state: the
+        first `dimensions` values, L2-normalized unless it asked not to be."""
+        out = []
+        vectors = hidden.cpu()
+        for req_id, vector in zip(req_ids, vectors):
+            state = self.batch.requests.get(req_id)
+            if state is None or state.sampling_params.embedding is None:
+                continue
+            spec = state.sampling_params.embedding
+            if spec.dimensions is not None:
+                vector = vector[: spec.dimensions]
+            if spec.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            out.append(PromptEmbedding(req_id, vector.numpy().astype("<f4").tobytes()))
+        return out
 
     def _sampling_extras(
         self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
