@@ -6,6 +6,7 @@ Shared by the synchronous `LLM`, the asyncio `AsyncLLM` and the HTTP server, so 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,10 +124,7 @@ class InputProcessor:
     checks its config before any engine process starts, so a bad model fails fast."""
 
     def __init__(self, model_dir: str, chat_template: str | None = None) -> None:
-        from worker.model_config import load_model_config
-
         self.model_dir = model_dir
-        self.hidden_size = load_model_config(model_dir).hidden_size  # an embedding's width
         self.tokenizer: Tokenizer | None = load_tokenizer(model_dir)
         self.chat_template: ChatTemplate | None = load_chat_template(model_dir, chat_template)
 
@@ -146,6 +144,13 @@ class InputProcessor:
             model = resolve_model(model)
         load_model_config(model)
         return cls(model, chat_template)
+
+    @functools.cached_property
+    def hidden_size(self) -> int:
+        """The model's hidden size: the width of its embeddings."""
+        from worker.model_config import load_model_config
+
+        return load_model_config(self.model_dir).hidden_size
 
     def token_ids(self, p: Prompt, vocab_size: int) -> list[int]:
         """The prompt's token ids; TypeError or ValueError says why it cannot be run."""
