@@ -59,7 +59,7 @@ from launch.tools import (
     plan_tools,
     template_messages,
 )
-from protocol.engine import EmbeddingParams, Logprobs, SamplingParams
+from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, truncation_error
 
 _json = msgspec.json.Encoder()
 # JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
@@ -331,13 +331,7 @@ class OpenAIServer:
                 param="dimensions",
                 code="invalid_value",
             )
-        k = body.truncate_prompt_tokens
-        if k is not None and not (k >= 1 or k == -1):
-            raise APIError(
-                f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}",
-                param="truncate_prompt_tokens",
-                code="invalid_value",
-            )
+        k = _truncation(body.truncate_prompt_tokens)
         prompts = []
         for i, item in enumerate(body.inputs()):
             try:
@@ -419,14 +413,8 @@ class OpenAIServer:
         answer the echo alone (max_tokens 0), not the token generated; tools: what the
         chat's tools make of its answer."""
         engine = self.engine
-        k = body.truncate_prompt_tokens
+        k = _truncation(body.truncate_prompt_tokens)
         if k is not None:
-            if not (k >= 1 or k == -1):
-                raise APIError(
-                    f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}",
-                    param="truncate_prompt_tokens",
-                    code="invalid_value",
-                )
             prompts = [truncated(ids, k, engine.max_model_len) for ids in prompts]
         params = [
             sampling_params(
@@ -749,6 +737,14 @@ class _Call:
         if ids is not None:
             choice["token_ids"] = ids
         return choice
+
+
+def _truncation(k: int | None) -> int | None:
+    """A body's truncate_prompt_tokens, checked before any prompt is cut."""
+    error = truncation_error(k)
+    if error is not None:
+        raise APIError(error, param="truncate_prompt_tokens", code="invalid_value")
+    return k
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

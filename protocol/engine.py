@@ -237,9 +237,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             d = self.embedding.dimensions
             if d is not None and not 1 <= d <= MAX_EMBEDDING_DIMENSIONS:
                 raise ValueError(f"dimensions must be >= 1, got {d}")
-        k = self.truncate_prompt_tokens
-        if k is not None and not (k >= 1 or k == -1):
-            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k}")
+        error = truncation_error(self.truncate_prompt_tokens)
+        if error is not None:
+            raise ValueError(error)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (null allows every token)")
@@ -293,6 +293,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if t == self.temperature and p == self.top_p and k == self.top_k and m == self.min_p:
             return self
         return msgspec.structs.replace(self, temperature=t, top_p=p, top_k=k, min_p=m)
+
+
+def truncation_error(k: object) -> str | None:
+    """Why k cannot be a truncate_prompt_tokens (>= 1, or -1: the model's context)."""
+    if k is None or (type(k) is int and (k >= 1 or k == -1)):
+        return None
+    return f"truncate_prompt_tokens must be >= 1, or -1 for the context, got {k!r}"
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag="add"):
