@@ -241,35 +241,37 @@ class CompletionRequest(_Request, kw_only=True):
         return self.prompt_logprobs
 
     def prompt_inputs(self) -> list[str | list[int]]:
-        """The prompts: one text or token-id list, or a list of them (at most
-        MAX_PROMPTS_PER_REQUEST), each checked for its shape here."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError("prompt must not be empty", param="prompt", code="invalid_value")
-        if _is_token_ids(p):
-            return [p]
-        if len(p) > MAX_PROMPTS_PER_REQUEST:
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value: str | list[Any], field: str) -> list[str | list[int]]:
+    """A body's prompts (field: "prompt", or "input" for embeddings): one text or
+    token-id list, or a list of them (at most MAX_PROMPTS_PER_REQUEST), each checked for
+    its shape here."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError(f"{field} must not be empty", param=field, code="invalid_value")
+    if _is_token_ids(value):
+        return [value]
+    if len(value) > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(
+            f"{len(value)} {field}s in one request; at most {MAX_PROMPTS_PER_REQUEST}: "
+            "split them over several requests",
+            param=field,
+            code="invalid_value",
+        )
+    for i, x in enumerate(value):
+        if isinstance(x, list) and not x:
+            raise APIError(f"{field} {i} must not be empty", param=field, code="invalid_value")
+        if not (isinstance(x, str) or (isinstance(x, list) and _is_token_ids(x))):
             raise APIError(
-                f"{len(p)} prompts in one request; at most {MAX_PROMPTS_PER_REQUEST}: "
-                "split them over several requests",
-                param="prompt",
-                code="invalid_value",
+                f"{field} must be a string, a list of token ids, or a list of either "
+                f"({field} {i} is neither)",
+                param=field,
+                code="invalid_type",
             )
-        for i, x in enumerate(p):
-            if isinstance(x, list) and not x:
-                raise APIError(
-                    f"prompt {i} must not be empty", param="prompt", code="invalid_value"
-                )
-            if not (isinstance(x, str) or (isinstance(x, list) and _is_token_ids(x))):
-                raise APIError(
-                    "prompt must be a string, a list of token ids, or a list of either "
-                    f"(prompt {i} is neither)",
-                    param="prompt",
-                    code="invalid_type",
-                )
-        return p
+    return value
 
 
 def _is_token_ids(x: list[Any]) -> bool:
@@ -327,30 +329,7 @@ class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     normalize: bool = True
 
     def inputs(self) -> list[str | list[int]]:
-        """The texts or token-id lists to embed (one, or a list of at most
-        MAX_PROMPTS_PER_REQUEST), each checked for its shape."""
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if not x:
-            raise APIError("input must not be empty", param="input", code="invalid_value")
-        if _is_token_ids(x):
-            return [x]
-        if len(x) > MAX_PROMPTS_PER_REQUEST:
-            raise APIError(
-                f"{len(x)} inputs in one request; at most {MAX_PROMPTS_PER_REQUEST}",
-                param="input",
-                code="invalid_value",
-            )
-        for i, item in enumerate(x):
-            ok = isinstance(item, str) or (isinstance(item, list) and _is_token_ids(item))
-            if not ok or not item:
-                raise APIError(
-                    f"input {i} must be a non-empty string or list of token ids",
-                    param="input",
-                    code="invalid_type" if not ok else "invalid_value",
-                )
-        return x
+        return prompt_list(self.input, "input")
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
