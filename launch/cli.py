@@ -22,6 +22,7 @@ import msgspec
 
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.openai_api import StructuredOutputsBody
+from launch.responses_api import DEFAULT_MAX_STORED_RESPONSES
 from launch.tools import TOOL_CALL_PARSERS
 from protocol.config import (
     DType,
@@ -382,6 +383,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call format, read out of its answers: lets a chat request "
         'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
         'a 400 and "required", a named function and "none" still work',
+    )
+    v.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="Responses API answers kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, the oldest dropped first; 0 keeps none (default: %(default)s)",
     )
     v.add_argument(
         "--enable-auto-tool-choice",

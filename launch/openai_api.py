@@ -39,6 +39,30 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 128
 
 
+_json = msgspec.json.Encoder()
+# JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
+# str.splitlines (httpx's iter_lines, for one) end a line there, inside an event: such
+# a client loses the token. Escaped, the JSON decodes to the same text. (In UTF-8 these
+# byte pairs and triples occur only as these characters.)
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
+def sse_event(body: object, event: str | None = None) -> bytes:
+    """One server-sent event: `data: <JSON>` (after `event: <name>` when named, as the
+    Responses API's are) and a blank line, no line break inside."""
+    data = _json.encode(body)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    if event is not None:
+        return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+    return b"data: " + data + b"\n\n"
+
+
 class APIError(Exception):
     """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
 

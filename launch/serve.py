@@ -103,6 +103,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if not args.log_stats_interval > 0:
         print("pagedserve serve: --log-stats-interval must be > 0", file=sys.stderr)
         return 2
+    if args.max_stored_responses < 0:
+        print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print(
             "pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser "
@@ -146,7 +149,14 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
-    api = OpenAIServer(engine, name, args.max_waiting_requests, args.api_key, args.tool_call_parser)
+    api = OpenAIServer(
+        engine,
+        name,
+        args.max_waiting_requests,
+        args.api_key,
+        args.tool_call_parser,
+        args.max_stored_responses,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:

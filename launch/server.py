@@ -47,8 +47,18 @@ from launch.openai_api import (
     completion_logprobs,
     decode_body,
     sampling_params,
+    sse_event,
     usage,
     vllm_prompt_logprobs,
+)
+from launch.responses_api import (
+    DEFAULT_MAX_STORED_RESPONSES,
+    ResponseRun,
+    ResponsesRequest,
+    ResponseStore,
+    input_messages,
+    not_found,
+    without_oldest_turn,
 )
 from launch.tools import (
     ToolCallParser,
@@ -62,24 +72,6 @@ from launch.tools import (
 from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, truncation_error
 
 _json = msgspec.json.Encoder()
-# JSON may carry U+0085, U+2028 and U+2029 raw, but line readers that split like
-# str.splitlines (httpx's iter_lines, for one) end a line there, inside an event: such
-# a client loses the token. Escaped, the JSON decodes to the same text. (In UTF-8 these
-# byte pairs and triples occur only as these characters.)
-_LINE_BREAKS = (
-    (b"\xc2\x85", b"\\u0085"),
-    (b"\xe2\x80\xa8", b"\\u2028"),
-    (b"\xe2\x80\xa9", b"\\u2029"),
-)
-
-
-def sse_event(body: object) -> bytes:
-    """One server-sent event: `data: <JSON>` and a blank line, no line break inside."""
-    data = _json.encode(body)
-    for raw, escaped in _LINE_BREAKS:
-        if raw in data:
-            data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
 
 
 def json_response(body: object, status: int = 200) -> Response:
@@ -126,8 +118,10 @@ class OpenAIServer:
         max_waiting: int | None = None,
         api_key: str | None = None,
         tool_call_parser: ToolCallParser | None = None,
+        max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     ) -> None:
         self.engine = engine
+        self.response_store = ResponseStore(max_stored_responses)
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
         self.max_waiting = max_waiting
@@ -147,6 +141,12 @@ class OpenAIServer:
                 Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
                 Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
                 Route("/v1/embeddings", self._guard(self.embeddings), methods=["POST"]),
+                Route("/v1/responses", self._guard(self.responses), methods=["POST"]),
+                Route(
+                    "/v1/responses/{response_id}",
+                    self._guard(self.stored_response),
+                    methods=["GET", "DELETE"],
+                ),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
@@ -292,6 +292,19 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
+        ids, tools = self._chat_prompt(body, "messages")
+        max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = body.max_tokens
+        return await self._generate(
+            request, body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools
+        )
+
+    def _chat_prompt(
+        self, body: ChatCompletionRequest, param: str
+    ) -> tuple[list[int], ToolPlan | None]:
+        """The conversation's token ids, rendered by the chat template with its tools, and
+        what the tools make of the answer; param names the conversation in errors."""
         try:
             tools = plan_tools(
                 body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser
@@ -306,17 +319,62 @@ class OpenAIServer:
             continue_final_message=body.continue_final_message,
         )
         try:
-            ids = self.engine.prompt_token_ids(prompt)
-        except ChatTemplateError as e:
-            raise APIError(str(e), param="messages", code="invalid_value") from None
-        except (TypeError, ValueError) as e:
-            raise APIError(str(e), param="messages", code="invalid_value") from None
-        max_tokens = body.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = body.max_tokens
-        return await self._generate(
-            request, body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools
-        )
+            return self.engine.prompt_token_ids(prompt), tools
+        except (ChatTemplateError, TypeError, ValueError) as e:
+            raise APIError(str(e), param=param, code="invalid_value") from None
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API (launch/responses_api.py): the conversation of its input
+        items, after a stored response's when it continues one, as a chat completion."""
+        body: ResponsesRequest = decode_body(await request.body(), ResponsesRequest)
+        body.check()
+        self._check_model(body.model)
+        messages = []
+        if body.previous_response_id is not None:
+            prior = self.response_store.get(body.previous_response_id)
+            if prior is None:
+                raise not_found(body.previous_response_id, "previous_response_id")
+            messages = prior.messages
+        messages = [*messages, *input_messages(body.input)]
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        limit = self.engine.max_model_len
+        while True:
+            chat = body.chat_request(system + messages)
+            ids, tools = self._chat_prompt(chat, "input")
+            if body.truncation != "auto" or len(ids) + (body.max_output_tokens or 1) <= limit:
+                break
+            shorter = without_oldest_turn(messages)
+            if shorter is None:
+                break  # what is left is one turn: the context error says so
+            messages = shorter
+        try:
+            call = self._start(chat, [ids], body.max_output_tokens, "resp", chat=True, tools=tools)
+        except APIError as e:
+            e.param = _RESPONSES_PARAMS.get(e.param, e.param)  # type: ignore[arg-type]
+            raise
+        run = ResponseRun(body, call, tools, self.model_name, messages, self.response_store)
+        if body.stream:
+            return StreamingResponse(run.events(), media_type="text/event-stream")
+
+        async def whole() -> Response:
+            try:
+                return json_response(await run.complete())
+            except APIError as e:
+                return error_response(e)
+
+        return await _until_disconnect(request, whole())
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET (the openai client's responses.retrieve) or DELETE a stored response."""
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            if not self.response_store.delete(response_id):
+                raise not_found(response_id)
+            return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+        stored = self.response_store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return json_response(stored.response)
 
     async def embeddings(self, request: Request) -> Response:
         """Each input's embedding (EmbeddingParams: last-token pooling): one prefill step
@@ -396,9 +454,8 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    async def _generate(
+    def _start(
         self,
-        request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         prompts: list[list[int]],
         max_tokens: int | None,
@@ -407,7 +464,7 @@ class OpenAIServer:
         echo: list[str] | None = None,
         prompt_only: bool = False,
         tools: ToolPlan | None = None,
-    ) -> Response:
+    ) -> _Call:
         """Check every prompt's parameters, then send them all as one stream. echo: each
         prompt's text, to answer before its completions (completions' echo); prompt_only:
         answer the echo alone (max_tokens 0), not the token generated; tools: what the
@@ -444,7 +501,22 @@ class OpenAIServer:
         stream = engine.generate_many(
             prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
         )
-        call = _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
+        return _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
+
+    async def _generate(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prefix: str,
+        chat: bool,
+        echo: list[str] | None = None,
+        prompt_only: bool = False,
+        tools: ToolPlan | None = None,
+    ) -> Response:
+        """_start's call, answered: streamed as events, or whole."""
+        call = self._start(body, prompts, max_tokens, prefix, chat, echo, prompt_only, tools)
         if body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
@@ -536,7 +608,7 @@ class _Call:
             self._waiting = False
             self.server.num_waiting -= 1
 
-    async def _outputs(self) -> AsyncIterator[StreamOutput]:
+    async def outputs(self) -> AsyncIterator[StreamOutput]:
         """Each sequence's outputs, added to its choice; APIError for a failure."""
         try:
             async for out in self.stream:
@@ -564,7 +636,7 @@ class _Call:
         generated = 0 if self.prompt_only else self.timer.num_tokens
         return usage(self.num_prompt_tokens, generated, cached)
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer
         return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
 
@@ -574,22 +646,22 @@ class _Call:
             return None
         ids, lps = c.ids[start:], c.logprobs[start:]
         if self.chat:
-            return chat_logprobs(ids, lps, self._token_text)
-        return completion_logprobs(ids, lps, self._token_text, offset)
+            return chat_logprobs(ids, lps, self.token_text)
+        return completion_logprobs(ids, lps, self.token_text, offset)
 
     def _prompt_logprobs(self, c: _Choice) -> list[Any] | None:
         if c.prompt_logprobs is None:
             return None
         ids = self.stream.prompts[c.prompt]
-        return vllm_prompt_logprobs(ids, c.prompt_logprobs, self._token_text)
+        return vllm_prompt_logprobs(ids, c.prompt_logprobs, self.token_text)
 
     def _echo_logprobs(self, c: _Choice, completion: dict[str, Any]) -> dict[str, Any]:
         """OpenAI's echo with logprobs: the prompt's tokens first (the first one without a
         logprob: nothing comes before it), then the completion's."""
         ids = self.stream.prompts[c.prompt]
-        first = self._token_text(ids[0])
+        first = self.token_text(ids[0])
         found = [lp for lp in (c.prompt_logprobs or [])[1:] if lp is not None]
-        head = completion_logprobs(ids[1:], found, self._token_text, len(first))
+        head = completion_logprobs(ids[1:], found, self.token_text, len(first))
         return {
             "tokens": [first, *head["tokens"], *completion["tokens"]],
             "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
@@ -599,7 +671,7 @@ class _Call:
 
     async def complete(self) -> Response:
         try:
-            async for _ in self._outputs():
+            async for _ in self.outputs():
                 pass
         except APIError as e:
             return error_response(e)
@@ -661,7 +733,7 @@ class _Call:
                 for i, c in enumerate(self.choices):
                     chunk = self._chunk(i, self.echo[c.prompt], None, None)
                     yield sse_event(self._envelope([chunk], None))
-            async for out in self._outputs():
+            async for out in self.outputs():
                 c = self.choices[out.index]
                 text, finish = out.text, out.finish_reason
                 delta: Any
@@ -737,6 +809,14 @@ class _Call:
         if ids is not None:
             choice["token_ids"] = ids
         return choice
+
+
+# Chat completions' names for what a Responses body calls otherwise.
+_RESPONSES_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 
 
 def _truncation(k: int | None) -> int | None:

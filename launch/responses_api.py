@@ -1,0 +1,701 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat-completions machinery.
+
+A Responses body is a conversation in items (messages, function calls and their outputs)
+plus instructions; it is rendered by the chat template exactly as the same conversation in
+chat completions would be, sampled with the same SamplingParams, and answered as a
+Response: output items (an assistant message of output_text, function calls), a status
+("incomplete" when max_output_tokens cut it), usage in input/output tokens. Streamed, it is
+OpenAI's typed events (`event: <type>` and `data: <JSON>`, numbered by sequence_number, no
+[DONE]): response.created, output items and content parts opened, text and function
+arguments deltas, each closed, then response.completed / response.incomplete /
+response.failed.
+
+State: a response asked to be stored (`store`, true by default as at OpenAI) is kept in a
+bounded in-memory ResponseStore, oldest dropped first, so `previous_response_id` continues
+its conversation (its input and output; instructions are not carried over, as at OpenAI)
+and GET/DELETE /v1/responses/{id} find it. `truncation: "auto"` drops the oldest turns of a
+conversation that does not fit the context.
+
+Only what this engine can serve is accepted: function tools (hosted tools, images, files,
+reasoning, background runs are refused by name).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from launch.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    JSONSchemaFormat,
+    ResponseFormat,
+    StructuredOutputsBody,
+    chat_logprobs,
+    sse_event,
+)
+from launch.tools import (
+    FunctionDef,
+    FunctionName,
+    NamedToolChoice,
+    ToolCall,
+    ToolDef,
+    ToolPlan,
+    held_back,
+    new_call_id,
+)
+
+if TYPE_CHECKING:
+    from launch.server import _Call
+
+# Kept responses (for previous_response_id and GET): bounded, the oldest dropped first.
+DEFAULT_MAX_STORED_RESPONSES = 1024
+# OpenAI's limits on metadata.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class TextFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """text.format: text, json_object, or json_schema (name, schema) flattened."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A Responses function tool: chat completions' function, flattened."""
+
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class FunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_obfuscation: bool = False  # accepted: no obfuscation padding is added
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """POST /v1/responses: OpenAI's fields this engine serves, and vLLM's sampling
+    extensions (top_k, min_p, seed, stop, penalties, ignore_eos, cache_salt, priority,
+    structured_outputs)."""
+
+    input: str | list[Any]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    user: str | None = None  # accepted, echoed
+    safety_identifier: str | None = None  # accepted, echoed
+    prompt_cache_key: str | None = None  # accepted, echoed (prefix caching needs no key)
+    service_tier: Literal["auto", "default"] | None = None
+    reasoning: Reasoning | None = None
+    background: bool = False
+    max_tool_calls: int | None = None
+    # vLLM's extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    priority: int = 0
+    structured_outputs: StructuredOutputsBody | None = None
+
+    def unsupported(self) -> list[str]:
+        """The options set to something this engine cannot do."""
+        bad = []
+        if self.background:
+            bad.append("background")
+        r = self.reasoning
+        if r is not None and (r.effort not in (None, "none") or r.summary or r.generate_summary):
+            bad.append("reasoning")  # no model served here reasons apart from its answer
+        if self.text is not None and self.text.verbosity not in (None, "medium"):
+            bad.append("text.verbosity")
+        if any(item != LOGPROBS_INCLUDE for item in self.include or ()):
+            bad.append("include")
+        return bad
+
+    def check(self) -> None:
+        """What the types cannot say, as OpenAI's 400s say it."""
+        bad = self.unsupported()
+        if bad:
+            raise APIError(
+                f"{', '.join(bad)}: not supported by this server"
+                + (f" (include takes only {LOGPROBS_INCLUDE!r})" if "include" in bad else ""),
+                param=bad[0],
+                code="unsupported_parameter",
+            )
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise APIError(
+                f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+                param="max_output_tokens",
+                code="invalid_value",
+            )
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_PAIRS or any(
+            len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in meta.items()
+        ):
+            raise APIError(
+                f"metadata holds at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+                f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
+                param="metadata",
+                code="invalid_value",
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
+
+    def chat_request(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The same request in chat completions' terms (what samples and checks it)."""
+        fmt = self.text.format if self.text is not None else None
+        response_format = None
+        if fmt is not None and fmt.type != "text":
+            schema = None
+            if fmt.type == "json_schema":
+                if fmt.name is None or fmt.schema is None:
+                    raise APIError(
+                        "text.format of type json_schema needs a name and a schema",
+                        param="text.format",
+                        code="missing_required_parameter",
+                    )
+                schema = JSONSchemaFormat(fmt.name, fmt.schema, fmt.description, fmt.strict)
+            response_format = ResponseFormat(fmt.type, schema)
+        choice = self.tool_choice
+        return ChatCompletionRequest(
+            messages=messages,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            logprobs=self.wants_logprobs,
+            top_logprobs=self.top_logprobs if self.wants_logprobs else None,
+            response_format=response_format,
+            structured_outputs=self.structured_outputs,
+            tools=[
+                ToolDef("function", FunctionDef(t.name, t.description, t.parameters, t.strict))
+                for t in self.tools
+            ]
+            if self.tools
+            else None,
+            tool_choice=NamedToolChoice("function", FunctionName(choice.name))
+            if isinstance(choice, FunctionChoice)
+            else choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            stream=self.stream,
+        )
+
+
+# -- input items -> chat messages ------------------------------------------------------
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as chat messages: a text is one user message; items are messages
+    (developer becomes system, which chat templates know), function calls (an assistant
+    turn's tool_calls, consecutive ones in one turn) and their outputs (tool messages)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad_input(f"{where} must be an object (a message or a function call item)")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise _bad_input(
+                    f"{where}.role must be user, assistant, system or developer, "
+                    f"got {item.get('role')!r}"
+                )
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
+            if not all(isinstance(x, str) for x in (call_id, name, arguments)):
+                raise _bad_input(f"{where}: a function_call needs call_id, name and arguments")
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise _bad_input(f"{where}: a function_call_output needs its call_id")
+            content = _text(item.get("output"), f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        else:
+            raise _bad_input(
+                f"{where}: items of type {kind!r} are not supported here (message, "
+                "function_call, function_call_output)"
+            )
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad_input(f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise _bad_input(
+                f"{where}[{j}]: only text parts ({', '.join(_TEXT_PARTS[:2])}) are "
+                f"supported, got {kind!r}"
+            )
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise _bad_input(f"{where}[{j}] has no text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _bad_input(message: str) -> APIError:
+    return APIError(message, param="input", code="invalid_value")
+
+
+def without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """truncation "auto": the conversation less its oldest turn after any leading system
+    messages, and the tool results that answered it; None when nothing more can go."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    rest = messages[head + 1 :]
+    while rest and rest[0]["role"] == "tool":  # their call went with the turn
+        rest = rest[1:]
+    if not rest:
+        return None
+    return messages[:head] + rest
+
+
+# -- the store ---------------------------------------------------------------------------
+class StoredResponse(msgspec.Struct):
+    response: dict[str, Any]
+    # The conversation so far, input and output, without instructions.
+    messages: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """The last `capacity` stored responses by id (0: none are kept)."""
+
+    def __init__(self, capacity: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+        if capacity < 0:
+            raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self.capacity == 0:
+            return
+        self._items[response_id] = stored
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(
+        f"no stored response has the id {response_id!r} (responses are kept in memory, "
+        "the most recent first, while the server runs)",
+        400 if param else 404,
+        param=param,
+        code="response_not_found" if param is None else "previous_response_not_found",
+    )
+
+
+# -- answering ---------------------------------------------------------------------------
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseRun:
+    """One Responses request being generated: its Response, complete or as events."""
+
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        call: _Call,
+        plan: ToolPlan | None,
+        model: str,
+        messages: list[dict[str, Any]],
+        store: ResponseStore,
+    ) -> None:
+        self.body = body
+        self.call = call
+        # Tools, unless "none": the answer may be function calls.
+        self.plan = plan if plan is not None and plan.choice != "none" else None
+        self.model = model
+        self.messages = messages
+        self.store = store if body.store and store.capacity else None
+        self.id = "resp_" + call.id.split("-", 1)[1]
+        self.created = int(time.time())
+        self._seq = 0
+
+    # -- shapes -------------------------------------------------------------------------
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        b = self.body
+        done = status in ("completed", "incomplete")
+        choice = b.tool_choice
+        fmt = b.text.format if b.text is not None and b.text.format else TextFormat("text")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "completed_at": int(time.time()) if done else None,
+            "status": status,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model,
+            "output": output or [],
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "top_logprobs": b.top_logprobs,
+            "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
+            "tools": msgspec.to_builtins(b.tools or []),
+            "text": {"format": msgspec.to_builtins(fmt)},
+            "truncation": b.truncation,
+            "store": self.store is not None,
+            "metadata": b.metadata or {},
+            "user": b.user,
+            "safety_identifier": b.safety_identifier,
+            "prompt_cache_key": b.prompt_cache_key,
+            "service_tier": b.service_tier or "default",
+            "reasoning": None,
+            "background": False,
+            "usage": self._usage() if done else None,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        call = self.call
+        inputs, outputs = call.num_prompt_tokens, call.timer.num_tokens
+        return {
+            "input_tokens": inputs,
+            "input_tokens_details": {"cached_tokens": call.choices[0].num_cached},
+            "output_tokens": outputs,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": inputs + outputs,
+        }
+
+    def _status(self) -> str:
+        return "incomplete" if self.call.choices[0].finish == "length" else "completed"
+
+    def _logprobs(self, start: int, end: int | None = None) -> list[dict[str, Any]]:
+        c = self.call.choices[0]
+        if c.logprobs is None:
+            return []
+        ids, lps = c.ids[start:end], c.logprobs[start:end]
+        return chat_logprobs(ids, lps, self.call.token_text)["content"]
+
+    @staticmethod
+    def _message(item_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": item_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    @staticmethod
+    def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    @staticmethod
+    def _call_item(item_id: str, call: ToolCall, status: str, arguments: str) -> dict[str, Any]:
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "status": status,
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": arguments,
+        }
+
+    def _finish(
+        self, output: list[dict[str, Any]], text: str | None, calls: list[ToolCall]
+    ) -> dict[str, Any]:
+        """The final Response; stored, with the conversation it ends, when asked."""
+        status = self._status()
+        answer = self.response(status, output)
+        if self.store is not None:
+            turn: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                turn["tool_calls"] = [c.body() for c in calls]
+            self.store.put(self.id, StoredResponse(answer, [*self.messages, turn]))
+        return answer
+
+    # -- whole ---------------------------------------------------------------------------
+    async def complete(self) -> dict[str, Any]:
+        """The Response (APIError if generation failed)."""
+        async for _ in self.call.outputs():
+            pass
+        c = self.call.choices[0]
+        text: str | None = "".join(c.texts)
+        calls: list[ToolCall] = []
+        if self.plan is not None:
+            text, calls = self.plan.calls(text, c.finish == "stop")
+        status = "incomplete" if c.finish == "length" else "completed"
+        output = []
+        if text or not calls:
+            part = self._text_part(text or "", self._logprobs(0))
+            output.append(self._message(_item_id("msg"), status, [part]))
+        output += [self._call_item(_item_id("fc"), call, status, call.arguments) for call in calls]
+        return self._finish(output, text, calls)
+
+    # -- streamed ------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse_event(body, kind)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """OpenAI's stream of typed events for this response: text as it comes (under
+        tool_choice "auto", up to where a call may begin), a named function's arguments
+        as they come, calls that must be read whole at the end."""
+        yield self._event("response.created", response=self.response("in_progress"))
+        yield self._event("response.in_progress", response=self.response("in_progress"))
+        s = _Streamed()
+        named = self.plan is not None and self.plan.choice == "named"
+        try:
+            async for out in self.call.outputs():
+                if named:
+                    for event in self._arguments_delta(s, out.text):
+                        yield event
+                    continue
+                for event in self._text_delta(s, self._releasable(s, out.finish_reason, out.text)):
+                    yield event
+        except APIError as e:
+            error = {"code": e.code or "server_error", "message": e.message}
+            yield self._event("response.failed", response=self.response("failed", s.output, error))
+            return
+        for event in self._close(s):
+            yield event
+
+    def _releasable(self, s: _Streamed, finish: str | None, text: str) -> str:
+        """What of the text may go out now."""
+        plan = self.plan
+        if plan is None:
+            return text
+        if plan.choice == "auto" and finish is None:
+            fresh = "".join(self.call.choices[0].texts)[len(s.text) :]
+            return fresh[: len(fresh) - held_back(fresh)]
+        return ""  # calls read whole at the end
+
+    def _text_delta(self, s: _Streamed, text: str, last: bool = False) -> list[bytes]:
+        """A delta of text; the last one also carries the logprobs of tokens that had no
+        text of their own (special tokens)."""
+        c = self.call.choices[0]
+        if not text and not (last and c.logprobs and s.sent < len(c.ids)):
+            return []
+        events = self._open_message(s)
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                item_id=s.message,
+                output_index=0,
+                content_index=0,
+                delta=text,
+                logprobs=self._logprobs(s.sent),
+            )
+        )
+        s.text += text
+        s.sent = len(c.ids)
+        return events
+
+    def _open_message(self, s: _Streamed) -> list[bytes]:
+        if s.message is not None:
+            return []
+        s.message = _item_id("msg")
+        item = self._message(s.message, "in_progress", [])
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event(
+                "response.content_part.added",
+                item_id=s.message,
+                output_index=0,
+                content_index=0,
+                part=self._text_part("", []),
+            ),
+        ]
+
+    def _arguments_delta(self, s: _Streamed, text: str) -> list[bytes]:
+        """A named function's call item, opened at once, and its arguments so far."""
+        events = []
+        if s.call is None:
+            assert self.plan is not None and self.plan.name is not None
+            s.call = (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id()))
+            item = self._call_item(s.call[0], s.call[1], "in_progress", "")
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        if text:
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=s.call[0],
+                    output_index=0,
+                    delta=text,
+                )
+            )
+        return events
+
+    def _close(self, s: _Streamed) -> list[bytes]:
+        """The rest of the text and the calls, each item closed, then the Response."""
+        c = self.call.choices[0]
+        plan = self.plan
+        status = self._status()
+        whole = "".join(c.texts)
+        text: str | None = s.text
+        calls: list[ToolCall] = []
+        events = []
+        if plan is not None and plan.choice == "named":
+            events += self._arguments_delta(s, "")  # no text at all: the item still opens
+            assert s.call is not None
+            calls = [ToolCall(s.call[1].name, whole, s.call[1].id)]
+            text = None
+        elif plan is not None:
+            rest, calls = plan.calls(whole[len(s.text) :], c.finish == "stop")
+            text = s.text + (rest or "")
+        if text or not calls:
+            text = text or ""
+            events += self._text_delta(s, text[len(s.text) :], last=True)
+            events += self._open_message(s)  # an empty answer is an empty message
+            assert s.message is not None
+            logprobs = self._logprobs(0)
+            part = self._text_part(text, logprobs)
+            at = {"item_id": s.message, "output_index": 0, "content_index": 0}
+            events.append(
+                self._event("response.output_text.done", **at, text=text, logprobs=logprobs)
+            )
+            events.append(self._event("response.content_part.done", **at, part=part))
+            item = self._message(s.message, status, [part])
+            events.append(self._event("response.output_item.done", output_index=0, item=item))
+            s.output.append(item)
+        for call in calls:
+            index = len(s.output)
+            if s.call is not None:
+                item_id = s.call[0]  # opened and streamed already
+            else:
+                item_id = _item_id("fc")
+                item = self._call_item(item_id, call, "in_progress", "")
+                events.append(
+                    self._event("response.output_item.added", output_index=index, item=item)
+                )
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        delta=call.arguments,
+                    )
+                )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item_id,
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+            )
+            item = self._call_item(item_id, call, status, call.arguments)
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+            s.output.append(item)
+        answer = self._finish(s.output, text if (text or not calls) else None, calls)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        events.append(self._event(kind, response=answer))
+        return events
+
+
+class _Streamed:
+    """What a streamed response has sent so far."""
+
+    __slots__ = ("call", "message", "output", "sent", "text")
+
+    def __init__(self) -> None:
+        self.message: str | None = None  # the open message item's id
+        self.text = ""  # the text its deltas carried
+        self.sent = 0  # tokens whose logprobs went out
+        self.call: tuple[str, ToolCall] | None = None  # a named function's open call item
+        self.output: list[dict[str, Any]] = []  # items closed
