@@ -517,7 +517,7 @@ class ResponseRun:
         calls: list[ToolCall] = []
         if self.plan is not None:
             text, calls = self.plan.calls(text, c.finish == "stop")
-        status = "incomplete" if c.finish == "length" else "completed"
+        status = self._status()
         output = []
         if text or not calls:
             part = self._text_part(text or "", self._logprobs(0))

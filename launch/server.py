@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
-/v1/models/{id}), GET /health,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
+/v1/responses (and GET / DELETE /v1/responses/{id}: launch/responses_api.py), GET
+/v1/models (and /v1/models/{id}), GET /health,
 GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize and GET /version. With an API key (--api-key), every route but
 /health, /metrics and /version wants `Authorization: Bearer KEY`. Streaming answers
