@@ -607,18 +607,22 @@ class ResponseRun:
         if s.call is None:
             assert self.plan is not None and self.plan.name is not None
             s.call = (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id()))
-            item = self._call_item(s.call[0], s.call[1], "in_progress", "")
-            events.append(self._event("response.output_item.added", output_index=0, item=item))
+            events.append(self._open_call(*s.call, 0))
         if text:
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=s.call[0],
-                    output_index=0,
-                    delta=text,
-                )
-            )
+            events.append(self._arguments(s.call[0], 0, text))
         return events
+
+    def _open_call(self, item_id: str, call: ToolCall, index: int) -> bytes:
+        item = self._call_item(item_id, call, "in_progress", "")
+        return self._event("response.output_item.added", output_index=index, item=item)
+
+    def _arguments(self, item_id: str, index: int, delta: str) -> bytes:
+        return self._event(
+            "response.function_call_arguments.delta",
+            item_id=item_id,
+            output_index=index,
+            delta=delta,
+        )
 
     def _close(self, s: _Streamed) -> list[bytes]:
         """The rest of the text and the calls, each item closed, then the Response."""
@@ -658,18 +662,8 @@ class ResponseRun:
                 item_id = s.call[0]  # opened and streamed already
             else:
                 item_id = _item_id("fc")
-                item = self._call_item(item_id, call, "in_progress", "")
-                events.append(
-                    self._event("response.output_item.added", output_index=index, item=item)
-                )
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=item_id,
-                        output_index=index,
-                        delta=call.arguments,
-                    )
-                )
+                events.append(self._open_call(item_id, call, index))
+                events.append(self._arguments(item_id, index, call.arguments))
             events.append(
                 self._event(
                     "response.function_call_arguments.done",

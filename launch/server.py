@@ -286,9 +286,10 @@ class OpenAIServer:
                     code="invalid_value",
                 )
             max_tokens = 1
-        return await self._generate(
-            request, body, ids, max_tokens, "cmpl", chat=False, echo=echo, prompt_only=prompt_only
+        call = self._start(
+            body, ids, max_tokens, "cmpl", chat=False, echo=echo, prompt_only=prompt_only
         )
+        return await self._answer(request, call)
 
     async def chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
@@ -297,9 +298,8 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        return await self._generate(
-            request, body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools
-        )
+        call = self._start(body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools)
+        return await self._answer(request, call)
 
     def _chat_prompt(
         self, body: ChatCompletionRequest, param: str
@@ -504,21 +504,10 @@ class OpenAIServer:
         )
         return _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
 
-    async def _generate(
-        self,
-        request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompts: list[list[int]],
-        max_tokens: int | None,
-        prefix: str,
-        chat: bool,
-        echo: list[str] | None = None,
-        prompt_only: bool = False,
-        tools: ToolPlan | None = None,
-    ) -> Response:
-        """_start's call, answered: streamed as events, or whole."""
-        call = self._start(body, prompts, max_tokens, prefix, chat, echo, prompt_only, tools)
-        if body.stream:
+    @staticmethod
+    async def _answer(request: Request, call: _Call) -> Response:
+        """A started call, answered: streamed as events, or whole."""
+        if call.body.stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
             return StreamingResponse(call.events(), media_type="text/event-stream")

@@ -16,7 +16,7 @@ import openai
 import pytest
 from test_model_files import CONVERSATION
 from test_server import (
-    ASK,
+    CALLED,
     CITY,
     EXTRA,
     MODEL_NAME,
@@ -288,22 +288,7 @@ def test_function_tools(tools_server: Callable[[], Server]) -> None:
         max_output_tokens=1,
         model="pagedserve-builtin",
     )
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "now", "arguments": '{"z": 1}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-    ]
-    status, tokens = post(f"{server.url}/tokenize", {"messages": history, "tools": TOOLS})
+    status, tokens = post(f"{server.url}/tokenize", {"messages": CALLED, "tools": TOOLS})
     assert status == 200 and r.usage is not None and r.usage.input_tokens == tokens["count"]
 
 

@@ -719,6 +719,18 @@ TOOLS = [
     {"type": "function", "function": {"name": "now", "description": "the time"}},
 ]
 ASK = [{"role": "user", "content": "Weather?"}]
+# ASK, a call of "now" and its result.
+CALLED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"z": 1}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+]
 
 
 def _streamed_calls(chunks: list[Any]) -> tuple[str, dict[int, dict[str, str]], str | None]:
@@ -743,22 +755,7 @@ def test_tool_calls_through_the_openai_client(builtin_server: Callable[..., Serv
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     args: dict[str, Any] = dict(model="pagedserve-builtin", tools=TOOLS, temperature=0)
     # The template got the tools, and a call's arguments as an object.
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "c1",
-                    "type": "function",
-                    "function": {"name": "now", "arguments": '{"z": 1}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-    ]
-    status, tokens = post(f"{server.url}/tokenize", {"messages": history, "tools": TOOLS})
+    status, tokens = post(f"{server.url}/tokenize", {"messages": CALLED, "tools": TOOLS})
     want = '[get_weather][now]user:Weather?assistant:None<now {"z": 1}>tool:noon'  # trim_blocks
     assert status == 200 and bytes(tokens["tokens"]).decode() == want, tokens
     named = {"type": "function", "function": {"name": "get_weather"}}
