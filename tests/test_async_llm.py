@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import CPU
-from test_model_files import CONVERSATION, copy_model, word_tokenizer
+from test_model_files import CONVERSATION, word_tokenizer
 
 from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from launch.async_llm import RequestStream, run
@@ -45,13 +45,6 @@ def test_deltas_add_up_to_the_decode_with_word_joins(tmp_path: Path) -> None:
     ids = tok.encode("What is 2 + 2 ? You are terse", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.step([t]) for t in ids) + detok.flush() == tok.decode(ids)
-
-
-@pytest.fixture(scope="module")
-def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = copy_model(llama_dir, tmp_path_factory.mktemp("async") / "model")
-    word_tokenizer(model)
-    return model
 
 
 def test_streams_equal_llm_and_leaving_early_aborts(chat_model: Path) -> None:

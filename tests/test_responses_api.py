@@ -52,15 +52,6 @@ def server(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_model_files import copy_model, word_tokenizer
-
-    model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
-    word_tokenizer(model)
-    return model
-
-
-@pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 

@@ -20,7 +20,7 @@ import torch
 import transformers
 from cli_helpers import CPU
 from hf_checkpoints import MIN_GREEDY_MARGIN
-from test_model_files import copy_model, word_tokenizer
+from test_model_files import copy_model
 from test_server import MODEL_NAME, Server, post, start_server
 
 from launch import LLM, AsyncLLM, SamplingParams
@@ -415,13 +415,6 @@ def test_llm_generate_n_gives_n_outputs_per_prompt_sharing_its_blocks(llm: LLM) 
 
 
 # -- AsyncLLM: n copies and stop strings on a word tokenizer ----------------------------------
-@pytest.fixture(scope="module")
-def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = copy_model(llama_dir, tmp_path_factory.mktemp("opts") / "model")
-    word_tokenizer(model)
-    return model
-
-
 def test_n_copies_share_the_prompt_s_blocks_and_seeds_differ(chat_model: Path) -> None:
     prompt = list(range(11, 11 + 40))  # 2 full blocks of 16 and 8 tokens
 

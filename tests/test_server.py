@@ -28,7 +28,7 @@ import openai
 import pytest
 from cli_helpers import CPU, ENV, StderrWatch, all_gone, children_of, processes_mentioning
 from prometheus_client.parser import text_string_to_metric_families
-from test_model_files import CONVERSATION, FANCY, copy_model, word_tokenizer
+from test_model_files import CONVERSATION, FANCY
 
 from launch import LLM, SamplingParams
 from launch.server import sse_event
@@ -105,13 +105,6 @@ def wait_for_metric(url: str, name: str, want: float, timeout: float = 300) -> N
     while (got := metrics(url).get(name)) != want:
         assert time.monotonic() < deadline, f"{name} stayed {got}, never {want}"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
-    word_tokenizer(model)
-    return model
 
 
 @pytest.fixture(scope="module")
