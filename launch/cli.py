@@ -22,6 +22,7 @@ import msgspec
 
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.openai_api import StructuredOutputsBody
+from launch.reasoning import REASONING_PARSERS
 from launch.responses_api import DEFAULT_MAX_STORED_RESPONSES
 from launch.tools import TOOL_CALL_PARSERS
 from protocol.config import (
@@ -383,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call format, read out of its answers: lets a chat request "
         'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
         'a 400 and "required", a named function and "none" still work',
+    )
+    v.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the model's thinking format: its <think> block is answered apart, as "
+        "`reasoning` in chat completions and a reasoning item in the Responses API, and "
+        "tool calls are read from the rest (default: none, the block stays in the text)",
     )
     v.add_argument(
         "--max-stored-responses",

@@ -313,6 +313,8 @@ class ChatCompletionRequest(_Request, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: with --reasoning-parser, whether the answer carries the reasoning.
+    include_reasoning: bool = True
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:

@@ -278,6 +278,8 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier answer's thinking: templates leave it out of the history
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
@@ -287,7 +289,7 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         else:
             raise _bad_input(
                 f"{where}: items of type {kind!r} are not supported here (message, "
-                "function_call, function_call_output)"
+                "function_call, function_call_output, reasoning)"
             )
     return out
 
@@ -455,9 +457,13 @@ class ResponseRun:
             "input_tokens": inputs,
             "input_tokens_details": {"cached_tokens": call.choices[0].num_cached},
             "output_tokens": outputs,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": inputs + outputs,
         }
+
+    def _reasoning_tokens(self) -> int:
+        split = self.call.choices[0].split
+        return split.reasoning_tokens if split is not None else 0
 
     def _status(self) -> str:
         return "incomplete" if self.call.choices[0].finish == "length" else "completed"
@@ -519,11 +525,25 @@ class ResponseRun:
             text, calls = self.plan.calls(text, c.finish == "stop")
         status = self._status()
         output = []
+        thought = "".join(c.thoughts)
+        if thought:
+            output.append(self._reasoning_item(_item_id("rs"), status, thought))
         if text or not calls:
             part = self._text_part(text or "", self._logprobs(0))
             output.append(self._message(_item_id("msg"), status, [part]))
         output += [self._call_item(_item_id("fc"), call, status, call.arguments) for call in calls]
         return self._finish(output, text, calls)
+
+    @staticmethod
+    def _reasoning_item(item_id: str, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {
+            "id": item_id,
+            "type": "reasoning",
+            "status": status,
+            "summary": [],
+            "content": content,
+        }
 
     # -- streamed ------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -532,20 +552,23 @@ class ResponseRun:
         return sse_event(body, kind)
 
     async def events(self) -> AsyncIterator[bytes]:
-        """OpenAI's stream of typed events for this response: text as it comes (under
-        tool_choice "auto", up to where a call may begin), a named function's arguments
-        as they come, calls that must be read whole at the end."""
+        """OpenAI's stream of typed events for this response: reasoning and text as they
+        come (under tool_choice "auto", text up to where a call may begin), a named
+        function's arguments as they come, calls that must be read whole at the end."""
         yield self._event("response.created", response=self.response("in_progress"))
         yield self._event("response.in_progress", response=self.response("in_progress"))
         s = _Streamed()
+        c = self.call.choices[0]
         named = self.plan is not None and self.plan.choice == "named"
         try:
             async for out in self.call.outputs():
+                text = c.texts[-1]
+                events = self._thought_delta(s, c.thoughts[-1] if c.thoughts else "")
                 if named:
-                    for event in self._arguments_delta(s, out.text):
-                        yield event
-                    continue
-                for event in self._text_delta(s, self._releasable(s, out.finish_reason, out.text)):
+                    events += self._arguments_delta(s, text)
+                else:
+                    events += self._text_delta(s, self._releasable(s, out.finish_reason, text))
+                for event in events:
                     yield event
         except APIError as e:
             error = {"code": e.code or "server_error", "message": e.message}
@@ -553,6 +576,51 @@ class ResponseRun:
             return
         for event in self._close(s):
             yield event
+
+    def _thought_delta(self, s: _Streamed, thought: str) -> list[bytes]:
+        """Reasoning text, in the reasoning item (output 0), opened at its first."""
+        if not thought:
+            return []
+        events = []
+        if s.reasoning is None:
+            s.reasoning = _item_id("rs")
+            item = self._reasoning_item(s.reasoning, "in_progress", None)
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=s.reasoning,
+                    output_index=0,
+                    content_index=0,
+                    part={"type": "reasoning_text", "text": ""},
+                )
+            )
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=s.reasoning,
+                output_index=0,
+                content_index=0,
+                delta=thought,
+            )
+        )
+        s.thought += thought
+        return events
+
+    def _close_reasoning(self, s: _Streamed) -> list[bytes]:
+        """The reasoning item closed, before the answer's first item opens."""
+        if s.reasoning is None:
+            return []
+        part = {"type": "reasoning_text", "text": s.thought}
+        at = {"item_id": s.reasoning, "output_index": 0, "content_index": 0}
+        item = self._reasoning_item(s.reasoning, "completed", s.thought)
+        s.output.append(item)
+        s.reasoning = None
+        return [
+            self._event("response.reasoning_text.done", **at, text=s.thought),
+            self._event("response.content_part.done", **at, part=part),
+            self._event("response.output_item.done", output_index=0, item=item),
+        ]
 
     def _releasable(self, s: _Streamed, finish: str | None, text: str) -> str:
         """What of the text may go out now."""
@@ -575,7 +643,7 @@ class ResponseRun:
             self._event(
                 "response.output_text.delta",
                 item_id=s.message,
-                output_index=0,
+                output_index=s.index,
                 content_index=0,
                 delta=text,
                 logprobs=self._logprobs(s.sent),
@@ -588,14 +656,16 @@ class ResponseRun:
     def _open_message(self, s: _Streamed) -> list[bytes]:
         if s.message is not None:
             return []
-        s.message = _item_id("msg")
+        events = self._close_reasoning(s)
+        s.message, s.index = _item_id("msg"), len(s.output)
         item = self._message(s.message, "in_progress", [])
         return [
-            self._event("response.output_item.added", output_index=0, item=item),
+            *events,
+            self._event("response.output_item.added", output_index=s.index, item=item),
             self._event(
                 "response.content_part.added",
                 item_id=s.message,
-                output_index=0,
+                output_index=s.index,
                 content_index=0,
                 part=self._text_part("", []),
             ),
@@ -606,10 +676,14 @@ class ResponseRun:
         events = []
         if s.call is None:
             assert self.plan is not None and self.plan.name is not None
-            s.call = (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id()))
-            events.append(self._open_call(*s.call, 0))
+            events += self._close_reasoning(s)
+            s.call, s.index = (
+                (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id())),
+                len(s.output),
+            )
+            events.append(self._open_call(*s.call, s.index))
         if text:
-            events.append(self._arguments(s.call[0], 0, text))
+            events.append(self._arguments(s.call[0], s.index, text))
         return events
 
     def _open_call(self, item_id: str, call: ToolCall, index: int) -> bytes:
@@ -632,7 +706,7 @@ class ResponseRun:
         whole = "".join(c.texts)
         text: str | None = s.text
         calls: list[ToolCall] = []
-        events = []
+        events = self._close_reasoning(s)
         if plan is not None and plan.choice == "named":
             events += self._arguments_delta(s, "")  # no text at all: the item still opens
             assert s.call is not None
@@ -648,13 +722,13 @@ class ResponseRun:
             assert s.message is not None
             logprobs = self._logprobs(0)
             part = self._text_part(text, logprobs)
-            at = {"item_id": s.message, "output_index": 0, "content_index": 0}
+            at = {"item_id": s.message, "output_index": s.index, "content_index": 0}
             events.append(
                 self._event("response.output_text.done", **at, text=text, logprobs=logprobs)
             )
             events.append(self._event("response.content_part.done", **at, part=part))
             item = self._message(s.message, status, [part])
-            events.append(self._event("response.output_item.done", output_index=0, item=item))
+            events.append(self._event("response.output_item.done", output_index=s.index, item=item))
             s.output.append(item)
         for call in calls:
             index = len(s.output)
@@ -685,9 +759,12 @@ class ResponseRun:
 class _Streamed:
     """What a streamed response has sent so far."""
 
-    __slots__ = ("call", "message", "output", "sent", "text")
+    __slots__ = ("call", "index", "message", "output", "reasoning", "sent", "text", "thought")
 
     def __init__(self) -> None:
+        self.reasoning: str | None = None  # the open reasoning item's id
+        self.thought = ""  # the reasoning its deltas carried
+        self.index = 0  # the open message's or named call's place in the output
         self.message: str | None = None  # the open message item's id
         self.text = ""  # the text its deltas carried
         self.sent = 0  # tokens whose logprobs went out

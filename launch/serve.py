@@ -156,6 +156,7 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         args.api_key,
         args.tool_call_parser,
         args.max_stored_responses,
+        args.reasoning_parser,
     )
 
     @contextlib.asynccontextmanager

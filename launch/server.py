@@ -52,6 +52,7 @@ from launch.openai_api import (
     usage,
     vllm_prompt_logprobs,
 )
+from launch.reasoning import ReasoningParser, ReasoningSplit
 from launch.responses_api import (
     DEFAULT_MAX_STORED_RESPONSES,
     ResponseRun,
@@ -120,8 +121,10 @@ class OpenAIServer:
         api_key: str | None = None,
         tool_call_parser: ToolCallParser | None = None,
         max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.response_store = ResponseStore(max_stored_responses)
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
@@ -526,16 +529,24 @@ class _Choice:
         "prompt",
         "prompt_logprobs",
         "sent",
+        "split",
         "stop_reason",
         "texts",
+        "thoughts",
         "tool_call",
     )
 
-    def __init__(self, prompt: int, logprobs: bool) -> None:
+    def __init__(
+        self, prompt: int, logprobs: bool, reasoning: ReasoningParser | None = None
+    ) -> None:
         self.prompt = prompt  # which prompt it answers
         self.num_cached = 0  # its prompt tokens served from the prefix cache (at finish)
         self.ids: list[int] = []
+        # Each output's text; with a reasoning parser, its answer part, and its reasoning
+        # part in thoughts (both "" while a tag is held back).
         self.texts: list[str] = []
+        self.thoughts: list[str] = []
+        self.split = ReasoningSplit(reasoning) if reasoning is not None else None
         self.logprobs: list[Logprobs] | None = [] if logprobs else None
         self.finish: str | None = None
         self.stop_reason: str | int | None = None
@@ -548,7 +559,14 @@ class _Choice:
 
     def add(self, out: StreamOutput) -> None:
         self.ids += out.new_token_ids
-        self.texts.append(out.text)
+        text = out.text
+        if self.split is not None:
+            thought, text = self.split.feed(text, len(out.new_token_ids))
+            if out.finish_reason is not None:
+                more_thought, more_text = self.split.finish()
+                thought, text = thought + more_thought, text + more_text
+            self.thoughts.append(thought)
+        self.texts.append(text)
         if self.logprobs is not None and out.logprobs:
             self.logprobs += out.logprobs
         if out.prompt_logprobs is not None:
@@ -589,7 +607,12 @@ class _Call:
         # Every prompt has the same n (one body): choice i answers prompt i // n.
         self.n = params.n
         lp = params.logprobs is not None
-        self.choices = [_Choice(i // params.n, lp) for i in range(len(stream.prompts) * params.n)]
+        reasoning = server.reasoning_parser if chat else None
+        # The answer's reasoning field (the reasoning is told apart either way).
+        self.show_reasoning = reasoning is not None and getattr(body, "include_reasoning", True)
+        self.choices = [
+            _Choice(i // params.n, lp, reasoning) for i in range(len(stream.prompts) * params.n)
+        ]
         self._waiting = True
         server.num_waiting += 1
 
@@ -676,6 +699,8 @@ class _Call:
             finish = c.finish
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.show_reasoning:
+                    message["reasoning"] = "".join(c.thoughts) or None
                 if self.tools is not None:
                     content, calls = self.tools.calls(text, c.finish == "stop")
                     message["content"] = content
@@ -725,18 +750,25 @@ class _Call:
                     yield sse_event(self._envelope([chunk], None))
             async for out in self.outputs():
                 c = self.choices[out.index]
-                text, finish = out.text, out.finish_reason
+                text, finish = c.texts[-1], out.finish_reason
+                thought = c.thoughts[-1] if self.show_reasoning else ""
                 delta: Any
                 if self.tools is not None:
                     delta, finish, text = self._tool_delta(c, text, finish)
+                    if thought:
+                        delta = {"reasoning": thought, **(delta or {})}
                     if delta is None:
                         continue  # held until the calls can be read
-                elif not (text or finish or (ids_too and out.new_token_ids)):
-                    # A character unfinished or text held back for a stop string: its
-                    # tokens (and logprobs) go with the next chunk of this choice.
+                elif not (text or thought or finish or (ids_too and out.new_token_ids)):
+                    # A character unfinished or text held back for a stop string (or a
+                    # reasoning tag): its tokens (and logprobs) go with the next chunk.
                     continue
+                elif self.chat:
+                    delta = {"reasoning": thought} if thought else {}
+                    if text or not (finish or thought):
+                        delta["content"] = text
                 else:
-                    delta = ({"content": text} if text or not finish else {}) if self.chat else text
+                    delta = text
                 choice = self._chunk(out.index, delta, finish, c.ids[c.sent :] if ids_too else None)
                 choice["logprobs"] = self._logprobs(c, c.sent, c.offset)
                 if finish is not None:

@@ -295,7 +295,7 @@ def test_function_tools(tools_server: Callable[[], Server]) -> None:
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "model": "other"}, "model"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"input": [{"type": "computer_call_output", "call_id": "1"}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"input": "x " * 3000}, "input"),
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
