@@ -21,6 +21,7 @@ add_generation_prompt and chat_template_kwargs.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable
 from typing import Any, Literal
@@ -424,16 +425,7 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    structured, structured_param = body.structured()
-    if constraint is not None:
-        if structured is not None:
-            raise APIError(
-                f"tool_choice holds the output to the tool's arguments: it cannot be "
-                f"combined with {structured_param}",
-                param="tool_choice",
-                code="invalid_value",
-            )
-        structured, structured_param = constraint, "tool_choice"
+    structured, structured_param = structured_spec(body, constraint)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -481,6 +473,37 @@ def sampling_params(
         except ValueError as e:
             raise APIError(str(e), param=structured_param, code="invalid_value") from None
     return params
+
+
+def structured_spec(
+    body: _Request, constraint: StructuredOutputs | None
+) -> tuple[StructuredOutputs | None, str]:
+    """The language the output is held to (the body's, or tool_choice's constraint; not
+    both) and the field that asked for it."""
+    structured, param = body.structured()
+    if constraint is None:
+        return structured, param
+    if structured is not None:
+        raise APIError(
+            f"tool_choice holds the output to the tool's arguments: it cannot be "
+            f"combined with {param}",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return constraint, "tool_choice"
+
+
+async def precompile(body: _Request, constraint: StructuredOutputs | None) -> None:
+    """The output's language converted and checked on a thread (llguidance drops the GIL;
+    a schema of a few hundred properties takes tens of ms, which would stall every
+    stream), so that sampling_params finds it cached."""
+    spec, param = structured_spec(body, constraint)
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(grammar_of, spec)
+    except ValueError as e:
+        raise APIError(str(e), param=param, code="invalid_value") from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from launch.openai_api import (
     chat_logprobs,
     completion_logprobs,
     decode_body,
+    precompile,
     sampling_params,
     sse_event,
     usage,
@@ -289,7 +290,7 @@ class OpenAIServer:
                     code="invalid_value",
                 )
             max_tokens = 1
-        call = self._start(
+        call = await self._start(
             body, ids, max_tokens, "cmpl", chat=False, echo=echo, prompt_only=prompt_only
         )
         return await self._answer(request, call)
@@ -301,7 +302,7 @@ class OpenAIServer:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        call = self._start(body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools)
+        call = await self._start(body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools)
         return await self._answer(request, call)
 
     def _chat_prompt(
@@ -352,7 +353,9 @@ class OpenAIServer:
                 break  # what is left is one turn: the context error says so
             messages = shorter
         try:
-            call = self._start(chat, [ids], body.max_output_tokens, "resp", chat=True, tools=tools)
+            call = await self._start(
+                chat, [ids], body.max_output_tokens, "resp", chat=True, tools=tools
+            )
         except APIError as e:
             e.param = _RESPONSES_PARAMS.get(e.param, e.param)  # type: ignore[arg-type]
             raise
@@ -458,7 +461,7 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    def _start(
+    async def _start(
         self,
         body: CompletionRequest | ChatCompletionRequest,
         prompts: list[list[int]],
@@ -477,6 +480,7 @@ class OpenAIServer:
         k = _truncation(body.truncate_prompt_tokens)
         if k is not None:
             prompts = [truncated(ids, k, engine.max_model_len) for ids in prompts]
+        await precompile(body, tools.constraint if tools is not None else None)
         params = [
             sampling_params(
                 body,
