@@ -39,6 +39,8 @@ class CompletionOutput:
     # completed the match).
     _stop_text: list[str] | None = field(default=None, repr=False)
     _skip_special_tokens: bool = field(default=True, repr=False)
+    # Whether the EOS or stop token that ended it is part of its text.
+    _keep_stop: bool = field(default=False, repr=False)
 
 
 @dataclass
@@ -153,6 +155,7 @@ class LLM:
             for j, (core_id, copy, seq) in enumerate(copies):
                 out = CompletionOutput(index=index, prompt_token_ids=ids, seq_index=j)
                 out._skip_special_tokens = request_params.skip_special_tokens
+                out._keep_stop = request_params.include_stop_str_in_output
                 if request_params.logprobs is not None:
                     out.logprobs = []
                 if request_params.stop:
@@ -296,7 +299,10 @@ class LLM:
         if out._stop_text is not None:
             out.text = "".join(out._stop_text)
         elif self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids, out._skip_special_tokens)
+            ids = out.token_ids
+            if out.finish_reason == "stop" and ids and not out._keep_stop:
+                ids = ids[:-1]  # as SequenceState leaves it out of streamed text
+            out.text = self.tokenizer.decode(ids, out._skip_special_tokens)
         finish(out)
 
     def close(self) -> None:

@@ -60,7 +60,12 @@ class SequenceState:
         finish = o.finish_reason
         text = ""
         if self._detok is not None:
-            text = self._detok.step(o.new_token_ids)
+            ids = o.new_token_ids
+            if finish == "stop" and ids and not self.params.include_stop_str_in_output:
+                # The EOS or stop token that ended it is not part of the text (vLLM's
+                # rule; skipped special tokens hid EOS, not a stop token id's text).
+                ids = ids[:-1]
+            text = self._detok.step(ids)
             if finish is not None:
                 text += self._detok.flush()
         stop_reason: str | int | None = None

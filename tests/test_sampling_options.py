@@ -705,6 +705,45 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(chat_model: Pa
     assert run(streamed()) == want
 
 
+def test_the_token_that_stops_a_request_is_not_in_its_text(chat_model: Path) -> None:
+    """A stop token id's text, and EOS's with special tokens shown, end the text unless
+    include_stop_str_in_output (vLLM's rule); the token id is in token_ids either way."""
+    what, eos = 8, 2  # "What", "</s>" in the word tokenizer
+    stop = SamplingParams(
+        max_tokens=3, temperature=0, logit_bias={what: 100.0}, stop_token_ids=[what]
+    )
+    end = SamplingParams(
+        max_tokens=3, temperature=0, logit_bias={eos: 100.0}, skip_special_tokens=False
+    )
+    with LLM(str(chat_model), device=CPU) as llm:
+        outs = llm.generate(
+            ["is"] * 4,
+            [
+                stop,
+                msgspec_replace(stop, include_stop_str_in_output=True),
+                end,
+                msgspec_replace(end, include_stop_str_in_output=True),
+            ],
+            use_tqdm=False,
+        )
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [
+        ([what], "stop"),
+        ([what], "stop"),
+        ([eos], "stop"),
+        ([eos], "stop"),
+    ]
+    assert [o.text for o in outs] == ["", "What", "", "</s>"]
+
+    async def streamed(params: SamplingParams) -> str:
+        engine = await AsyncLLM.create(str(chat_model), device=CPU)
+        try:
+            return "".join([o.text async for o in engine.generate("is", params)])
+        finally:
+            await engine.aclose()
+
+    assert run(streamed(stop)) == "" and run(streamed(end)) == ""
+
+
 def _masked_greedy(hf: HFReference, prompt: list[int], steps: int, ok) -> list[int]:
     """Greedy over transformers' logits, a token at a time, among those ok(out, t) allows."""
     out: list[int] = []
