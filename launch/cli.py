@@ -24,7 +24,7 @@ from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.openai_api import StructuredOutputsBody
 from launch.reasoning import REASONING_PARSERS
 from launch.responses_api import DEFAULT_MAX_STORED_RESPONSES
-from launch.tools import TOOL_CALL_PARSERS
+from launch.tool_parsers import TOOL_CALL_PARSERS
 from protocol.config import (
     DType,
     GenerationConfigMode,

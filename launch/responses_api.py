@@ -39,16 +39,8 @@ from launch.openai_api import (
     chat_logprobs,
     sse_event,
 )
-from launch.tools import (
-    FunctionDef,
-    FunctionName,
-    NamedToolChoice,
-    ToolCall,
-    ToolDef,
-    ToolPlan,
-    held_back,
-    new_call_id,
-)
+from launch.tool_parsers import ToolCall, new_call_id
+from launch.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef, ToolPlan
 
 if TYPE_CHECKING:
     from launch.server import _Call
@@ -628,8 +620,8 @@ class ResponseRun:
         if plan is None:
             return text
         if plan.choice == "auto" and finish is None:
-            fresh = "".join(self.call.choices[0].texts)[len(s.text) :]
-            return fresh[: len(fresh) - held_back(fresh)]
+            whole = "".join(self.call.choices[0].texts)
+            return whole[len(s.text) : max(len(s.text), plan.content_so_far(whole))]
         return ""  # calls read whole at the end
 
     def _text_delta(self, s: _Streamed, text: str, last: bool = False) -> list[bytes]:
@@ -678,7 +670,7 @@ class ResponseRun:
             assert self.plan is not None and self.plan.name is not None
             events += self._close_reasoning(s)
             s.call, s.index = (
-                (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id())),
+                (_item_id("fc"), ToolCall(self.plan.name, "", new_call_id(self.plan.parser))),
                 len(s.output),
             )
             events.append(self._open_call(*s.call, s.index))

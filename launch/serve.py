@@ -27,7 +27,7 @@ from launch.async_llm import AsyncLLM
 from launch.engine import EngineDeadError
 from launch.metrics import STATS_LOGGER, StatsLog
 from launch.server import OpenAIServer
-from launch.tools import TOOL_CALL_PARSERS
+from launch.tool_parsers import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pagedserve.serve")
 

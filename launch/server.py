@@ -63,15 +63,8 @@ from launch.responses_api import (
     not_found,
     without_oldest_turn,
 )
-from launch.tools import (
-    ToolCallParser,
-    ToolError,
-    ToolPlan,
-    held_back,
-    new_call_id,
-    plan_tools,
-    template_messages,
-)
+from launch.tool_parsers import ToolCallParser, new_call_id
+from launch.tools import ToolError, ToolPlan, plan_tools, template_messages
 from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, truncation_error
 
 _json = msgspec.json.Encoder()
@@ -299,6 +292,8 @@ class OpenAIServer:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
         ids, tools = self._chat_prompt(body, "messages")
+        if tools is not None and tools.keeps_special_tokens:
+            body.skip_special_tokens = False
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -352,6 +347,8 @@ class OpenAIServer:
             if shorter is None:
                 break  # what is left is one turn: the context error says so
             messages = shorter
+        if tools is not None and tools.keeps_special_tokens:
+            chat.skip_special_tokens = False
         try:
             call = await self._start(
                 chat, [ids], body.max_output_tokens, "resp", chat=True, tools=tools
@@ -810,14 +807,14 @@ class _Call:
                 return ({} if finish else None), finish, ""
             call: dict[str, Any] = {"index": 0, "function": {"arguments": fresh}}
             if c.tool_call is None:
-                c.tool_call = new_call_id()
+                c.tool_call = new_call_id(plan.parser)
                 call.update(id=c.tool_call, type="function")
                 call["function"] = {"name": plan.name, "arguments": fresh}
             return {"tool_calls": [call]}, finish, fresh
         if finish is None:
             if plan.choice != "auto":
                 return None, None, ""
-            ready = fresh[: len(fresh) - held_back(fresh)] if fresh else ""
+            ready = fresh[: max(0, plan.content_so_far("".join(c.texts)) - c.offset)]
             return ({"content": ready} if ready else None), None, ready
         content, calls = plan.calls(fresh, finish == "stop")
         delta: dict[str, Any] = {"content": content} if content else {}

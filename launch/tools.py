@@ -8,30 +8,30 @@ tool use sees its own format); what the answer may be depends on tool_choice:
 - "required": a JSON array of at least one {"name", "parameters"} object, each held to
   one tool's schema (one call only when parallel_tool_calls is false); answered as calls.
 - "auto" (the default when tools are given): the model decides, in its own format, so
-  the server must know that format: `--tool-call-parser hermes` reads the
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes, Qwen 2.5
-  and others out of the text. Without a parser "auto" is refused (as vLLM does), naming
-  the choices that work.
+  the server must know that format: `--tool-call-parser` (launch/tool_parsers.py: hermes,
+  llama3_json, mistral, pythonic) reads the calls out of the text. Without a parser "auto"
+  is refused (as vLLM does), naming the choices that work.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
-from launch.stop_strings import partial_suffix
+from launch.tool_parsers import (
+    KEEPS_SPECIAL_TOKENS,
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolCallParser,
+    content_so_far,
+    new_call_id,
+    parse_calls,
+)
 from protocol.engine import StructuredOutputs
-
-TOOL_CALL_PARSERS = ("hermes",)
-ToolCallParser = Literal["hermes"]
-
-_HERMES_OPEN = "<tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -67,27 +67,14 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-@dataclass(frozen=True)
 class ToolPlan:
     """What a request's tools make of its answer."""
 
     choice: Literal["none", "auto", "named", "required"]
     tools: list[ToolDef]
     name: str | None = None  # the named function
-    parser: ToolCallParser | None = None  # for "auto"
+    # The model's format: "auto" answers are read in it, and call ids follow it.
+    parser: ToolCallParser | None = None
     parallel: bool = True
 
     @property
@@ -130,22 +117,31 @@ class ToolPlan:
         named function, as that call's arguments)."""
         if self.choice == "named":
             assert self.name is not None
-            return None, [ToolCall(self.name, text, new_call_id())]
+            return None, [ToolCall(self.name, text, new_call_id(self.parser))]
         if self.choice == "required":
             try:
                 parsed = json.loads(text)
             except ValueError:
                 return text, []  # cut before the array closed
             return None, [
-                ToolCall(c["name"], json.dumps(c["parameters"]), new_call_id()) for c in parsed
+                ToolCall(c["name"], json.dumps(c["parameters"]), new_call_id(self.parser))
+                for c in parsed
             ]
-        if self.choice == "auto" and self.parser == "hermes":
-            return hermes_calls(text)
+        if self.choice == "auto" and self.parser is not None:
+            return parse_calls(self.parser, text)
         return text, []
 
+    def content_so_far(self, text: str) -> int:
+        """How much of a streaming "auto" answer is content for sure (the rest may be
+        the start of a call in the model's format, held until it is told apart)."""
+        assert self.choice == "auto" and self.parser is not None
+        return content_so_far(self.parser, text)
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens: the format's markers are
+        ones (Mistral's [TOOL_CALLS])."""
+        return self.choice == "auto" and self.parser in KEEPS_SPECIAL_TOKENS
 
 
 def _schema_text(fn: FunctionDef) -> str:
@@ -176,13 +172,13 @@ def plan_tools(
         name = tool_choice.function.name
         if name not in names:
             raise ToolError(f"tool_choice names {name!r}, which is not among tools", "tool_choice")
-        return ToolPlan("named", tools, name=name, parallel=parallel_tool_calls)
+        return ToolPlan("named", tools, name=name, parser=parser, parallel=parallel_tool_calls)
     choice = tool_choice or "auto"
     if choice == "auto" and parser is None:
         raise ToolError(
             'tool_choice "auto" needs the model\'s tool-call format: start the server with '
-            '--tool-call-parser (hermes), or send tool_choice "required", a named function '
-            'or "none"',
+            f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice "
+            '"required", a named function or "none"',
             "tool_choice",
         )
     return ToolPlan(choice, tools, parser=parser, parallel=parallel_tool_calls)
@@ -209,35 +205,3 @@ def _parsed_arguments(call: Any) -> Any:
             return call
         return {**call, "function": {**fn, "arguments": arguments}}
     return call
-
-
-def hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Hermes-format tool calls: the text outside <tool_call> blocks is the content; each
-    block holding {"name": str, "arguments": object} is a call (one that does not parse
-    stays in the content)."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for block in _HERMES_BLOCK.finditer(text):
-        try:
-            value = json.loads(block.group(1))
-            name, arguments = value["name"], value.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, KeyError, TypeError):
-            continue
-        kept.append(text[last : block.start()])
-        last = block.end()
-        calls.append(ToolCall(name, json.dumps(arguments), new_call_id()))
-    kept.append(text[last:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
-
-
-def held_back(text: str) -> int:
-    """How many characters at text's end could begin a Hermes <tool_call> block (a
-    streamed answer holds them until the next delta tells), or do: from the block on."""
-    start = text.find(_HERMES_OPEN)
-    if start >= 0:
-        return len(text) - start
-    return partial_suffix(text, (_HERMES_OPEN,))

@@ -818,6 +818,40 @@ def test_tool_calls_through_the_openai_client(builtin_server: Callable[..., Serv
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
+@pytest.mark.parametrize(
+    ("parser", "written"),
+    [
+        ("pythonic", '[get_weather(city="Oslo"), now()]'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now"}'),
+    ],
+)
+def test_whole_answer_tool_formats(
+    builtin_server: Callable[..., Server], parser: str, written: str
+) -> None:
+    """Formats whose calls are the whole answer: a stream holds the answer while it may be
+    a call, and lets a plain one go as it comes."""
+    server = builtin_server("--chat-template", TOOLS_TEMPLATE, "--tool-call-parser", parser)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    args: dict[str, Any] = dict(
+        model="pagedserve-builtin", messages=ASK, tools=TOOLS, temperature=0, max_tokens=200
+    )
+    want = [("get_weather", {"city": "Oslo"}), ("now", {})]
+    extra = {"structured_outputs": {"regex": re.escape(written)}}
+    choice = client.chat.completions.create(extra_body=extra, **args).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    chunks = list(client.chat.completions.create(extra_body=extra, stream=True, **args))
+    content, streamed, finish = _streamed_calls(chunks)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == want
+    plain = {"structured_outputs": {"regex": re.escape("Sure, it is sunny in Oslo today.")}}
+    chunks = list(client.chat.completions.create(extra_body=plain, stream=True, **args))
+    content, streamed, finish = _streamed_calls(chunks)
+    assert content == "Sure, it is sunny in Oslo today." and not streamed and finish == "stop"
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) >= 2  # not held to the end
+
+
 def test_auto_tool_choice_needs_a_parser(server: Server) -> None:
     status, answer = post(f"{server.url}/v1/chat/completions", {"messages": ASK, "tools": TOOLS})
     assert status == 400 and answer["error"]["param"] == "tool_choice", answer
