@@ -543,6 +543,10 @@ class ResponseRun:
         self._seq += 1
         return sse_event(body, kind)
 
+    def _part_event(self, kind: str, item_id: str, index: int, **fields: Any) -> bytes:
+        """An event about the (only) content part of output item `index`."""
+        return self._event(kind, item_id=item_id, output_index=index, content_index=0, **fields)
+
     async def events(self) -> AsyncIterator[bytes]:
         """OpenAI's stream of typed events for this response: reasoning and text as they
         come (under tool_choice "auto", text up to where a call may begin), a named
@@ -578,23 +582,12 @@ class ResponseRun:
             s.reasoning = _item_id("rs")
             item = self._reasoning_item(s.reasoning, "in_progress", None)
             events.append(self._event("response.output_item.added", output_index=0, item=item))
+            part = {"type": "reasoning_text", "text": ""}
             events.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=s.reasoning,
-                    output_index=0,
-                    content_index=0,
-                    part={"type": "reasoning_text", "text": ""},
-                )
+                self._part_event("response.content_part.added", s.reasoning, 0, part=part)
             )
         events.append(
-            self._event(
-                "response.reasoning_text.delta",
-                item_id=s.reasoning,
-                output_index=0,
-                content_index=0,
-                delta=thought,
-            )
+            self._part_event("response.reasoning_text.delta", s.reasoning, 0, delta=thought)
         )
         s.thought += thought
         return events
@@ -604,15 +597,15 @@ class ResponseRun:
         if s.reasoning is None:
             return []
         part = {"type": "reasoning_text", "text": s.thought}
-        at = {"item_id": s.reasoning, "output_index": 0, "content_index": 0}
         item = self._reasoning_item(s.reasoning, "completed", s.thought)
-        s.output.append(item)
-        s.reasoning = None
-        return [
-            self._event("response.reasoning_text.done", **at, text=s.thought),
-            self._event("response.content_part.done", **at, part=part),
+        events = [
+            self._part_event("response.reasoning_text.done", s.reasoning, 0, text=s.thought),
+            self._part_event("response.content_part.done", s.reasoning, 0, part=part),
             self._event("response.output_item.done", output_index=0, item=item),
         ]
+        s.output.append(item)
+        s.reasoning = None
+        return events
 
     def _releasable(self, s: _Streamed, finish: str | None, text: str) -> str:
         """What of the text may go out now."""
@@ -631,14 +624,11 @@ class ResponseRun:
         if not text and not (last and c.logprobs and s.sent < len(c.ids)):
             return []
         events = self._open_message(s)
+        assert s.message is not None
+        logprobs = self._logprobs(s.sent)
         events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=s.message,
-                output_index=s.index,
-                content_index=0,
-                delta=text,
-                logprobs=self._logprobs(s.sent),
+            self._part_event(
+                "response.output_text.delta", s.message, s.index, delta=text, logprobs=logprobs
             )
         )
         s.text += text
@@ -654,12 +644,8 @@ class ResponseRun:
         return [
             *events,
             self._event("response.output_item.added", output_index=s.index, item=item),
-            self._event(
-                "response.content_part.added",
-                item_id=s.message,
-                output_index=s.index,
-                content_index=0,
-                part=self._text_part("", []),
+            self._part_event(
+                "response.content_part.added", s.message, s.index, part=self._text_part("", [])
             ),
         ]
 
@@ -714,11 +700,14 @@ class ResponseRun:
             assert s.message is not None
             logprobs = self._logprobs(0)
             part = self._text_part(text, logprobs)
-            at = {"item_id": s.message, "output_index": s.index, "content_index": 0}
             events.append(
-                self._event("response.output_text.done", **at, text=text, logprobs=logprobs)
+                self._part_event(
+                    "response.output_text.done", s.message, s.index, text=text, logprobs=logprobs
+                )
             )
-            events.append(self._event("response.content_part.done", **at, part=part))
+            events.append(
+                self._part_event("response.content_part.done", s.message, s.index, part=part)
+            )
             item = self._message(s.message, status, [part])
             events.append(self._event("response.output_item.done", output_index=s.index, item=item))
             s.output.append(item)
