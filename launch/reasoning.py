@@ -18,6 +18,7 @@ there). Streamed, the text of a tag that may be arriving is held until it is tol
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from launch.stop_strings import partial_suffix
@@ -112,3 +113,26 @@ def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str
     r1, a1 = s.feed(text)
     r2, a2 = s.finish()
     return (r1 + r2) or None, a1 + a2
+
+
+def language_start(encode: Callable[[str], list[int]], prompt: Sequence[int]) -> list[int] | None:
+    """Where a structured output's language starts under a reasoning parser: after the
+    tokens of `</think>` in the output (StructuredOutputs.start_after), or at once (None)
+    when the prompt's last think block is closed already (thinking off: the template wrote
+    an empty block). Exact for models whose tags are tokens of their own."""
+    close = encode(THINK_CLOSE)
+    if _last_at(prompt, close) > _last_at(prompt, encode(THINK_OPEN)):
+        return None
+    return close
+
+
+def _last_at(ids: Sequence[int], seq: list[int]) -> int:
+    """Where seq last occurs in ids, or -1."""
+    n = len(seq)
+    if not n:
+        return -1
+    first = seq[0]
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == first and list(ids[i : i + n]) == seq:
+            return i
+    return -1

@@ -53,7 +53,7 @@ from launch.openai_api import (
     usage,
     vllm_prompt_logprobs,
 )
-from launch.reasoning import ReasoningParser, ReasoningSplit
+from launch.reasoning import ReasoningParser, ReasoningSplit, language_start
 from launch.responses_api import (
     DEFAULT_MAX_STORED_RESPONSES,
     ResponseRun,
@@ -491,6 +491,8 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
+        if self.reasoning_parser is not None and chat and params[0].structured_outputs:
+            params = [self._after_thinking(p, ids) for p, ids in zip(params, prompts)]
         try:
             engine.engine.check_priority(body.priority)
         except ValueError as e:
@@ -507,6 +509,17 @@ class OpenAIServer:
             prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
         )
         return _Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
+
+    def _after_thinking(self, params: SamplingParams, prompt: list[int]) -> SamplingParams:
+        """Under a reasoning parser, a structured output's language holds the answer, not
+        the thinking before it (launch/reasoning.language_start)."""
+        spec = params.structured_outputs
+        assert spec is not None
+        start = language_start(lambda text: self.engine.inputs.encode(text, False), prompt)
+        if start is None:
+            return params
+        spec = msgspec.structs.replace(spec, start_after=start)
+        return msgspec.structs.replace(params, structured_outputs=spec)
 
     @staticmethod
     async def _answer(request: Request, call: _Call) -> Response:

@@ -37,6 +37,8 @@ MAX_BAD_WORD_TOKENS = 32  # tokens in one of them
 # A structured-output spec's text (schema, regex, grammar, choices together): bounds the
 # worker's compile of it, which runs on the step's thread.
 MAX_STRUCTURED_OUTPUT_BYTES = 64 * 1024
+# Token ids of the marker after which a language starts (StructuredOutputs.start_after).
+MAX_START_AFTER = 16
 MAX_CHOICES = 256
 
 
@@ -58,6 +60,10 @@ class StructuredOutputs(
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    # The language starts after the output ends with these token ids (a reasoning model's
+    # end of thinking, `</think>`: the server sets them under --reasoning-parser); until
+    # then any token may be sampled. None: from the first token.
+    start_after: list[int] | None = None
 
     def kind(self) -> str:
         """The one constraint set: "json", "json_object", "regex", "choice" or "grammar"
@@ -99,6 +105,11 @@ class StructuredOutputs(
             raise ValueError(
                 f"structured_outputs {kind} is {size} characters; at most "
                 f"{MAX_STRUCTURED_OUTPUT_BYTES}"
+            )
+        if self.start_after is not None and not 1 <= len(self.start_after) <= MAX_START_AFTER:
+            raise ValueError(
+                f"structured_outputs start_after holds 1 to {MAX_START_AFTER} token ids, "
+                f"got {len(self.start_after)}"
             )
 
 
@@ -264,6 +275,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     )
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+            for t in self.structured_outputs.start_after or ():
+                if not 0 <= t < limit:
+                    raise ValueError(
+                        f"structured_outputs start_after holds {t}, outside the vocabulary "
+                        f"[0, {limit})"
+                    )
             # The language decides where the output ends (EOS, once it is complete).
             if self.min_tokens:
                 raise ValueError(

@@ -13,7 +13,7 @@ from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):

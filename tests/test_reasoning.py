@@ -17,7 +17,12 @@ from test_server import TOOLS, Server, start_server
 
 from launch.reasoning import ReasoningSplit, split_reasoning
 
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+# Thinking off by default: the prompt closes an empty think block (Qwen3's template with
+# enable_thinking false), so a structured output's language starts at once.
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    "{% if not thinking %}<think></think>{% endif %}"
+)
 THOUGHT = "Two and two. <tool_call>not a call</tool_call> So four"
 ANSWER = "It is 4."
 CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
@@ -182,3 +187,17 @@ def test_responses_answer_a_reasoning_item_first(client: openai.OpenAI) -> None:
     )
     assert status_ok and again.usage is not None and plain.usage is not None
     assert again.usage.input_tokens == plain.usage.input_tokens
+
+
+def test_a_structured_output_holds_the_answer_not_the_thinking(client: openai.OpenAI) -> None:
+    """With thinking on, the language waits for </think> in the output (which this random
+    model never writes: its output stays free); with the prompt's think block closed it
+    holds the output from the first token."""
+    args = dict(model="pagedserve-builtin", messages=ASK, temperature=0, max_tokens=12)
+    extra = {"structured_outputs": {"regex": "[0-9]{4}"}}
+    held = client.chat.completions.create(extra_body=extra, **args).choices[0]  # type: ignore[call-overload]
+    assert re.fullmatch("[0-9]{4}", held.message.content) and held.finish_reason == "stop"
+    thinking = {**extra, "chat_template_kwargs": {"thinking": True}}
+    free = client.chat.completions.create(extra_body=thinking, **args).choices[0]  # type: ignore[call-overload]
+    assert free.finish_reason == "length"
+    assert not re.fullmatch("[0-9]{4}", free.message.content or "")

@@ -276,6 +276,39 @@ def test_matchers_follow_each_request_and_a_broken_one_may_only_end(tmp_path: Pa
     assert _allowed(broken.fill_bitmask(["r"])[1][0]) == [3]
 
 
+def test_a_language_with_start_after_waits_for_its_marker() -> None:
+    """Until the output ends with the marker (a reasoning model's </think>) the request
+    samples freely and its matcher sees nothing; then the language starts."""
+    marker = list(b"</think>")
+    grammars = GrammarMatchers(builtin_model_dir(), [EOS])
+    grammars.add("r", StructuredOutputs(regex="[0-9]{2}", start_after=marker))
+    grammars.add("now", StructuredOutputs(regex="[0-9]{2}"))
+    rows, words = grammars.fill_bitmask(["r", "now"])
+    assert rows == [1] and _allowed(words[0]) == list(b"0123456789")
+    thinking = list(b"<think>a</think") + list(b"a</think")  # a partial marker first
+    for token in thinking:
+        grammars.consume(["r"], [token])
+        assert grammars.fill_bitmask(["r"]) is None  # free
+    grammars.consume(["r"], [ord(">")])
+    rows, words = grammars.fill_bitmask(["r"])
+    assert rows == [0] and _allowed(words[0]) == list(b"0123456789")
+    grammars.consume(["r", "r"], [ord("4"), ord("2")])
+    assert _allowed(grammars.fill_bitmask(["r"])[1][0]) == [EOS]
+    grammars.drop("r")
+    assert not grammars.waiting
+
+
+def test_start_after_is_checked_at_the_boundary() -> None:
+    for bad, message in (
+        ([], "1 to 16"),
+        (list(range(17)), "1 to 16"),
+        ([300], "outside the vocabulary"),
+    ):
+        params = SamplingParams(structured_outputs=StructuredOutputs(regex="a", start_after=bad))
+        with pytest.raises(ValueError, match=message):
+            params.validate(258)
+
+
 # -- the Python API and the command line --------------------------------------------------
 
 

@@ -145,7 +145,11 @@ class GrammarMatchers:
     the first time) while the request's prompt runs, and waited for only when its first
     token is sampled. A request whose spec does not compile (the launcher checks them; a
     client speaking the core's protocol directly may not), or a model without a
-    tokenizer, gets no matcher (None): it may only end, with EOS, at once."""
+    tokenizer, gets no matcher (None): it may only end, with EOS, at once.
+
+    A spec with start_after waits: its request samples freely, and its matcher follows
+    nothing, until the output ends with those tokens (a reasoning model's end of
+    thinking); the language starts with the next token."""
 
     def __init__(self, model_dir: str | Path, eos_token_ids: Sequence[int]) -> None:
         self.model_dir = model_dir
@@ -153,6 +157,8 @@ class GrammarMatchers:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiler: ThreadPoolExecutor | None = None
         self.matchers: dict[str, llguidance.LLMatcher | Future | None] = {}
+        # Requests whose language has not started: (the marker, the output's last tokens).
+        self.waiting: dict[str, tuple[tuple[int, ...], list[int]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
@@ -161,6 +167,8 @@ class GrammarMatchers:
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.matchers[req_id] = self._compiler.submit(self._compile, req_id, spec)
+        if spec.start_after:
+            self.waiting[req_id] = (tuple(spec.start_after), [])
 
     def _compile(self, req_id: str, spec: StructuredOutputs) -> llguidance.LLMatcher | None:
         from llguidance import LLMatcher
@@ -184,14 +192,22 @@ class GrammarMatchers:
         return m
 
     def drop(self, req_id: str) -> None:
+        self.waiting.pop(req_id, None)
         m = self.matchers.pop(req_id, None)
         if isinstance(m, Future):
             m.cancel()
 
     def consume(self, req_ids: Sequence[str], token_ids: Sequence[int]) -> None:
         """Advance each constrained request by the token it sampled."""
-        matchers = self.matchers
+        matchers, waiting = self.matchers, self.waiting
         for req_id, token in zip(req_ids, token_ids):
+            if waiting and req_id in waiting:
+                marker, tail = waiting[req_id]
+                tail.append(token)
+                del tail[: -len(marker)]
+                if tuple(tail) == marker:
+                    del waiting[req_id]  # the language starts with the next token
+                continue
             m = matchers.get(req_id)
             if isinstance(m, Future):  # not sampled yet: nothing to follow
                 continue
@@ -209,8 +225,10 @@ class GrammarMatchers:
         """(the indices in req_ids of the constrained requests, their allowed-token
         bitmasks as int32 words: bit j of word w is token 32 * w + j), or None when no
         request is constrained. Tokens past the bitmask's width are not allowed."""
-        matchers = self.matchers
-        found = [(i, self._ready(r)) for i, r in enumerate(req_ids) if r in matchers]
+        matchers, waiting = self.matchers, self.waiting
+        found = [
+            (i, self._ready(r)) for i, r in enumerate(req_ids) if r in matchers and r not in waiting
+        ]
         if not found:
             return None
         tok = self._tokenizer
