@@ -107,7 +107,7 @@ WORDS = [
     "jasmine",
     "cobalt",
 ]
-SERVER_LINE = re.compile(r"on (http://\S+)")
+SERVER_LINE = re.compile(r"on (https?://\S+)")
 
 
 def log(msg: str) -> None:

@@ -77,6 +77,21 @@ class InputLine(msgspec.Struct, forbid_unknown_fields=True):
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
+def _string_list(value: str) -> list[str]:
+    """A list flag: a JSON list of strings, or comma-separated values."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = msgspec.json.decode(text, type=list[str])
+        except msgspec.DecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {e}") from None
+    else:
+        items = [x.strip() for x in text.split(",")]
+    if not items or not all(items):
+        raise argparse.ArgumentTypeError(f"an empty entry in {value!r}")
+    return items
+
+
 def package_version() -> str:
     try:
         return version("pagedserve")
@@ -377,6 +392,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="every route but /health, /metrics and /version wants `Authorization: Bearer "
         f"KEY` (default: ${API_KEY_ENV}, which keeps the key out of the process list; "
         "unset: no key)",
+    )
+    v.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        help="answer browsers' cross-origin requests (CORS) from these origins: a comma-"
+        'separated list or a JSON list (vLLM\'s form), "*" for any (default: none; vLLM '
+        "allows any origin by default)",
+    )
+    v.add_argument("--allowed-methods", type=_string_list, default=["*"], help="with CORS")
+    v.add_argument("--allowed-headers", type=_string_list, default=["*"], help="with CORS")
+    v.add_argument("--allow-credentials", action="store_true", help="with CORS: allow credentials")
+    v.add_argument("--ssl-keyfile", type=Path, help="serve HTTPS with this private key")
+    v.add_argument("--ssl-certfile", type=Path, help="... and this certificate chain")
+    v.add_argument(
+        "--ssl-ca-certs", type=Path, help="CA certificates to check clients' certificates with"
+    )
+    v.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="clients' certificates: 0 not asked, 1 checked if sent, 2 required (mutual TLS)",
+    )
+    v.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves this server under (ASGI root_path)",
     )
     v.add_argument(
         "--tool-call-parser",

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
@@ -26,7 +27,7 @@ import uvicorn
 from launch.async_llm import AsyncLLM
 from launch.engine import EngineDeadError
 from launch.metrics import STATS_LOGGER, StatsLog
-from launch.server import OpenAIServer
+from launch.server import CORS, OpenAIServer
 from launch.tool_parsers import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pagedserve.serve")
@@ -72,7 +73,8 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
-            print(f"pagedserve serve: {self.name} on http://{host}:{port}", file=sys.stderr)
+            scheme = "https" if self.config.is_ssl else "http"
+            print(f"pagedserve serve: {self.name} on {scheme}://{host}:{port}", file=sys.stderr)
             asyncio.get_running_loop().create_task(self._watch_engine())
 
     async def _watch_engine(self) -> None:
@@ -102,6 +104,10 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         return 2
     if not args.log_stats_interval > 0:
         print("pagedserve serve: --log-stats-interval must be > 0", file=sys.stderr)
+        return 2
+    tls_error = _tls_error(args)
+    if tls_error is not None:
+        print(f"pagedserve serve: {tls_error}", file=sys.stderr)
         return 2
     if args.max_stored_responses < 0:
         print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
@@ -157,6 +163,14 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         args.tool_call_parser,
         args.max_stored_responses,
         args.reasoning_parser,
+        cors=None
+        if args.allowed_origins is None
+        else CORS(
+            args.allowed_origins,
+            args.allowed_methods,
+            args.allowed_headers,
+            args.allow_credentials,
+        ),
     )
 
     @contextlib.asynccontextmanager
@@ -183,7 +197,31 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         log_level=args.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_S,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
+
+
+def _tls_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS flags (checked before the engine starts), or None."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        return "--ssl-keyfile and --ssl-certfile go together"
+    if args.ssl_keyfile is None and (args.ssl_ca_certs is not None or args.ssl_cert_reqs):
+        return "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile"
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not path.is_file():
+            return f"--{flag.replace('_', '-')} {path}: no such file"
+    if args.ssl_keyfile is not None:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (ssl.SSLError, OSError) as e:
+            return f"--ssl-certfile / --ssl-keyfile: {e}"
+    return None
 
 
 async def _log_stats(log: StatsLog, interval: float) -> None:

@@ -21,11 +21,13 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -79,7 +81,7 @@ def error_response(e: APIError) -> Response:
 
 
 # Probes a load balancer or a scraper calls without credentials.
-OPEN_PATHS = frozenset(("/health", "/metrics", "/version"))
+OPEN_PATHS = frozenset(("/health", "/ping", "/metrics", "/version"))
 
 
 class RequireAPIKey:
@@ -91,7 +93,7 @@ class RequireAPIKey:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and _route_path(scope) not in OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not secrets.compare_digest(given, self._expected):
                 error = APIError(
@@ -102,6 +104,22 @@ class RequireAPIKey:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class CORS:
+    """Which browsers' cross-origin requests are answered (Starlette's CORSMiddleware)."""
+
+    origins: list[str]
+    methods: list[str]
+    headers: list[str]
+    credentials: bool = False
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path without --root-path (uvicorn puts it in front)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class OpenAIServer:
@@ -116,8 +134,10 @@ class OpenAIServer:
         tool_call_parser: ToolCallParser | None = None,
         max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
         reasoning_parser: ReasoningParser | None = None,
+        cors: CORS | None = None,
     ) -> None:
         self.engine = engine
+        self.cors = cors
         self.reasoning_parser = reasoning_parser
         self.response_store = ResponseStore(max_stored_responses)
         self.model_name = model_name
@@ -148,6 +168,7 @@ class OpenAIServer:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/ping", self.health, methods=["GET", "POST"]),  # SageMaker's probe
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
                 Route(
                     "/reset_prefix_cache", self._guard(self.reset_prefix_cache), methods=["POST"]
@@ -157,7 +178,18 @@ class OpenAIServer:
                 Route("/version", self.version, methods=["GET"]),
             ],
         )
-        return app if self.api_key is None else RequireAPIKey(app, self.api_key)
+        guarded: ASGIApp = app if self.api_key is None else RequireAPIKey(app, self.api_key)
+        cors = self.cors
+        if cors is None:
+            return guarded
+        # Outside the key check: a browser's preflight carries no credentials.
+        return CORSMiddleware(
+            guarded,
+            allow_origins=cors.origins,
+            allow_methods=cors.methods,
+            allow_headers=cors.headers,
+            allow_credentials=cors.credentials,
+        )
 
     # -- small routes -------------------------------------------------------------------
     def _card(self) -> dict[str, Any]:

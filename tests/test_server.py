@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ def start_server(model: Path | None, tmp: Path, *flags: str) -> Server:
         text=True,
     )
     watch = StderrWatch(proc)
-    url = watch.wait_for(r"on (http://\S+)").group(1)
+    url = watch.wait_for(r"on (https?://\S+)").group(1)
     return Server(proc, watch, url, tmp)
 
 
@@ -504,6 +505,83 @@ def test_an_api_key_guards_every_route_but_the_probes_and_stats_are_logged(
     line = server.watch.wait_for(r"pagedserve.stats: Avg prompt throughput: .*").group(0)
     assert "Running:" in line and "KV cache usage:" in line
     server.watch.wait_for(r"Avg generation throughput: [1-9]")
+
+
+TLS = Path(__file__).parent / "data"  # a self-signed certificate for 127.0.0.1, to 2126
+
+
+def _fetch(url: str, method: str = "GET", **headers: str) -> tuple[int, dict[str, str]]:
+    """Status and headers of a request over TLS, trusting only the test certificate."""
+    context = ssl.create_default_context(cafile=str(TLS / "tls_cert.pem"))
+    request = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}
+
+
+def test_https_cors_and_a_root_path(builtin_server: Callable[..., Server]) -> None:
+    """Served over TLS behind a path prefix, with CORS for one origin and an API key: the
+    probes stay open, a browser's preflight needs no key, other origins get no CORS."""
+    ui = "http://ui.example"
+    server = builtin_server(
+        *("--ssl-keyfile", str(TLS / "tls_key.pem"), "--ssl-certfile", str(TLS / "tls_cert.pem")),
+        *("--allowed-origins", f'["{ui}"]', "--api-key", "secret", "--root-path", "/api"),
+    )
+    assert server.url.startswith("https://127.0.0.1:")
+    assert _fetch(f"{server.url}/health")[0] == 200
+    assert _fetch(f"{server.url}/ping")[0] == _fetch(f"{server.url}/ping", "POST")[0] == 200
+    status, headers = _fetch(
+        f"{server.url}/v1/models",
+        "OPTIONS",
+        Origin=ui,
+        **{
+            "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
+    assert status == 200 and headers["access-control-allow-origin"] == ui
+    status, headers = _fetch(f"{server.url}/v1/models", Origin=ui, Authorization="Bearer secret")
+    assert status == 200 and headers["access-control-allow-origin"] == ui
+    status, headers = _fetch(f"{server.url}/v1/models", Origin="http://evil.example")
+    assert status == 401 and "access-control-allow-origin" not in headers
+    import httpx2
+
+    http = httpx2.Client(verify=ssl.create_default_context(cafile=str(TLS / "tls_cert.pem")))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", http_client=http)
+    assert [m.id for m in client.models.list()] == ["pagedserve-builtin"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--ssl-keyfile", str(TLS / "tls_key.pem")), "go together"),
+        (("--ssl-keyfile", "/nope", "--ssl-certfile", "/nope"), "no such file"),
+        (
+            (
+                "--ssl-keyfile",
+                str(TLS / "tls_cert.pem"),
+                "--ssl-certfile",
+                str(TLS / "tls_cert.pem"),
+            ),
+            "--ssl-certfile / --ssl-keyfile",
+        ),
+        (("--ssl-cert-reqs", "2"), "need --ssl-keyfile"),
+        (("--allowed-origins", "[1]"), "JSON list"),
+    ],
+)
+def test_bad_tls_and_cors_flags_stop_before_the_engine_starts(
+    flags: tuple[str, ...], message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "serve", "--port", "0", *flags],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def _sse_stream(url: str, body: dict) -> subprocess.Popen[bytes]:
