@@ -41,6 +41,7 @@ class Request:
         "_hasher",
         "all_token_ids",
         "arrival",
+        "arrived_at",
         "block_hash_inputs",
         "block_hashes",
         "cache_salt",
@@ -97,6 +98,8 @@ class Request:
         # takes it) breaks ties, oldest first.
         self.priority = priority
         self.arrival = 0
+        # time.monotonic() when the scheduler took it (its queue time starts there).
+        self.arrived_at = 0.0
         self.sampling_params = sampling_params or _DEFAULT_PARAMS
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

@@ -15,6 +15,7 @@ a request's length then counts the tokens steps in flight will sample
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
 from collections.abc import Iterable
@@ -143,6 +144,8 @@ class Scheduler:
         # (step id, requests due to sample) of each step sent and not yet answered, oldest
         # first (two with async scheduling): each answer must name exactly those.
         self._due: deque[tuple[int, int]] = deque()
+        # Seconds each request scheduled once waited first, until its first output.
+        self._queue_times: dict[str, float] = {}
 
     # -- requests in and out ----------------------------------------------------------
     def add_request(self, request: Request) -> RequestOutput | None:
@@ -161,6 +164,7 @@ class Scheduler:
             request.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
         request.arrival = self._arrivals
+        request.arrived_at = time.monotonic()
         self._arrivals += 1
         self.requests[rid] = request
         self.waiting.add(request)
@@ -322,6 +326,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self._queue_times.pop(request.request_id, None)
         if request.known_to_worker:
             self._finished_req_ids.append(request.request_id)
 
@@ -429,6 +434,8 @@ class Scheduler:
                 plan.cached_resumed.append(True)
                 plan.cached_counts.append(num_new)
             else:
+                # Scheduled for the first time: its queue time goes with its first token.
+                self._queue_times[request.request_id] = time.monotonic() - request.arrived_at
                 plan.new_reqs.append(
                     NewRequestData(
                         request.request_id,
@@ -534,21 +541,37 @@ class Scheduler:
                 reason = "stop"
             elif num_tokens >= request.max_num_tokens:
                 reason = "length"
+            queued = None
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
                     finished.add(rid)
                 else:  # preempted by a step scheduled while this one ran: blocks are free
                     self.waiting.remove(request)
+                queued = self._queue_times.pop(rid, None)  # ends with its first token
                 self._finish(request, reason)
-            if lp is None:
+            if lp is None and queued is None:
                 outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
             else:
                 outputs.append(
-                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
+                    RequestOutput(
+                        rid,
+                        [token],
+                        reason,
+                        request.num_cached_tokens,
+                        None,
+                        None if lp is None else [lp],
+                        queued_s=queued,
+                    )
                 )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+        queue_times = self._queue_times
+        if queue_times:  # some request scheduled for the first time waits for its token
+            for k, o in enumerate(outputs):
+                queued = queue_times.pop(o.request_id, None)
+                if queued is not None:
+                    outputs[k] = replace(o, queued_s=queued)
         if answered:
             outputs = [
                 replace(o, prompt_logprobs=answered[o.request_id])

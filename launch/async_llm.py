@@ -90,6 +90,8 @@ class StreamOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     # On a sequence's first output, when asked for (SamplingParams.embedding).
     embedding: list[float] | None = None
+    # On a sequence's first output: seconds the core queued it before first scheduling it.
+    queued_s: float | None = None
 
 
 class _Prepared(NamedTuple):
@@ -210,6 +212,7 @@ class RequestStream:
             out.stop_reason,
             out.prompt_logprobs,
             out.embedding,
+            o.queued_s,
         )
 
     def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:

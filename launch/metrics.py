@@ -17,7 +17,15 @@ as it streams each request.
 | vllm:time_to_first_token_seconds | histogram | arrival to first token |
 | vllm:inter_token_latency_seconds | histogram | between tokens of a request |
 | vllm:e2e_request_latency_seconds | histogram | arrival to last token |
+| vllm:request_queue_time_seconds | histogram | waiting in the core before first scheduled |
+| vllm:request_prefill_time_seconds | histogram | first scheduled to first token |
+| vllm:request_decode_time_seconds | histogram | first token to last |
+| vllm:request_inference_time_seconds | histogram | first scheduled to last token |
+| vllm:request_time_per_output_token_seconds | histogram | decode time per later token |
 | vllm:request_prompt_tokens / _generation_tokens | histogram | tokens per request |
+| vllm:request_max_num_generation_tokens | histogram | the longest sequence's tokens |
+| vllm:request_params_n / _max_tokens | histogram | what requests asked for |
+| vllm:prompt_tokens_cached_total | counter | prompt tokens served from the prefix cache |
 | pagedserve:open_requests | gauge | requests the server has open in the engine |
 """
 
@@ -89,12 +97,45 @@ class ServerMetrics:
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
         )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time in the core's queue before first scheduled.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "First token to last.", LATENCY_BUCKETS
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to last token.",
+            LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Decode time per token after the first.",
+            LATENCY_BUCKETS,
+        )
         tokens = token_buckets(max_model_len)
         self.request_prompt = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", tokens
         )
         self.request_generation = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", tokens
+        )
+        self.request_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Generated tokens of a request's longest sequence.",
+            tokens,
+        )
+        self.params_n = histogram("vllm:request_params_n", "Requests' n.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Requests' max_tokens.", tokens
+        )
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
         )
         prom.Gauge(
             "pagedserve:open_requests",
@@ -121,10 +162,13 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last = stats
 
-    def request(self, num_prompt_tokens: int) -> RequestTimer:
+    def request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int = 0) -> RequestTimer:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.total_prompt_tokens += num_prompt_tokens
         self.request_prompt.observe(num_prompt_tokens)
+        self.params_n.observe(n)
+        if max_tokens:
+            self.params_max_tokens.observe(max_tokens)
         return RequestTimer(self)
 
     def exposition(self) -> bytes:
@@ -134,13 +178,20 @@ class ServerMetrics:
 class RequestTimer:
     """One request's latencies, fed as its outputs arrive."""
 
-    __slots__ = ("_first", "_last", "_metrics", "_start", "num_tokens")
+    __slots__ = ("_first", "_last", "_metrics", "_queued", "_start", "num_tokens")
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._start = self._last = time.monotonic()
         self._first: float | None = None
+        self._queued: float | None = None
         self.num_tokens = 0
+
+    def queued(self, seconds: float) -> None:
+        """The core's queue time, with the first output (of the first sequence, with n)."""
+        if self._queued is None:
+            self._queued = seconds
+            self._metrics.queue.observe(seconds)
 
     def tokens(self, n: int) -> None:
         """n new tokens arrived now (one step's worth: n is 1 but for the first)."""
@@ -160,11 +211,25 @@ class RequestTimer:
         m.generation_tokens.inc(n)
         m.total_generation_tokens += n
 
-    def finish(self, finish_reason: str) -> None:
+    def finish(self, finish_reason: str, longest: int = 0, cached_tokens: int = 0) -> None:
+        """longest: the tokens of the request's longest sequence; cached_tokens: its prompt
+        tokens served from the prefix cache."""
         m = self._metrics
-        m.e2e.observe(time.monotonic() - self._start)
+        m.e2e.observe(self._last - self._start)  # to its last token
         m.request_generation.observe(self.num_tokens)
+        m.request_max_generation.observe(longest or self.num_tokens)
         m.success.labels(m.model_name, finish_reason).inc()
+        m.prompt_cached.inc(cached_tokens)
+        first = self._first
+        if first is None:
+            return
+        # From the server's clock, less the core's queue time: what the engine spent.
+        scheduled = self._start + (self._queued or 0.0)
+        m.prefill.observe(max(first - scheduled, 0.0))
+        m.decode.observe(self._last - first)
+        m.inference.observe(max(self._last - scheduled, 0.0))
+        if self.num_tokens > 1:
+            m.tpot.observe((self._last - first) / (self.num_tokens - 1))
 
 
 class StatsLog:

@@ -649,7 +649,9 @@ class _Call:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.num_prompt_tokens = sum(len(ids) for ids in stream.prompts)
-        self.timer: RequestTimer = server.metrics.request(self.num_prompt_tokens)
+        self.timer: RequestTimer = server.metrics.request(
+            self.num_prompt_tokens, params.n, params.max_tokens
+        )
         # Every prompt has the same n (one body): choice i answers prompt i // n.
         self.n = params.n
         lp = params.logprobs is not None
@@ -672,15 +674,17 @@ class _Call:
         try:
             async for out in self.stream:
                 self._started()
+                if out.queued_s is not None:
+                    self.timer.queued(out.queued_s)
                 self.timer.tokens(len(out.new_token_ids))
-                if out.finish_reason is not None:
-                    if out.finish_reason == "error":
-                        raise APIError(out.error or "the request failed", 500)
-                    if out.finish_reason == "abort":
-                        raise APIError("the request was aborted: the server is stopping", 503)
-                    if self.stream.finished:
-                        self.timer.finish(out.finish_reason)
+                if out.finish_reason == "error":
+                    raise APIError(out.error or "the request failed", 500)
+                if out.finish_reason == "abort":
+                    raise APIError("the request was aborted: the server is stopping", 503)
                 self.choices[out.index].add(out)
+                if out.finish_reason is not None and self.stream.finished:
+                    longest = max(len(c.ids) for c in self.choices)
+                    self.timer.finish(out.finish_reason, longest, self._cached_tokens())
                 yield out
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
@@ -691,9 +695,11 @@ class _Call:
     def _usage(self) -> dict[str, Any]:
         """Each prompt counted once (its first copy's cache hits: later copies hit what
         the first brought in), completion tokens of every choice."""
-        cached = sum(c.num_cached for c in self.choices[:: self.n])
         generated = 0 if self.prompt_only else self.timer.num_tokens
-        return usage(self.num_prompt_tokens, generated, cached)
+        return usage(self.num_prompt_tokens, generated, self._cached_tokens())
+
+    def _cached_tokens(self) -> int:
+        return sum(c.num_cached for c in self.choices[:: self.n])
 
     def token_text(self, token_id: int) -> str:
         tok = self.server.engine.tokenizer

@@ -365,7 +365,7 @@ class Logprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[float]  # their logprobs
 
 
-class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
+class RequestOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """New tokens of one request since its last output; finish_reason once, at the end.
 
     finish_reason: "length", "stop" (EOS or a stop token), "abort" or "error" (then
@@ -385,6 +385,9 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
     # With the request's first token, when it asked for its embedding (SamplingParams.
     # embedding): float32 values, little-endian.
     embedding: bytes | None = None
+    # With the request's first token: seconds it waited in the core before it was first
+    # scheduled (its queue time; a preemption's wait is not counted).
+    queued_s: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -377,10 +377,30 @@ def test_metrics_parse_and_move(server: Server, client: openai.OpenAI) -> None:
         "vllm:request_prompt_tokens_count": 2,
         "vllm:request_generation_tokens_sum": 6,
         "vllm:prefix_cache_queries_total": 80,
+        "vllm:request_queue_time_seconds_count": 2,
+        "vllm:request_prefill_time_seconds_count": 2,
+        "vllm:request_decode_time_seconds_count": 2,
+        "vllm:request_inference_time_seconds_count": 2,
+        "vllm:request_time_per_output_token_seconds_count": 2,
+        "vllm:request_max_num_generation_tokens_sum": 6,
+        "vllm:request_params_n_sum": 2,
+        "vllm:request_params_max_tokens_sum": 6,
+        "vllm:prompt_tokens_cached_total": 32,  # the second's two full blocks
     }
     for name, delta in moved.items():
         assert after[name] - before.get(name, 0) == delta, name
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 32
+
+    def spent(name: str) -> float:
+        return after[f"{name}_sum"] - before.get(f"{name}_sum", 0)
+
+    # The engine's share of each request's time: queue + inference = the whole.
+    queue, inference = (
+        spent("vllm:request_queue_time_seconds"),
+        spent("vllm:request_inference_time_seconds"),
+    )
+    assert 0 <= queue <= spent("vllm:e2e_request_latency_seconds")
+    assert queue + inference == pytest.approx(spent("vllm:e2e_request_latency_seconds"))
     for name in ("vllm:num_preemptions_total", "vllm:num_requests_waiting"):
         assert name in after
 
