@@ -4,8 +4,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, PO
 /v1/responses (and GET / DELETE /v1/responses/{id}: launch/responses_api.py), GET
 /v1/models (and /v1/models/{id}), GET /health,
 GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
-/tokenize, POST /detokenize and GET /version. With an API key (--api-key), every route but
-/health, /metrics and /version wants `Authorization: Bearer KEY`. Streaming answers
+/tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
+an API key (--api-key), every route but /health, /ping, /metrics and /version wants
+`Authorization: Bearer KEY`; with CORS origins (--allowed-origins), browsers' cross-origin
+requests from them are answered, preflights without the key. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
 streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
