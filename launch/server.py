@@ -722,19 +722,24 @@ class _Call:
         ids = self.stream.prompts[c.prompt]
         return vllm_prompt_logprobs(ids, c.prompt_logprobs, self.token_text)
 
-    def _echo_logprobs(self, c: _Choice, completion: dict[str, Any]) -> dict[str, Any]:
-        """OpenAI's echo with logprobs: the prompt's tokens first (the first one without a
-        logprob: nothing comes before it), then the completion's."""
+    def _echo_head(self, c: _Choice) -> dict[str, Any]:
+        """The legacy logprobs of c's prompt, echoed: its tokens, the first without a
+        logprob (nothing comes before it)."""
         ids = self.stream.prompts[c.prompt]
         first = self.token_text(ids[0])
         found = [lp for lp in (c.prompt_logprobs or [])[1:] if lp is not None]
         head = completion_logprobs(ids[1:], found, self.token_text, len(first))
         return {
-            "tokens": [first, *head["tokens"], *completion["tokens"]],
-            "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
-            "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
-            "text_offset": [0, *head["text_offset"], *completion["text_offset"]],
+            "tokens": [first, *head["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"]],
+            "text_offset": [0, *head["text_offset"]],
         }
+
+    def _echo_logprobs(self, c: _Choice, completion: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's echo with logprobs: the prompt's tokens first, then the completion's."""
+        head = self._echo_head(c)
+        return {k: head[k] + completion[k] for k in head}
 
     async def complete(self) -> Response:
         try:
@@ -791,6 +796,7 @@ class _Call:
 
     async def events(self) -> AsyncIterator[bytes]:
         ids_too = self.body.return_token_ids
+        echo_logprobs = isinstance(self.body, CompletionRequest) and self.body.echo_logprobs
         options = self.body.stream_options
         continuous = options is not None and options.continuous_usage_stats
         try:
@@ -798,12 +804,23 @@ class _Call:
                 for i in range(len(self.choices)):
                     first = {"role": "assistant", "content": ""}
                     yield sse_event(self._envelope([self._chunk(i, first, None, None)], None))
-            elif self.echo is not None:
+            elif self.echo is not None and not echo_logprobs:
                 for i, c in enumerate(self.choices):
                     chunk = self._chunk(i, self.echo[c.prompt], None, None)
                     yield sse_event(self._envelope([chunk], None))
+            echoed: set[int] = set()
             async for out in self.outputs():
                 c = self.choices[out.index]
+                if echo_logprobs and out.index not in echoed:
+                    # The prompt's logprobs came with this first output: its echo goes
+                    # first, with them.
+                    assert self.echo is not None
+                    echoed.add(out.index)
+                    echo = self.echo[c.prompt]
+                    chunk = self._chunk(out.index, echo, None, None)
+                    chunk["logprobs"] = self._echo_head(c)
+                    c.offset = len(echo)
+                    yield sse_event(self._envelope([chunk], None))
                 text, finish = c.texts[-1], out.finish_reason
                 thought = c.thoughts[-1] if self.show_reasoning else ""
                 delta: Any
@@ -831,8 +848,9 @@ class _Call:
                 c.offset += len(text)
                 envelope = self._envelope([choice], self._usage() if continuous else None)
                 if c.prompt_logprobs is not None:  # the choice's first chunk: once
-                    prompt = self._prompt_logprobs(c)
-                    (envelope if self.chat else choice)["prompt_logprobs"] = prompt
+                    if self.body.prompt_logprobs is not None:
+                        prompt = self._prompt_logprobs(c)
+                        (envelope if self.chat else choice)["prompt_logprobs"] = prompt
                     c.prompt_logprobs = None
                 yield sse_event(envelope)
             if self.body.include_usage:

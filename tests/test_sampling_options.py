@@ -625,7 +625,6 @@ def test_prompt_logprobs_and_echo_with_logprobs_through_the_server(
     assert len(lp.tokens) == len(ids) and scored.choices[0].model_extra["token_ids"] == []
     assert scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length"
     for body, param in (
-        ({"prompt": ids, "echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"prompt": ids, "echo": True, "max_tokens": 0, "stream": True}, "max_tokens"),
         ({"prompt": ids, "max_tokens": 0}, "max_tokens"),
     ):

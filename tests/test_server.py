@@ -430,11 +430,19 @@ def test_echo_puts_each_prompt_before_its_completions(
     assert echoed.usage == plain.usage  # the echo is text, not tokens
     chunks = list(client.completions.create(prompt=PROMPT_TEXT, echo=True, stream=True, **args))
     assert "".join(ch.choices[0].text for ch in chunks) == PROMPT_TEXT + plain.choices[0].text
-    # With logprobs (not streamed): the prompt's tokens lead them (test_sampling_options).
-    status, answer = post(
-        f"{server.url}/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}
-    )
-    assert status == 400 and answer["error"]["param"] == "echo", answer
+    # With logprobs the prompt's tokens lead them (test_sampling_options); streamed, the
+    # echo waits for the first token, which brings them, and the chunks add up the same.
+    scored = dict(prompt=PROMPT_TEXT, echo=True, logprobs=2, **args)
+    whole = client.completions.create(**scored).choices[0]  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, **scored))  # type: ignore[call-overload]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.text
+    streamed = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert whole.logprobs is not None and whole.logprobs.tokens is not None
+    assert [t for lp in streamed for t in lp.tokens or []] == whole.logprobs.tokens
+    assert [t for lp in streamed for t in lp.text_offset or []] == whole.logprobs.text_offset
+    got = [t for lp in streamed for t in lp.token_logprobs or []]
+    want = whole.logprobs.token_logprobs or []
+    assert got[0] is None and want[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-5)
 
 
 def test_tokenize_and_detokenize_give_what_generation_uses(
