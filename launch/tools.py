@@ -128,7 +128,10 @@ class ToolPlan:
                 for c in parsed
             ]
         if self.choice == "auto" and self.parser is not None:
-            return parse_calls(self.parser, text)
+            content, calls = parse_calls(self.parser, text)
+            # Without parallel calls an answer holds one at most, as OpenAI's do: the
+            # model's later ones are dropped.
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
     def content_so_far(self, text: str) -> int:

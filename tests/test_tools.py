@@ -159,6 +159,14 @@ def test_each_format_is_read_out_of_the_text(
         assert _read(parser, text) == (content, calls)
 
 
+def test_without_parallel_calls_an_auto_answer_holds_one() -> None:
+    text = '<tool_call>{"name": "now"}</tool_call><tool_call>{"name": "get_weather"}</tool_call>'
+    for parallel, names in ((True, ["now", "get_weather"]), (False, ["now"])):
+        plan = plan_tools([WEATHER, NOW], "auto", parallel, "hermes")
+        assert plan is not None
+        assert [c.name for c in plan.calls(text, True)[1]] == names
+
+
 def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
     _, calls = parse_calls("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}]')
     assert len(calls[0].id) == 9 and calls[0].id.isalnum()
