@@ -330,6 +330,48 @@ class StoredResponse(msgspec.Struct):
     response: dict[str, Any]
     # The conversation so far, input and output, without instructions.
     messages: list[dict[str, Any]]
+    # This response's own input, as items with ids (GET .../input_items).
+    input_items: list[dict[str, Any]] = []
+
+
+def input_item_list(value: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as OpenAI lists it back: items with ids, a text as a user message,
+    message content as parts. (Checked already by input_messages.)"""
+    items = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": content}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(kind, "item")
+        item.setdefault("id", _item_id(prefix))
+        out.append(item)
+    return out
+
+
+def list_page(
+    items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """One page of a list endpoint (OpenAI's cursor pagination by item id)."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise APIError(f"no item has the id {after!r}", param="after", code="invalid_value")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
 
 
 class ResponseStore:
@@ -502,7 +544,8 @@ class ResponseRun:
             turn: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 turn["tool_calls"] = [c.body() for c in calls]
-            self.store.put(self.id, StoredResponse(answer, [*self.messages, turn]))
+            items = input_item_list(self.body.input)
+            self.store.put(self.id, StoredResponse(answer, [*self.messages, turn], items))
         return answer
 
     # -- whole ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
-/v1/responses (and GET / DELETE /v1/responses/{id}: launch/responses_api.py), GET
+/v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items: launch/responses_api.py), GET
 /v1/models (and /v1/models/{id}), GET /health,
 GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
@@ -64,6 +64,7 @@ from launch.responses_api import (
     ResponsesRequest,
     ResponseStore,
     input_messages,
+    list_page,
     not_found,
     without_oldest_turn,
 )
@@ -166,6 +167,11 @@ class OpenAIServer:
                     "/v1/responses/{response_id}",
                     self._guard(self.stored_response),
                     methods=["GET", "DELETE"],
+                ),
+                Route(
+                    "/v1/responses/{response_id}/input_items",
+                    self._guard(self.stored_input_items),
+                    methods=["GET"],
                 ),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -413,6 +419,27 @@ class OpenAIServer:
         if stored is None:
             raise not_found(response_id)
         return json_response(stored.response)
+
+    async def stored_input_items(self, request: Request) -> Response:
+        """GET a stored response's input items (the openai client's
+        responses.input_items.list): limit 1-100 (20), order desc (default) or asc, after."""
+        response_id = request.path_params["response_id"]
+        stored = self.response_store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        query = request.query_params
+        try:
+            limit = int(query.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise APIError(
+                "limit must be an integer in [1, 100]", param="limit", code="invalid_value"
+            )
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError('order must be "asc" or "desc"', param="order", code="invalid_value")
+        return json_response(list_page(stored.input_items, limit, order, query.get("after")))
 
     async def embeddings(self, request: Request) -> Response:
         """Each input's embedding (EmbeddingParams: last-token pooling): one prefill step

@@ -159,7 +159,25 @@ def test_stored_responses_continue_a_conversation(server: Server, client: openai
     assert again.output_text == r2.output_text
     assert again.usage is not None and again.usage.input_tokens_details.cached_tokens >= 16
     assert client.responses.retrieve(r1.id).output_text == r1.output_text
+    assert client.responses.input_items.list(r1.id).data[0].type == "message"
     client.responses.delete(r1.id)
+    # Its input, listed back as items, pages by id, newest first unless asked otherwise.
+    three = [first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "x"}]
+    r3 = client.responses.create(input=three, **args)
+    page = client.responses.input_items.list(r3.id, order="asc", limit=2)
+    assert [(i.role, i.content[0].text) for i in page.data] == [  # type: ignore[union-attr]
+        ("user", first["content"]),
+        ("assistant", "4"),
+    ]
+    assert page.has_more and page.last_id == page.data[-1].id
+    rest = client.responses.input_items.list(r3.id, order="asc", after=page.last_id)
+    assert [i.content[0].text for i in rest.data] == ["x"] and not rest.has_more  # type: ignore[union-attr]
+    newest = client.responses.input_items.list(r3.id, limit=1)
+    assert newest.data[0].id == rest.data[0].id
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.get(f"/responses/{r3.id}/input_items?{query}", cast_to=object)
+        assert e.value.body["param"] == param  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r1.id)
     status, answer = post(
