@@ -73,6 +73,9 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple | list) -> prom.Histogram:
             return prom.Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
+        def latency(name: str, doc: str) -> prom.Histogram:
+            return histogram(f"vllm:{name}_seconds", doc, LATENCY_BUCKETS)
+
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
@@ -88,35 +91,17 @@ class ServerMetrics:
             registry=r,
         )
         self.model_name = model_name
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        self.ttft = latency("time_to_first_token", "Arrival to first token.")
+        self.itl = latency("inter_token_latency", "Time between tokens.")
+        self.e2e = latency("e2e_request_latency", "Arrival to last token.")
+        self.queue = latency(
+            "request_queue_time", "Time in the core's queue before first scheduled."
         )
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Time between tokens.", LATENCY_BUCKETS
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
-        )
-        self.queue = histogram(
-            "vllm:request_queue_time_seconds",
-            "Time in the core's queue before first scheduled.",
-            LATENCY_BUCKETS,
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
-        )
-        self.decode = histogram(
-            "vllm:request_decode_time_seconds", "First token to last.", LATENCY_BUCKETS
-        )
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds",
-            "First scheduled to last token.",
-            LATENCY_BUCKETS,
-        )
-        self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Decode time per token after the first.",
-            LATENCY_BUCKETS,
+        self.prefill = latency("request_prefill_time", "First scheduled to first token.")
+        self.decode = latency("request_decode_time", "First token to last.")
+        self.inference = latency("request_inference_time", "First scheduled to last token.")
+        self.tpot = latency(
+            "request_time_per_output_token", "Decode time per token after the first."
         )
         tokens = token_buckets(max_model_len)
         self.request_prompt = histogram(
