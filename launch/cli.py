@@ -366,7 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=_port, default=8000, help="port (0: a free one, printed)")
     v.add_argument(
         "--served-model-name",
-        help="the model's name in the API (default: --model as given)",
+        nargs="+",
+        help="the model's name in the API, then any other names requests may use for it "
+        "(default: --model as given)",
     )
     v.add_argument(
         "--max-waiting-requests",

@@ -136,7 +136,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             chat_template=args.chat_template,
             **engine_kwargs,
         )
-        name = args.served_model_name or args.model or "pagedserve-builtin"
+        names = args.served_model_name or [args.model or "pagedserve-builtin"]
+        name = names[0]
         server = _Server(_config(engine, name, args), engine, name)
         server.run(sockets=[sock])
     except (ValueError, EngineDeadError) as e:
@@ -155,14 +156,16 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
+    names = args.served_model_name or [name]
     api = OpenAIServer(
         engine,
-        name,
+        names[0],
         args.max_waiting_requests,
         args.api_key,
         args.tool_call_parser,
         args.max_stored_responses,
         args.reasoning_parser,
+        aliases=names[1:],
         cors=None
         if args.allowed_origins is None
         else CORS(

@@ -22,7 +22,7 @@ import base64
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,8 +123,11 @@ class OpenAIServer:
         max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
         reasoning_parser: ReasoningParser | None = None,
         cors: CORS | None = None,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
+        # Every name a request may use; answers (and metrics) carry the first.
+        self.model_names = (model_name, *(a for a in aliases if a != model_name))
         self.cors = cors
         self.reasoning_parser = reasoning_parser
         self.response_store = ResponseStore(max_stored_responses)
@@ -185,9 +188,9 @@ class OpenAIServer:
         )
 
     # -- small routes -------------------------------------------------------------------
-    def _card(self) -> dict[str, Any]:
+    def _card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "pagedserve",
@@ -195,21 +198,14 @@ class OpenAIServer:
         }
 
     async def models(self, _request: Request) -> Response:
-        return json_response({"object": "list", "data": [self._card()]})
+        return json_response({"object": "list", "data": [self._card(n) for n in self.model_names]})
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{id} (the openai client's models.retrieve)."""
-        if request.path_params["model"] != self.model_name:
-            return error_response(
-                APIError(
-                    f"the model {request.path_params['model']!r} does not exist; this server "
-                    f"serves {self.model_name!r}",
-                    404,
-                    param="model",
-                    code="model_not_found",
-                )
-            )
-        return json_response(self._card())
+        name = request.path_params["model"]
+        if name not in self.model_names:
+            return error_response(self._unknown_model(name, 404))
+        return json_response(self._card(name))
 
     async def health(self, _request: Request) -> Response:
         if self.engine.dead_reason is not None:
@@ -496,13 +492,17 @@ class OpenAIServer:
         return await _until_disconnect(request, answer())
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                400,
-                param="model",
-                code="model_not_found",
-            )
+        if model is not None and model not in self.model_names:
+            raise self._unknown_model(model, 400)
+
+    def _unknown_model(self, model: str, status: int) -> APIError:
+        served = " or ".join(repr(n) for n in self.model_names)
+        return APIError(
+            f"the model {model!r} does not exist; this server serves {served}",
+            status,
+            param="model",
+            code="model_not_found",
+        )
 
     async def _start(
         self,

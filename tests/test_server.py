@@ -556,6 +556,7 @@ def test_https_cors_and_a_root_path(builtin_server: Callable[..., Server]) -> No
     server = builtin_server(
         *("--ssl-keyfile", str(TLS / "tls_key.pem"), "--ssl-certfile", str(TLS / "tls_cert.pem")),
         *("--allowed-origins", f'["{ui}"]', "--api-key", "secret", "--root-path", "/api"),
+        *("--served-model-name", "main", "alias"),
     )
     assert server.url.startswith("https://127.0.0.1:")
     assert _fetch(f"{server.url}/health")[0] == 200
@@ -578,7 +579,13 @@ def test_https_cors_and_a_root_path(builtin_server: Callable[..., Server]) -> No
 
     http = httpx2.Client(verify=ssl.create_default_context(cafile=str(TLS / "tls_cert.pem")))
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", http_client=http)
-    assert [m.id for m in client.models.list()] == ["pagedserve-builtin"]
+    # Two names: both listed and served, answers carry the first.
+    assert [m.id for m in client.models.list()] == ["main", "alias"]
+    assert client.models.retrieve("alias").id == "alias"
+    answer = client.completions.create(model="alias", prompt="x", max_tokens=1)
+    assert answer.model == "main"
+    with pytest.raises(openai.BadRequestError, match="'main' or 'alias'"):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
 @pytest.mark.parametrize(
