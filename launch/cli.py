@@ -371,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --model as given)",
     )
     v.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM (or SIGINT, SIGHUP), take no new requests (503, /health 503) and "
+        "let open ones finish for up to this many seconds before aborting the rest; a "
+        "second signal stops at once (default: 0, abort open requests at once)",
+    )
+    v.add_argument(
         "--max-waiting-requests",
         type=int,
         help="answer 503 to new requests while this many wait for their first token "

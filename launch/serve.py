@@ -18,6 +18,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 from typing import Any
@@ -35,16 +36,24 @@ log = logging.getLogger("pagedserve.serve")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After the engine died, or a stop signal, how long open connections may take to end.
 GRACEFUL_S = 3
+# How often a draining server looks whether its open requests have finished.
+DRAIN_POLL_S = 0.05
 
 
 class _Server(uvicorn.Server):
     """uvicorn, with our own signal handling: a stop signal aborts open requests so
-    their streams end now, and is not re-raised after shutdown (uvicorn would)."""
+    their streams end now (after draining them for up to drain_s: new requests get 503
+    meanwhile), and is not re-raised after shutdown (uvicorn would). A second signal
+    stops at once."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, name: str) -> None:
+    def __init__(
+        self, config: uvicorn.Config, api: OpenAIServer, name: str, drain_s: float = 0.0
+    ) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.api = api
+        self.engine = api.engine
         self.name = name
+        self.drain_s = drain_s
         self.stop_signal: int | None = None
         self.engine_died: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,14 +68,36 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig: int, _frame: FrameType | None) -> None:
-        if self.stop_signal is not None:
-            self.force_exit = True  # a second signal: stop waiting for connections
+        first = self.stop_signal is None
         self.stop_signal = sig
+        if first and self.drain_s > 0 and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain)
+            return
+        if not first:
+            self.force_exit = True  # a second signal: stop waiting for connections
         self.should_exit = True
         if self._loop is not None:
             # Not from inside the handler: it may interrupt the loop between two steps
             # of starting a request.
             self._loop.call_soon_threadsafe(self.engine.abort_all)
+
+    def _drain(self) -> None:
+        self.api.draining = True
+        log.info(
+            "stopping: no new requests; %d open ones may finish within %g s",
+            self.engine.num_open_requests,
+            self.drain_s,
+        )
+        asyncio.get_running_loop().create_task(self._stop_when_drained())
+
+    async def _stop_when_drained(self) -> None:
+        deadline = time.monotonic() + self.drain_s
+        while self.engine.num_open_requests and time.monotonic() < deadline:
+            if self.should_exit:  # a second signal, or the engine died
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.should_exit = True
+        self.engine.abort_all()  # what did not finish in time
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -109,6 +140,9 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if tls_error is not None:
         print(f"pagedserve serve: {tls_error}", file=sys.stderr)
         return 2
+    if not args.shutdown_timeout >= 0:
+        print("pagedserve serve: --shutdown-timeout must be >= 0", file=sys.stderr)
+        return 2
     if args.max_stored_responses < 0:
         print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
@@ -137,8 +171,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             **engine_kwargs,
         )
         names = args.served_model_name or [args.model or "pagedserve-builtin"]
-        name = names[0]
-        server = _Server(_config(engine, name, args), engine, name)
+        api = _api(engine, names, args)
+        server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
         server.run(sockets=[sock])
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve serve: {e}", file=sys.stderr)
@@ -155,9 +189,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     return 0
 
 
-def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Config:
-    names = args.served_model_name or [name]
-    api = OpenAIServer(
+def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAIServer:
+    return OpenAIServer(
         engine,
         names[0],
         args.max_waiting_requests,
@@ -176,6 +209,8 @@ def _config(engine: AsyncLLM, name: str, args: argparse.Namespace) -> uvicorn.Co
         ),
     )
 
+
+def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uvicorn.Config:
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         await engine.start()

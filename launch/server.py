@@ -126,6 +126,8 @@ class OpenAIServer:
         aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
+        # Stopping (serve's --shutdown-timeout): open requests finish, new ones get 503.
+        self.draining = False
         # Every name a request may use; answers (and metrics) carry the first.
         self.model_names = (model_name, *(a for a in aliases if a != model_name))
         self.cors = cors
@@ -210,6 +212,8 @@ class OpenAIServer:
     async def health(self, _request: Request) -> Response:
         if self.engine.dead_reason is not None:
             return error_response(APIError(self.engine.dead_reason, 503))
+        if self.draining:
+            return error_response(_stopping())
         return Response(status_code=200)
 
     async def metrics_endpoint(self, _request: Request) -> Response:
@@ -450,6 +454,8 @@ class OpenAIServer:
                     code="context_length_exceeded",
                 )
             prompts.append(ids)
+        if self.draining:
+            raise _stopping()
         params = SamplingParams(
             max_tokens=1,
             temperature=0.0,
@@ -539,6 +545,8 @@ class OpenAIServer:
         ]
         if self.reasoning_parser is not None and chat and params[0].structured_outputs:
             params = [self._after_thinking(p, ids) for p, ids in zip(params, prompts)]
+        if self.draining:
+            raise _stopping()
         try:
             engine.engine.check_priority(body.priority)
         except ValueError as e:
@@ -583,6 +591,12 @@ _RESPONSES_PARAMS = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
 }
+
+
+def _stopping() -> APIError:
+    return APIError(
+        "the server is stopping: it takes no new requests", 503, code="server_shutting_down"
+    )
 
 
 def _truncation(k: int | None) -> int | None:

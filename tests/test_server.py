@@ -701,6 +701,43 @@ def test_sigterm_ends_open_streams_and_stops_everything(
     nothing_left(server, children)
 
 
+def test_a_shutdown_timeout_lets_open_streams_finish(
+    builtin_server: Callable[..., Server],
+) -> None:
+    """With --shutdown-timeout, SIGTERM stops taking requests (503, /health 503) while
+    the open stream runs to its end; then the server exits 0 and leaves nothing."""
+    server = builtin_server("--shutdown-timeout", "600")
+    children = children_of(server.proc.pid)
+    stream = _sse_stream(
+        server.url, {"prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    )
+    _first_event(stream)
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 300
+    while (status := _status(f"{server.url}/health")) == 200:
+        assert time.monotonic() < deadline, "never started draining"
+        time.sleep(0.05)
+    assert status == 503
+    status, answer = post(f"{server.url}/v1/completions", {"prompt": "b", "max_tokens": 2})
+    assert status == 503 and answer["error"]["code"] == "server_shutting_down", answer
+    out, _ = stream.communicate(timeout=600)
+    events = [line for line in out.splitlines() if line]
+    assert events[-1] == b"data: [DONE]"
+    last = json.loads(events[-2].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == "length", last  # ran to its end
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.watch.join()
+    nothing_left(server, children)
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_a_server_on_the_priority_policy_takes_priorities(
     builtin_server: Callable[..., Server],
 ) -> None:
