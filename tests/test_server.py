@@ -708,8 +708,9 @@ def test_a_shutdown_timeout_lets_open_streams_finish(
     the open stream runs to its end; then the server exits 0 and leaves nothing."""
     server = builtin_server("--shutdown-timeout", "600")
     children = children_of(server.proc.pid)
+    # Long enough (seconds) to be open while the test sees the server drain.
     stream = _sse_stream(
-        server.url, {"prompt": "a", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        server.url, {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     )
     _first_event(stream)
     server.proc.send_signal(signal.SIGTERM)
