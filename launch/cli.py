@@ -224,6 +224,30 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_api_flags(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI-compatible routes need to know of the model (serve, run-batch)."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model's name in the API, then any other names requests may use for it "
+        "(default: --model as given)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, read out of its answers: lets a chat request "
+        'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
+        'a 400 and "required", a named function and "none" still work',
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the model's thinking format: its <think> block is answered apart, as "
+        "`reasoning` in chat completions and a reasoning item in the Responses API, and "
+        "tool calls are read from the rest (default: none, the block stays in the text)",
+    )
+
+
 def _add_log_level(p: argparse.ArgumentParser, processes: str) -> None:
     # Any case in, as logging spells it out: the process configs take only these names.
     p.add_argument(
@@ -365,12 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=_port, default=8000, help="port (0: a free one, printed)")
     v.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="the model's name in the API, then any other names requests may use for it "
-        "(default: --model as given)",
-    )
-    v.add_argument(
         "--shutdown-timeout",
         type=float,
         default=0.0,
@@ -431,20 +449,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the path prefix a proxy serves this server under (ASGI root_path)",
     )
     v.add_argument(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
-        help="the model's tool-call format, read out of its answers: lets a chat request "
-        'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
-        'a 400 and "required", a named function and "none" still work',
-    )
-    v.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        help="the model's thinking format: its <think> block is answered apart, as "
-        "`reasoning` in chat completions and a reasoning item in the Responses API, and "
-        "tool calls are read from the rest (default: none, the block stays in the text)",
-    )
-    v.add_argument(
         "--max-stored-responses",
         type=int,
         default=DEFAULT_MAX_STORED_RESPONSES,
@@ -456,8 +460,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
     )
+    _add_api_flags(v)
     _add_worker_flags(v)
     _add_engine_flags(v)
+
+    b = sub.add_parser(
+        "run-batch",
+        help="OpenAI's Batch API file format, run offline (launch/run_batch.py)",
+    )
+    b.add_argument("-i", "--input", required=True, type=Path, help="JSON lines of batch requests")
+    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines, in input order")
+    b.add_argument("--no-progress", action="store_true", help="no progress lines")
+    _add_api_flags(b)
+    _add_worker_flags(b)
+    _add_engine_flags(b)
 
     w = sub.add_parser("worker", help="run one worker rank that connects to a core")
     w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
@@ -682,6 +698,53 @@ def serve(args: argparse.Namespace) -> int:
     return serve(args, _engine_kwargs(args))
 
 
+def run_batch(args: argparse.Namespace) -> int:
+    from launch.async_llm import AsyncLLM
+    from launch.engine import EngineDeadError
+    from launch.run_batch import run
+    from launch.server import OpenAIServer
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    if not args.input.is_file():
+        what = "is not a file" if args.input.exists() else "not found"
+        print(f"pagedserve run-batch: input file {what}: {args.input}", file=sys.stderr)
+        return 2
+    try:
+        args.output.touch()  # a bad output path fails before the engine starts
+    except OSError as e:
+        print(f"pagedserve run-batch: {e}", file=sys.stderr)
+        return 2
+    engine = None
+    try:
+        engine = AsyncLLM(
+            args.model,
+            log_level=args.log_level,
+            chat_template=args.chat_template,
+            **_engine_kwargs(args),
+        )
+        names = args.served_model_name or [args.model or "pagedserve-builtin"]
+        api = OpenAIServer(
+            engine,
+            names[0],
+            tool_call_parser=args.tool_call_parser,
+            max_stored_responses=0,
+            reasoning_parser=args.reasoning_parser,
+            aliases=names[1:],
+        )
+        return run(api, args.input, args.output, not args.no_progress)
+    except (ValueError, EngineDeadError) as e:
+        print(f"pagedserve run-batch: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated):
+        return 130
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         block_size=args.block_size,
@@ -744,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         return generate(args)
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        return run_batch(args)
     if args.command == "worker":
         return worker(args)
     if args.command == "replay":
