@@ -596,20 +596,33 @@ def _on_signal(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 
-def generate(args: argparse.Namespace) -> int:
-    from launch.engine import EngineDeadError
-    from launch.llm import LLM, CompletionOutput
-    from launch.results import ResultWriter
-
+def _start_command(args: argparse.Namespace) -> None:
+    """Signals and logging of a command that runs an engine: SIGTERM and SIGHUP unwind like
+    Ctrl-C (start-up and the run stop what they started)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     # Explicit: a shell without job control starts background jobs with SIGINT ignored,
     # and Python then never raises KeyboardInterrupt; `kill -INT` must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
-    if not args.input.is_file():
-        what = "is not a file" if args.input.exists() else "not found"
-        print(f"pagedserve generate: input file {what}: {args.input}", file=sys.stderr)
+
+
+def _no_input(path: Path, command: str) -> bool:
+    """Whether the input file is missing (said on stderr)."""
+    if path.is_file():
+        return False
+    what = "is not a file" if path.exists() else "not found"
+    print(f"pagedserve {command}: input file {what}: {path}", file=sys.stderr)
+    return True
+
+
+def generate(args: argparse.Namespace) -> int:
+    from launch.engine import EngineDeadError
+    from launch.llm import LLM, CompletionOutput
+    from launch.results import ResultWriter
+
+    _start_command(args)
+    if _no_input(args.input, "generate"):
         return 2
     try:
         items = _read_inputs(args.input, args)
@@ -691,26 +704,18 @@ def generate(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from launch.serve import serve
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)  # start-up unwinds like Ctrl-C (see generate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    _start_command(args)
     return serve(args, _engine_kwargs(args))
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from launch.async_llm import AsyncLLM
     from launch.engine import EngineDeadError
     from launch.run_batch import run
+    from launch.serve import open_engine, served_names
     from launch.server import OpenAIServer
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
-    if not args.input.is_file():
-        what = "is not a file" if args.input.exists() else "not found"
-        print(f"pagedserve run-batch: input file {what}: {args.input}", file=sys.stderr)
+    _start_command(args)
+    if _no_input(args.input, "run-batch"):
         return 2
     try:
         args.output.touch()  # a bad output path fails before the engine starts
@@ -719,13 +724,8 @@ def run_batch(args: argparse.Namespace) -> int:
         return 2
     engine = None
     try:
-        engine = AsyncLLM(
-            args.model,
-            log_level=args.log_level,
-            chat_template=args.chat_template,
-            **_engine_kwargs(args),
-        )
-        names = args.served_model_name or [args.model or "pagedserve-builtin"]
+        engine = open_engine(args, _engine_kwargs(args))
+        names = served_names(args)
         api = OpenAIServer(
             engine,
             names[0],

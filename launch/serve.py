@@ -164,13 +164,8 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         return 2
     engine = None
     try:
-        engine = AsyncLLM(
-            args.model,
-            log_level=args.log_level,
-            chat_template=args.chat_template,
-            **engine_kwargs,
-        )
-        names = args.served_model_name or [args.model or "pagedserve-builtin"]
+        engine = open_engine(args, engine_kwargs)
+        names = served_names(args)
         api = _api(engine, names, args)
         server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
         server.run(sockets=[sock])
@@ -187,6 +182,18 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         print(f"pagedserve serve: {server.engine_died}", file=sys.stderr)
         return 1
     return 0
+
+
+def open_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> AsyncLLM:
+    """The engine behind the API (serve, run-batch): its processes started, not joined."""
+    return AsyncLLM(
+        args.model, log_level=args.log_level, chat_template=args.chat_template, **engine_kwargs
+    )
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name's names, else the model as given (or the built-in's name)."""
+    return args.served_model_name or [args.model or "pagedserve-builtin"]
 
 
 def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAIServer:
