@@ -267,6 +267,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.kv_cache_manager.free(request)
             self._finish(request, "abort")
+            self._queue_times.pop(rid, None)  # ended before its first token: no output
             outputs.append(RequestOutput(rid, [], "abort", max(request.num_cached_tokens, 0)))
         if aborted:
             self.running = [r for r in self.running if r.request_id not in aborted]
@@ -280,6 +281,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.kv_cache_manager.free(request)
             self._finish(request, "error")
+            self._queue_times.pop(request.request_id, None)
             outputs.append(
                 RequestOutput(
                     request.request_id, [], "error", max(request.num_cached_tokens, 0), reason
@@ -326,7 +328,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-        self._queue_times.pop(request.request_id, None)
         if request.known_to_worker:
             self._finished_req_ids.append(request.request_id)
 
@@ -541,28 +542,18 @@ class Scheduler:
                 reason = "stop"
             elif num_tokens >= request.max_num_tokens:
                 reason = "length"
-            queued = None
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
                     finished.add(rid)
                 else:  # preempted by a step scheduled while this one ran: blocks are free
                     self.waiting.remove(request)
-                queued = self._queue_times.pop(rid, None)  # ends with its first token
                 self._finish(request, reason)
-            if lp is None and queued is None:
+            if lp is None:
                 outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
             else:
                 outputs.append(
-                    RequestOutput(
-                        rid,
-                        [token],
-                        reason,
-                        request.num_cached_tokens,
-                        None,
-                        None if lp is None else [lp],
-                        queued_s=queued,
-                    )
+                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
                 )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]

@@ -11,7 +11,7 @@ from typing import Any
 from launch.chat import ChatTemplate
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
-from launch.sequence import SequenceState, fan_out
+from launch.sequence import SequenceState, fan_out, text_token_ids
 from launch.tokenizer import Tokenizer
 from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, SchedulerStats
 
@@ -299,9 +299,7 @@ class LLM:
         if out._stop_text is not None:
             out.text = "".join(out._stop_text)
         elif self.tokenizer is not None:
-            ids = out.token_ids
-            if out.finish_reason == "stop" and ids and not out._keep_stop:
-                ids = ids[:-1]  # as SequenceState leaves it out of streamed text
+            ids = text_token_ids(out.token_ids, out.finish_reason, out._keep_stop)
             out.text = self.tokenizer.decode(ids, out._skip_special_tokens)
         finish(out)
 

@@ -7,10 +7,10 @@ prompt-major); every prompt is checked before any is sent.
 Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
 engine does not implement is a 400 naming the field, never silently ignored. Options the
 engine does not support (suffix, best_of) are accepted only at their neutral values.
-Sampling options are checked by SamplingParams.validate: n in [1, 16], at most 4 non-
-empty stop strings, presence and frequency penalties in [-2, 2], repetition_penalty > 0,
-min_tokens in [0, max_tokens], logprobs / top_logprobs in [0, 20], seed in [0, 2**63).
-Extensions beyond OpenAI's API (vLLM's): top_k, min_tokens, repetition_penalty,
+Sampling options are checked by SamplingParams.validate: n in [1, 16], at most 4
+non-empty stop strings, presence and frequency penalties in [-2, 2], repetition_penalty
+> 0, min_tokens in [0, max_tokens], logprobs / top_logprobs in [0, 20], seed in [0,
+2**63). Extensions beyond OpenAI's API (vLLM's): top_k, min_tokens, repetition_penalty,
 stop_token_ids, ignore_eos, cache_salt, priority (lower first, with --scheduling-policy
 priority; else only 0), return_token_ids (the token ids of prompt and completion in the
 response), prompt_logprobs (each prompt token's logprob and that many alternatives,

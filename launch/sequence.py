@@ -60,12 +60,8 @@ class SequenceState:
         finish = o.finish_reason
         text = ""
         if self._detok is not None:
-            ids = o.new_token_ids
-            if finish == "stop" and ids and not self.params.include_stop_str_in_output:
-                # The EOS or stop token that ended it is not part of the text (vLLM's
-                # rule; skipped special tokens hid EOS, not a stop token id's text).
-                ids = ids[:-1]
-            text = self._detok.step(ids)
+            keep = self.params.include_stop_str_in_output
+            text = self._detok.step(text_token_ids(o.new_token_ids, finish, keep))
             if finish is not None:
                 text += self._detok.flush()
         stop_reason: str | int | None = None
@@ -91,6 +87,15 @@ class SequenceState:
             None if o.prompt_logprobs is None else [None, *o.prompt_logprobs],
             None if o.embedding is None else embedding_values(o.embedding),
         )
+
+
+def text_token_ids(token_ids: list[int], finish_reason: str | None, keep_stop: bool) -> list[int]:
+    """The tokens whose text is output: all but the EOS or stop token that ended the request
+    ("stop" from the core), unless include_stop_str_in_output (vLLM's rule; skipping
+    special tokens hides EOS, not a stop token id's text)."""
+    if finish_reason == "stop" and token_ids and not keep_stop:
+        return token_ids[:-1]
+    return token_ids
 
 
 def embedding_values(vector: bytes) -> list[float]:

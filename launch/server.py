@@ -22,7 +22,7 @@ import base64
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,31 +311,32 @@ class OpenAIServer:
         call = await self._start(
             body, ids, max_tokens, "cmpl", chat=False, echo=echo, prompt_only=prompt_only
         )
-        return await self._answer(request, call)
+        return await self._answer(request, body.stream, call.events, call.complete)
 
     async def chat(self, request: Request) -> Response:
         body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
         self._check_model(body.model)
         ids, tools = self._chat_prompt(body, "messages")
-        if tools is not None and tools.keeps_special_tokens:
-            body.skip_special_tokens = False
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
         call = await self._start(body, [ids], max_tokens, "chatcmpl", chat=True, tools=tools)
-        return await self._answer(request, call)
+        return await self._answer(request, body.stream, call.events, call.complete)
 
     def _chat_prompt(
         self, body: ChatCompletionRequest, param: str
     ) -> tuple[list[int], ToolPlan | None]:
         """The conversation's token ids, rendered by the chat template with its tools, and
-        what the tools make of the answer; param names the conversation in errors."""
+        what the tools make of the answer; param names the conversation in errors. A tool
+        format whose markers are special tokens keeps them in the answer's text."""
         try:
             tools = plan_tools(
                 body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser
             )
         except ToolError as e:
             raise APIError(str(e), param=e.param, code="invalid_value") from None
+        if tools is not None and tools.keeps_special_tokens:
+            body.skip_special_tokens = False
         prompt = Prompt(
             messages=template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
@@ -372,8 +373,6 @@ class OpenAIServer:
             if shorter is None:
                 break  # what is left is one turn: the context error says so
             messages = shorter
-        if tools is not None and tools.keeps_special_tokens:
-            chat.skip_special_tokens = False
         try:
             call = await self._start(
                 chat, [ids], body.max_output_tokens, "resp", chat=True, tools=tools
@@ -382,8 +381,6 @@ class OpenAIServer:
             e.param = _RESPONSES_PARAMS.get(e.param, e.param)  # type: ignore[arg-type]
             raise
         run = ResponseRun(body, call, tools, self.model_name, messages, self.response_store)
-        if body.stream:
-            return StreamingResponse(run.events(), media_type="text/event-stream")
 
         async def whole() -> Response:
             try:
@@ -391,7 +388,7 @@ class OpenAIServer:
             except APIError as e:
                 return error_response(e)
 
-        return await _until_disconnect(request, whole())
+        return await self._answer(request, body.stream, run.events, whole)
 
     async def stored_response(self, request: Request) -> Response:
         """GET (the openai client's responses.retrieve) or DELETE a stored response."""
@@ -576,13 +573,18 @@ class OpenAIServer:
         return msgspec.structs.replace(params, structured_outputs=spec)
 
     @staticmethod
-    async def _answer(request: Request, call: Call) -> Response:
-        """A started call, answered: streamed as events, or whole."""
-        if call.body.stream:
+    async def _answer(
+        request: Request,
+        stream: bool,
+        events: Callable[[], AsyncIterator[bytes]],
+        whole: Callable[[], Awaitable[Response]],
+    ) -> Response:
+        """A started request, answered: streamed as events, or whole."""
+        if stream:
             # Starlette cancels the body's iteration when the client disconnects; the
             # stream's close() then aborts the request.
-            return StreamingResponse(call.events(), media_type="text/event-stream")
-        return await _until_disconnect(request, call.complete())
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return await _until_disconnect(request, whole())
 
 
 # Chat completions' names for what a Responses body calls otherwise.
