@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from protocol.engine import SamplingParams
 from protocol.worker import CachedRequestData, NewRequestData, SchedulerOutput
-from worker.block_table import BlockTable, MultiGroupBlockTable
+from worker.block_table import BATCHED_APPEND_MIN, BlockTable, MultiGroupBlockTable
 from worker.input_batch import InputBatch
 from worker.model_inputs import ModelInputs, prepare_inputs
 
@@ -532,6 +532,24 @@ class BlockTableMachine(RuleBasedStateMachine):
             return
         self.table.append_row(ids, row)
         self.model[row] = have + ids
+
+    @rule(
+        rows=st.lists(ROW, min_size=1, max_size=ROWS, unique=True),
+        one_each=st.booleans(),
+        data=st.data(),
+    )
+    def append_rows(self, rows: list[int], one_each: bool, data: st.DataObject) -> None:
+        # One block per row for every row is the batched write; anything else goes row
+        # by row. Both must equal appending to each row alone.
+        ids = [[data.draw(st.integers(1, 50))] if one_each else data.draw(IDS) for _ in rows]
+        if any(len(self.model.get(r, [])) + len(i) > WIDTH for r, i in zip(rows, ids)):
+            if one_each and len(rows) >= BATCHED_APPEND_MIN:
+                with pytest.raises(ValueError, match="appending 1 blocks"):
+                    self.table.append_rows(rows, ids)  # checked before any write
+            return
+        self.table.append_rows(rows, ids)
+        for r, i in zip(rows, ids):
+            self.model[r] = self.model.get(r, []) + i
 
     @rule(src=ROW, dst=ROW)
     def move_row(self, src: int, dst: int) -> None:

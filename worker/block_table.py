@@ -17,6 +17,9 @@ from protocol.kv_cache import NULL_BLOCK_ID
 from worker.staging import StagedBuffer
 
 PAD_SLOT = -1  # kernels skip tokens whose slot is negative
+# Fewer rows than this append one by one: the batched write's fixed cost (a handful of
+# numpy calls) is what three or four appends cost.
+BATCHED_APPEND_MIN = 4
 
 
 class BlockTable:
@@ -78,6 +81,29 @@ class BlockTable:
         self.table[row, start : start + n] = block_ids
         self.num_blocks_per_row[row] = start + n
 
+    def append_rows(self, rows: Sequence[int], block_ids: Sequence[Sequence[int]]) -> None:
+        """append_row(block_ids[i], rows[i]) for distinct rows. A decode step grows a
+        sixteenth of its requests by one block each (block size 16): one indexed write
+        for all of them instead of a few microseconds of checks and slicing per row."""
+        if len(rows) < BATCHED_APPEND_MIN or set(map(len, block_ids)) != {1}:
+            for ids, row in zip(block_ids, rows):
+                self.append_row(ids, row)
+            return
+        at = np.array(rows, dtype=np.int64)
+        outside = (at < 0) | (at >= self.max_num_reqs)
+        if outside.any():
+            self._check_row(int(at[int(np.flatnonzero(outside)[0])]))
+        start = self.num_blocks_per_row[at]
+        full = start >= self.max_num_blocks_per_req
+        if full.any():
+            i = int(np.flatnonzero(full)[0])
+            raise ValueError(
+                f"row {rows[i]}: appending 1 blocks to {int(start[i])} exceeds "
+                f"max_num_blocks_per_req={self.max_num_blocks_per_req}"
+            )
+        self.table[at, start] = [ids[0] for ids in block_ids]
+        self.num_blocks_per_row[at] = start + 1
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src to dst and clear src, so nothing can follow stale ids from src."""
         self._check_row(src)
@@ -112,28 +138,41 @@ class BlockTable:
     # -- slot mapping -------------------------------------------------------------
 
     def compute_slot_mapping(
-        self, req_rows: np.ndarray, positions: np.ndarray, out: np.ndarray
+        self,
+        req_rows: np.ndarray,
+        positions: np.ndarray,
+        out: np.ndarray,
+        padded: bool = True,
     ) -> None:
         """out[i] = table[row, pos // block_size] * block_size + pos % block_size for
         token i at (req_rows[i], positions[i]); -1 where the row or position is negative
         (padding). A position past the row's allocated blocks is an error, not block 0:
-        writing there would corrupt another request's KV."""
+        writing there would corrupt another request's KV. padded=False: the caller
+        vouches that no token is padding (every row and position >= 0), which spares
+        the masks (a third of the work at a decode step's size)."""
         if not (len(req_rows) == len(positions) == len(out)):
             raise ValueError(
                 f"compute_slot_mapping: req_rows ({len(req_rows)}), positions "
                 f"({len(positions)}) and out ({len(out)}) must have the same length"
             )
         bs = self.block_size
-        valid = (req_rows >= 0) & (positions >= 0)
-        rows = np.where(valid, req_rows, 0).astype(np.int64, copy=False)
-        pos = np.where(valid, positions, 0).astype(np.int64, copy=False)
+        valid = None
+        if padded:
+            valid = (req_rows >= 0) & (positions >= 0)
+            rows = np.where(valid, req_rows, 0).astype(np.int64, copy=False)
+            pos = np.where(valid, positions, 0).astype(np.int64, copy=False)
+        else:
+            rows = req_rows.astype(np.int64, copy=False)
+            pos = positions.astype(np.int64, copy=False)
         if rows.size and int(rows.max()) >= self.max_num_reqs:
             raise ValueError(
                 f"compute_slot_mapping: row {int(rows.max())} is outside the table "
                 f"(max_num_reqs={self.max_num_reqs})"
             )
         block_idx = pos // bs
-        beyond = valid & (block_idx >= self.num_blocks_per_row[rows])
+        beyond = block_idx >= self.num_blocks_per_row[rows]
+        if valid is not None:
+            beyond &= valid
         if beyond.any():
             i = int(np.flatnonzero(beyond)[0])
             raise ValueError(
@@ -143,7 +182,9 @@ class BlockTable:
             )
         block_ids = self.table.reshape(-1).take(rows * self.max_num_blocks_per_req + block_idx)
         slots = block_ids.astype(np.int64) * bs + pos % bs
-        np.copyto(out, np.where(valid, slots, PAD_SLOT), casting="unsafe")
+        if valid is not None:
+            slots = np.where(valid, slots, PAD_SLOT)
+        np.copyto(out, slots, casting="unsafe")
 
     # -- device copy --------------------------------------------------------------
 
@@ -196,6 +237,14 @@ class MultiGroupBlockTable:
         for table, ids in zip(self.tables, block_ids):
             table.append_row(ids, row)
 
+    def append_rows(
+        self, rows: Sequence[int], block_ids: Sequence[Sequence[Sequence[int]]]
+    ) -> None:
+        """append_row for distinct rows (block_ids[i] is row i's ids per group; the
+        caller checked their group counts)."""
+        for g, table in enumerate(self.tables):
+            table.append_rows(rows, [ids[g] for ids in block_ids])
+
     def move_row(self, src: int, dst: int) -> None:
         for table in self.tables:
             table.move_row(src, dst)
@@ -211,13 +260,17 @@ class MultiGroupBlockTable:
             table.clear_row(row)
 
     def compute_slot_mapping(
-        self, req_rows: np.ndarray, positions: np.ndarray, out: Sequence[np.ndarray]
+        self,
+        req_rows: np.ndarray,
+        positions: np.ndarray,
+        out: Sequence[np.ndarray],
+        padded: bool = True,
     ) -> None:
         """out[g] receives group g's slot mapping."""
         if len(out) != len(self.tables):
             raise ValueError(f"expected {len(self.tables)} slot-mapping outputs, got {len(out)}")
         for table, o in zip(self.tables, out):
-            table.compute_slot_mapping(req_rows, positions, o)
+            table.compute_slot_mapping(req_rows, positions, o, padded)
 
     def commit(self, num_rows: int) -> list[torch.Tensor]:
         return [table.commit(num_rows) for table in self.tables]

@@ -71,6 +71,9 @@ class InputBatch:
         # Rows emptied or moved so far: a step launched before an apply() finds its
         # sampling rows where it left them while this is unchanged.
         self.row_changes = 0
+        # The scheduled requests' rows as the last apply() found them, for that step's
+        # prepare_inputs (a step of running requests only, no row moved since).
+        self._step_rows: tuple[SchedulerOutput, np.ndarray] | None = None
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
@@ -178,11 +181,23 @@ class InputBatch:
         if len(set(scheduled)) != len(scheduled):
             dup = next(r for r in scheduled if scheduled.count(r) > 1)
             raise ValueError(f"step {so.step_id}: request {dup!r} is scheduled twice")
+        self._step_rows = None
         self._apply_finished(so)
         self._apply_preempted(so)
         self._apply_new(so)
         self._apply_cached(so)
+        moved = self.row_changes
         self._condense()
+        if self.row_changes != moved:
+            self._step_rows = None
+
+    def scheduled_rows(self, so: SchedulerOutput, req_ids: Sequence[str]) -> np.ndarray:
+        """Rows of so's scheduled req_ids (new, then cached), after apply(so): the ones
+        apply() looked up when it could keep them, else rows_of(req_ids)."""
+        kept = self._step_rows
+        if kept is not None and kept[0] is so:
+            return kept[1]
+        return self.rows_of(req_ids)
 
     def _apply_finished(self, so: SchedulerOutput) -> None:
         """Drop every trace of the finished requests."""
@@ -264,12 +279,19 @@ class InputBatch:
                 raise ValueError(f"cached request {req_id!r} is unknown to the worker")
             raise ValueError(f"cached request {req_id!r} is not in the batch")
         table, to_row = self.block_table, self.req_id_to_row
+        num_groups = len(table)
+        grown_rows: list[int] = []
+        grown_ids: list[Sequence[Sequence[int]]] = []
         for req_id, new_ids, resumed in _where_set(
             cached.new_block_ids, cached.req_ids, cached.resumed
         ):
             if not resumed:  # a resumed request's ids were its whole table
-                self._check_groups(req_id, new_ids)
-                table.append_row(new_ids, to_row[req_id])
+                if len(new_ids) != num_groups:
+                    self._check_groups(req_id, new_ids)
+                grown_rows.append(to_row[req_id])
+                grown_ids.append(new_ids)
+        if grown_rows:  # distinct rows: apply() refused a request scheduled twice
+            table.append_rows(grown_rows, grown_ids)
         for req_id, skipped, resumed in _where_set(
             cached.num_skipped_blocks, cached.req_ids, cached.resumed
         ):
@@ -278,7 +300,9 @@ class InputBatch:
                 # here too, so nothing can read blocks now owned by other requests.
                 table.null_prefix(skipped, to_row[req_id])
         # One vectorised bounds check and write for every running request.
-        row_arr = np.array(rows, dtype=np.int64)
+        row_arr = np.array(rows, dtype=np.int32)
+        if not so.new_reqs and len(rows) == n:  # nothing new or resumed: all the step's rows
+            self._step_rows = (so, row_arr)
         num_computed = np.array(computed, dtype=np.int64)
         bad = (num_computed < 0) | (num_computed > self.num_tokens[row_arr])
         if bad.any():

@@ -72,7 +72,7 @@ def prepare_inputs(
             f"step {so.step_id}: {len(so.num_scheduled_tokens)} num_scheduled_tokens "
             f"entries for {num_reqs} scheduled requests"
         )
-    rows = batch.rows_of(req_ids)
+    rows = batch.scheduled_rows(so, req_ids)
     num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int32).reshape(num_reqs)
     if num_reqs and int(num_scheduled.min()) < 0:
         raise ValueError(f"step {so.step_id}: negative num_scheduled_tokens")
@@ -97,22 +97,31 @@ def prepare_inputs(
             f"{int(seq_lens[i]) - 1} but the worker knows only {int(known[i])} tokens"
         )
 
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(num_scheduled, out=query_start_loc[1:])
-
-    # Token i belongs to scheduled request req_index[i] and sits at offset
-    # i - query_start_loc[req_index[i]] within that request's chunk.
-    req_index = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)
-    offsets = np.arange(total, dtype=np.int64) - query_start_loc[req_index]
-    req_rows = np.full(padded, -1, dtype=np.int32)
-    req_rows[:total] = rows[req_index]
-    positions = np.zeros(padded, dtype=np.int64)
-    positions[:total] = num_computed[req_index] + offsets
+    max_query_len = int(num_scheduled.max(initial=0))
+    if max_query_len == 1 and total == num_reqs and padded == total:
+        # A decode step: each request's one token at its next position. A third of the
+        # general case's numpy calls.
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        req_rows = rows
+        positions = num_computed.astype(np.int64)
+    else:
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        # Token i belongs to scheduled request req_index[i] and sits at offset
+        # i - query_start_loc[req_index[i]] within that request's chunk.
+        req_index = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)
+        offsets = np.arange(total, dtype=np.int64) - query_start_loc[req_index]
+        req_rows = np.full(padded, -1, dtype=np.int32)
+        req_rows[:total] = rows[req_index]
+        positions = np.zeros(padded, dtype=np.int64)
+        positions[:total] = num_computed[req_index] + offsets
     input_ids = np.zeros(padded, dtype=np.int32)
 
     slot_mappings = [np.empty(padded, dtype=np.int64) for _ in range(len(batch.block_table))]
     # Padding has row -1, so the block tables give it slot -1.
-    batch.block_table.compute_slot_mapping(req_rows, positions, slot_mappings)
+    batch.block_table.compute_slot_mapping(
+        req_rows, positions, slot_mappings, padded=padded != total
+    )
 
     samples = (seq_lens == known) & (num_scheduled > 0)
     sampling = np.flatnonzero(samples)
@@ -135,7 +144,7 @@ def prepare_inputs(
             req_ids if len(sampling) == num_reqs else [req_ids[i] for i in sampling.tolist()]
         ),
         sampling_rows=rows[sampling].astype(np.int64),
-        max_query_len=int(num_scheduled.max(initial=0)),
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max(initial=0)),
     )
     if token_ids:
