@@ -1,6 +1,7 @@
 """One completions or chat completions request as the server answers it: its choices as
 they grow (Choice: tokens, text, reasoning, logprobs), and the Call that turns its engine
-stream into OpenAI's answer, whole (complete) or as server-sent events (events)."""
+stream into OpenAI's answer, whole (complete) or as server-sent events (events); a beam
+search (use_beam_search) reaches a Call as a BeamSearchStream."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
-from launch.async_llm import RequestStream, StreamOutput
+from launch.async_llm import AsyncLLM, RequestStream, StreamOutput
+from launch.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
 from launch.engine import EngineDeadError
 from launch.metrics import RequestTimer
 from launch.openai_api import (
@@ -102,6 +104,84 @@ class Choice:
             self.num_cached = out.num_cached_tokens
 
 
+class BeamSearchStream:
+    """A beam search over several prompts shaped as a RequestStream for the server's
+    Call: its outputs, one per answer sequence (index prompt_i * beam_width + rank), all
+    come once the search is over; a failure is one output with finish_reason "error".
+    Closing it (or cancelling its consumer) aborts the round in flight."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        num_logprobs: int | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompts = prompts
+        self.prompt_token_ids = prompts[0]
+        self.finished = False
+        self._engine = engine
+        self._params = params
+        self._num_logprobs = num_logprobs  # top alternatives per token in the answer
+        self._outputs: list[StreamOutput] | None = None
+
+    def __aiter__(self) -> BeamSearchStream:
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self._outputs is None:
+            if self.finished:
+                raise StopAsyncIteration
+            try:
+                found = await search(self._engine, self.prompts, self._params, self.request_id)
+                self._outputs = self._answers(found)
+            except BeamSearchError as e:
+                self._outputs = [StreamOutput(self.request_id, [], "", 0, "error", error=str(e))]
+            self._outputs.reverse()
+        if not self._outputs:
+            self.finished = True
+            raise StopAsyncIteration
+        out = self._outputs.pop()
+        self.finished = not self._outputs
+        return out
+
+    def _answers(self, found: list[BeamSearchOutput]) -> list[StreamOutput]:
+        width, k = self._params.beam_width, self._num_logprobs
+        outs = []
+        for i, result in enumerate(found):
+            for j, seq in enumerate(result.sequences):
+                logprobs = None
+                if k is not None:
+                    logprobs = [
+                        Logprobs(lp.logprob, lp.top_token_ids[:k], lp.top_logprobs[:k])
+                        for lp in seq.logprobs
+                    ]
+                outs.append(
+                    StreamOutput(
+                        self.request_id,
+                        seq.token_ids,
+                        seq.text,
+                        len(seq.token_ids),
+                        seq.finish_reason,
+                        result.num_cached_tokens,
+                        index=i * width + j,
+                        logprobs=logprobs,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+        return outs
+
+    def close(self) -> None:
+        # The round in flight, if any, is closed by search()'s own cleanup when the
+        # consumer's task is cancelled; nothing else holds engine requests.
+        self.finished = True
+
+    async def aclose(self) -> None:
+        self.close()
+
+
 class Call:
     """One generation request: its stream, timings, and the shapes of its answers."""
 
@@ -109,7 +189,7 @@ class Call:
         self,
         server: OpenAIServer,
         body: CompletionRequest | ChatCompletionRequest,
-        stream: RequestStream,
+        stream: RequestStream | BeamSearchStream,
         request_id: str,
         chat: bool,
         params: SamplingParams,

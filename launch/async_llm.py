@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, TypeVar
 import zmq
 import zmq.asyncio
 
+from launch.beam_search import BeamSearchOutput, BeamSearchParams, check_room, search
 from launch.engine import (
     CORE_REPORT_TIMEOUT_S,
     DEFAULT_LOG_LEVEL,
@@ -395,6 +396,24 @@ class AsyncLLM:
             self._queues[core_id] = stream._inbox
             self.engine.add_request(core_id, one.ids, copy, one.cache_salt, one.priority)
         return stream
+
+    async def beam_search(
+        self,
+        prompt: str | list[int] | list[dict[str, Any]] | Prompt,
+        params: BeamSearchParams,
+        request_id: str | None = None,
+    ) -> BeamSearchOutput:
+        """vLLM's beam search of one prompt (launch/beam_search.py): each round is one
+        engine request per live beam, "{request_id}-r{round}-{beam}". Cancelling it
+        aborts the round in flight; ValueError for bad params or a prompt without room
+        for max_tokens more; BeamSearchError when a round fails."""
+        self._check_running()
+        rid = self._request_id(request_id)
+        params.validate()
+        ids = self.prompt_token_ids(prompt)
+        check_room(len(ids), params, self.max_model_len, f"request {rid}")
+        (found,) = await search(self, [ids], params, rid)
+        return found
 
     def prompt_token_ids(
         self, prompt: str | list[int] | list[dict[str, Any]] | Prompt

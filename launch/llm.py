@@ -8,6 +8,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launch.beam_search import (
+    BeamSearch,
+    BeamSearchError,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    check_room,
+    round_prompts,
+)
 from launch.chat import ChatTemplate
 from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
 from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
@@ -223,6 +232,35 @@ class LLM:
             self.dead_reason = self.engine.dead_reason()
         self.last_summary = summary
         return results
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int] | Prompt],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (launch/beam_search.py): each prompt's params.beam_width
+        best sequences, best first. The prompts search together: each round is one batch
+        of every live beam, whose blocks its parent's requests left in the prefix cache.
+        ValueError for bad params or a prompt without room for max_tokens more;
+        BeamSearchError when a round fails."""
+        if self._closed:
+            raise EngineDeadError("this LLM was closed; create a new one")
+        params.validate()
+        searches = []
+        for i, item in enumerate(_as_prompt_list(prompts)):
+            ids = self.inputs.token_ids(to_prompt(item), self.vocab_size)
+            check_room(len(ids), params, self.max_model_len, f"prompt {i}")
+            searches.append(BeamSearch(ids, params, self.eos_token_ids))
+        one = params.round_params()
+        while asked := round_prompts(searches):
+            outs = self.generate(asked, one, use_tqdm=False)
+            failed = next((o for o in outs if o.finish_reason == "error"), None)
+            if failed is not None:
+                raise BeamSearchError(failed.error or "a beam's request failed")
+            advance_all(
+                searches, [(o.token_ids[0], o.logprobs[0], o.num_cached_tokens) for o in outs]
+            )
+        return [s.result(self.tokenizer) for s in searches]
 
     def chat(
         self,

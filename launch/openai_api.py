@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from launch.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from launch.tools import ToolChoice, ToolDef
 from protocol.engine import Logprobs, SamplingParams, StructuredOutputs
 from worker.structured_output import grammar_of
@@ -184,6 +185,9 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The output kept inside a language: OpenAI's response_format, or vLLM's extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's: beam search instead of sampling, n beams wide (launch/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
@@ -471,6 +475,60 @@ def sampling_params(
         except ValueError as e:
             raise APIError(str(e), param=structured_param, code="invalid_value") from None
     return params
+
+
+def beam_search_params(
+    body: _Request, params: list[SamplingParams], tools: bool
+) -> BeamSearchParams:
+    """use_beam_search's parameters, once sampling_params() checked the body's (one per
+    prompt): n is the beam width, max_tokens the prompts' least. APIError naming the first
+    option set that beam search cannot honour (tools: the chat's tools may answer)."""
+    fmt = body.response_format
+    conflicts = (
+        ("stop", bool(body.stop_strings())),
+        ("stop_token_ids", bool(body.stop_token_ids)),
+        ("bad_words", bool(body.bad_words)),
+        ("allowed_token_ids", body.allowed_token_ids is not None),
+        ("logit_bias", bool(body.logit_bias)),
+        ("presence_penalty", body.presence_penalty != 0.0),
+        ("frequency_penalty", body.frequency_penalty != 0.0),
+        ("repetition_penalty", body.repetition_penalty != 1.0),
+        ("min_tokens", body.min_tokens != 0),
+        ("top_p", body.top_p not in (None, 1.0)),
+        ("top_k", body.top_k not in (None, 0)),
+        ("min_p", body.min_p not in (None, 0.0)),
+        ("seed", body.seed is not None),
+        ("response_format", fmt is not None and fmt.type != "text"),
+        ("structured_outputs", body.structured_outputs is not None),
+        ("prompt_logprobs", body.num_prompt_logprobs() is not None),
+        ("tools", tools),
+    )
+    for name, conflict in conflicts:
+        if conflict:
+            raise APIError(
+                f"{name} cannot be used with use_beam_search", param=name, code="invalid_value"
+            )
+    width = params[0].n
+    if width > MAX_BEAM_WIDTH:
+        raise APIError(
+            f"n is the beam width with use_beam_search: at most {MAX_BEAM_WIDTH}, got {width}",
+            param="n",
+            code="invalid_value",
+        )
+    beam = BeamSearchParams(
+        beam_width=width,
+        max_tokens=min(p.max_tokens for p in params),
+        ignore_eos=body.ignore_eos,
+        temperature=body.temperature or 0.0,
+        length_penalty=body.length_penalty,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    try:
+        beam.validate()
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split()[0], code="invalid_value") from None
+    return beam
 
 
 def structured_spec(

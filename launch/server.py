@@ -35,8 +35,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from launch.api_call import Call, error_response, json_response
-from launch.async_llm import AsyncLLM
+from launch.api_call import BeamSearchStream, Call, error_response, json_response
+from launch.async_llm import AsyncLLM, RequestStream
 from launch.chat import ChatTemplateError
 from launch.cli import package_version
 from launch.engine import EngineDeadError
@@ -49,6 +49,7 @@ from launch.openai_api import (
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
+    beam_search_params,
     decode_body,
     precompile,
     sampling_params,
@@ -540,6 +541,15 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
+        beam = None
+        if body.use_beam_search:
+            beam = beam_search_params(body, params, tools is not None and tools.choice != "none")
+            if prompt_only:
+                raise APIError(
+                    "max_tokens 0 (echo only) cannot be used with use_beam_search",
+                    param="max_tokens",
+                    code="invalid_value",
+                )
         if self.reasoning_parser is not None and chat and params[0].structured_outputs:
             params = [self._after_thinking(p, ids) for p, ids in zip(params, prompts)]
         if self.draining:
@@ -556,9 +566,13 @@ class OpenAIServer:
                 code="too_many_waiting_requests",
             )
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = engine.generate_many(
-            prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
-        )
+        stream: RequestStream | BeamSearchStream
+        if beam is not None:
+            stream = BeamSearchStream(engine, request_id, prompts, beam, params[0].logprobs)
+        else:
+            stream = engine.generate_many(
+                prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
+            )
         return Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
 
     def _after_thinking(self, params: SamplingParams, prompt: list[int]) -> SamplingParams:
