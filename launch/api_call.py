@@ -117,8 +117,12 @@ class BeamSearchStream:
         prompts: list[list[int]],
         params: BeamSearchParams,
         num_logprobs: int | None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self._cache_salt = cache_salt
+        self._priority = priority
         self.prompts = prompts
         self.prompt_token_ids = prompts[0]
         self.finished = False
@@ -135,7 +139,14 @@ class BeamSearchStream:
             if self.finished:
                 raise StopAsyncIteration
             try:
-                found = await search(self._engine, self.prompts, self._params, self.request_id)
+                found = await search(
+                    self._engine,
+                    self.prompts,
+                    self._params,
+                    self.request_id,
+                    self._cache_salt,
+                    self._priority,
+                )
                 self._outputs = self._answers(found)
             except BeamSearchError as e:
                 self._outputs = [StreamOutput(self.request_id, [], "", 0, "error", error=str(e))]

@@ -402,17 +402,25 @@ class AsyncLLM:
         prompt: str | list[int] | list[dict[str, Any]] | Prompt,
         params: BeamSearchParams,
         request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        priority: int | None = None,
     ) -> BeamSearchOutput:
         """vLLM's beam search of one prompt (launch/beam_search.py): each round is one
         engine request per live beam, "{request_id}-r{round}-{beam}". Cancelling it
         aborts the round in flight; ValueError for bad params or a prompt without room
-        for max_tokens more; BeamSearchError when a round fails."""
+        for max_tokens more; BeamSearchError when a round fails. cache_salt and priority
+        (default: the Prompt's) go with every round's requests."""
         self._check_running()
         rid = self._request_id(request_id)
         params.validate()
-        ids = self.prompt_token_ids(prompt)
+        p = _as_prompt(prompt)
+        priority = p.priority if priority is None else priority
+        self.engine.check_priority(priority)
+        ids = self.prompt_token_ids(p)
         check_room(len(ids), params, self.max_model_len, f"request {rid}")
-        (found,) = await search(self, [ids], params, rid)
+        salt = cache_salt or p.cache_salt
+        (found,) = await search(self, [ids], params, rid, salt, priority)
         return found
 
     def prompt_token_ids(

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from launch.inputs import Prompt
 from protocol.engine import MAX_LOGPROBS, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
@@ -118,7 +119,12 @@ class BeamSearch:
     advance() takes what the engine found for each, in order."""
 
     def __init__(
-        self, prompt: list[int], params: BeamSearchParams, eos_token_ids: Iterable[int]
+        self,
+        prompt: list[int],
+        params: BeamSearchParams,
+        eos_token_ids: Iterable[int],
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt:
             raise ValueError("beam search needs a prompt of at least one token")
@@ -129,6 +135,9 @@ class BeamSearch:
         self.finished: list[Beam] = []
         self.rounds = 0
         self.num_cached_tokens = 0
+        # Every round's requests: a tenant's beams stay in its own prefix cache.
+        self.cache_salt = cache_salt
+        self.priority = priority
 
     @property
     def done(self) -> bool:
@@ -197,9 +206,14 @@ def check_room(
         )
 
 
-def round_prompts(searches: Sequence[BeamSearch]) -> list[list[int]]:
+def round_prompts(searches: Sequence[BeamSearch]) -> list[Prompt]:
     """Every live beam of every unfinished search, in order: the next round's prompts."""
-    return [b.tokens for s in searches if not s.done for b in s.beams]
+    return [
+        Prompt(prompt_token_ids=b.tokens, cache_salt=s.cache_salt, priority=s.priority)
+        for s in searches
+        if not s.done
+        for b in s.beams
+    ]
 
 
 def advance_all(searches: Sequence[BeamSearch], found: Sequence[tuple[int, Logprobs, int]]) -> None:
@@ -219,13 +233,19 @@ def advance_all(searches: Sequence[BeamSearch], found: Sequence[tuple[int, Logpr
 
 
 async def search(
-    engine: AsyncLLM, prompts: list[list[int]], params: BeamSearchParams, request_id: str
+    engine: AsyncLLM,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
+    request_id: str,
+    cache_salt: str | None = None,
+    priority: int = 0,
 ) -> list[BeamSearchOutput]:
     """Beam search over every prompt at once on an AsyncLLM (one engine request per live
     beam per round, named "{request_id}-r{round}..."). A failed round raises
     BeamSearchError; cancelling aborts the round in flight."""
     params.validate()
-    searches = [BeamSearch(ids, params, engine.eos_token_ids) for ids in prompts]
+    eos = engine.eos_token_ids
+    searches = [BeamSearch(ids, params, eos, cache_salt, priority) for ids in prompts]
     one = params.round_params()
     for r in itertools.count():
         asked = round_prompts(searches)

@@ -248,9 +248,11 @@ class LLM:
         params.validate()
         searches = []
         for i, item in enumerate(_as_prompt_list(prompts)):
-            ids = self.inputs.token_ids(to_prompt(item), self.vocab_size)
+            p = to_prompt(item)
+            ids = self.inputs.token_ids(p, self.vocab_size)
             check_room(len(ids), params, self.max_model_len, f"prompt {i}")
-            searches.append(BeamSearch(ids, params, self.eos_token_ids))
+            self.engine.check_priority(p.priority)
+            searches.append(BeamSearch(ids, params, self.eos_token_ids, p.cache_salt, p.priority))
         one = params.round_params()
         while asked := round_prompts(searches):
             outs = self.generate(asked, one, use_tqdm=False)

@@ -568,7 +568,15 @@ class OpenAIServer:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream: RequestStream | BeamSearchStream
         if beam is not None:
-            stream = BeamSearchStream(engine, request_id, prompts, beam, params[0].logprobs)
+            stream = BeamSearchStream(
+                engine,
+                request_id,
+                prompts,
+                beam,
+                params[0].logprobs,
+                body.cache_salt,
+                body.priority,
+            )
         else:
             stream = engine.generate_many(
                 prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority

@@ -93,6 +93,10 @@ def test_async_beam_search_equals_llm(llama_dir: Path) -> None:
             again = await engine.beam_search(long, params)
             assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
             assert [s.token_ids for s in again.sequences] == [s.token_ids for s in first.sequences]
+            # A tenant's search neither reads nor feeds another's cache (cache_salt).
+            salted = await engine.beam_search(long, params, cache_salt="tenant-a")
+            salted_again = await engine.beam_search(long, params, cache_salt="tenant-a")
+            assert (salted.num_cached_tokens, salted_again.num_cached_tokens) == (0, 32)
             # Cancelled mid-search: the round in flight is aborted, and no round follows.
             task = asyncio.create_task(engine.beam_search(long, BeamSearchParams(4, 200)))
             for _ in range(100_000):
