@@ -6,7 +6,7 @@ search (use_beam_search) reaches a Call as a BeamSearchStream."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -121,6 +121,8 @@ class BeamSearchStream:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Called after each round (the server's Call: the request is no longer waiting).
+        self.on_round: Callable[[], None] | None = None
         self._cache_salt = cache_salt
         self._priority = priority
         self.prompts = prompts
@@ -146,6 +148,7 @@ class BeamSearchStream:
                     self.request_id,
                     self._cache_salt,
                     self._priority,
+                    self.on_round,
                 )
                 self._outputs = self._answers(found)
             except BeamSearchError as e:
@@ -234,6 +237,9 @@ class Call:
         ]
         self._waiting = True
         server.num_waiting += 1
+        if isinstance(stream, BeamSearchStream):
+            # Its answers come at the end, but it waits only until its first round ran.
+            stream.on_round = self._started
 
     def _started(self) -> None:
         if self._waiting:

@@ -19,7 +19,7 @@ not among the most likely already; 0 (the default) makes the search deterministi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -239,10 +239,12 @@ async def search(
     request_id: str,
     cache_salt: str | None = None,
     priority: int = 0,
+    on_round: Callable[[], None] | None = None,
 ) -> list[BeamSearchOutput]:
     """Beam search over every prompt at once on an AsyncLLM (one engine request per live
     beam per round, named "{request_id}-r{round}..."). A failed round raises
-    BeamSearchError; cancelling aborts the round in flight."""
+    BeamSearchError; cancelling aborts the round in flight. on_round is called after
+    each round."""
     params.validate()
     eos = engine.eos_token_ids
     searches = [BeamSearch(ids, params, eos, cache_salt, priority) for ids in prompts]
@@ -269,6 +271,8 @@ async def search(
         finally:
             stream.close()
         advance_all(searches, found)  # type: ignore[arg-type]
+        if on_round is not None:
+            on_round()
     return [s.result(engine.tokenizer) for s in searches]
 
 
