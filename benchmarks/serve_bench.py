@@ -181,6 +181,7 @@ class ServerProcess:
             out = f"{a.profile_server}.{'on' if prefix_caching else 'off'}.prof"
             cmd[1:1] = ["-m", "cProfile", "-o", out]
         cmd += _engine_flags(a, prefix_caching)
+        cmd += ["--stream-interval", str(a.stream_interval)]
         if a.model is not None:
             cmd += ["--model", a.model]
         self.proc = subprocess.Popen(
@@ -743,6 +744,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="raw: the openai client's raw stream, events decoded with msgspec; openai: "
         "every chunk parsed into the client's typed objects (costs the client ~4x the CPU)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the server's --stream-interval (tokens per streamed chunk; default 1, the "
+        "goal's setting)",
+    )
     p.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
     p.add_argument("--requests", type=int, help="requests per cell (default: 2x C, 16 at C=1)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -824,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": a.max_tokens,
         "request_rate": a.request_rate,
         "client": a.client,
+        "stream_interval": a.stream_interval,
         "seconds": round(time.perf_counter() - started, 1),
         "summary": summary,
         "goals": goals(summary),

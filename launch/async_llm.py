@@ -107,16 +107,40 @@ class _Prepared(NamedTuple):
 class _Inbox:
     """A request's outputs as the reader hands them over. Unlike asyncio.Queue, which
     wakes its getter once per put, the consumer wakes once however many outputs arrive
-    before it runs, and finds them all (RequestStream merges them into one output)."""
+    before it runs, and finds them all (RequestStream merges them into one output).
 
-    __slots__ = ("items", "waiter")
+    With a stream interval N > 1 (vLLM's --stream-interval) a sequence wakes it for its
+    first output, its last, and once N tokens of it wait, not for every token: a server
+    then writes a chunk per N tokens a stream, and its per-token work is shared."""
 
-    def __init__(self) -> None:
+    __slots__ = ("held", "interval", "items", "ready", "waiter")
+
+    def __init__(self, interval: int = 1) -> None:
         self.items: deque[RequestOutput | BaseException] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        self.ready = False  # items worth waking for wait (cleared once they are all taken)
+        self.interval = interval
+        # With an interval: tokens each sequence (core request id) added since the last
+        # wake-up; absent until its first output.
+        self.held: dict[str, int] = {}
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
+        if self.interval > 1 and isinstance(item, RequestOutput) and item.finish_reason is None:
+            held = self.held
+            count = held.get(item.request_id)
+            if count is not None:
+                count += len(item.new_token_ids)
+                if count < self.interval:
+                    held[item.request_id] = count
+                    return
+            held[item.request_id] = 0
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.held:  # the consumer takes everything waiting: every count starts over
+            self.held = dict.fromkeys(self.held, 0)
+        self.ready = True
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
@@ -124,7 +148,7 @@ class _Inbox:
                 waiter.set_result(None)
 
     async def wait(self) -> None:
-        while not self.items:
+        while not self.ready:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
 
@@ -142,12 +166,13 @@ class RequestStream:
         request_id: str,
         prompts: list[list[int]],
         sequences: dict[str, SequenceState],
+        stream_interval: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompts[0]
         self.prompts = prompts  # each prompt's token ids (several with generate_many)
         self._engine = engine
-        self._inbox = _Inbox()
+        self._inbox = _Inbox(stream_interval)
         # Core request id -> its sequence, in index order.
         self._sequences = sequences
         self._index = {core_id: i for i, core_id in enumerate(sequences)}
@@ -158,16 +183,19 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamOutput:
-        items = self._inbox.items
+        inbox = self._inbox
+        items = inbox.items
         while not self.finished:
-            if not items:
+            if not inbox.ready:
                 try:
-                    await self._inbox.wait()
+                    await inbox.wait()
                 except BaseException:
                     # Cancelled while waiting (a client went away): the core stops at once.
                     self.close()
                     raise
             out = self._next(items)
+            if not items:
+                inbox.ready = False
             if out is not None:
                 return out
         raise StopAsyncIteration
@@ -246,8 +274,10 @@ class RequestStream:
 class AsyncLLM:
     """An engine (core + workers) for asyncio programs. model: a local checkpoint
     directory or a Hub id (org/name[@revision]); None runs the built-in model.
-    chat_template: a Jinja file or template used instead of the model's. Other keyword
-    arguments are EngineArgs fields."""
+    chat_template: a Jinja file or template used instead of the model's. stream_interval:
+    a stream's outputs carry at least this many tokens, but for its first and last
+    (vLLM's --stream-interval; a request may ask for more). Other keyword arguments are
+    EngineArgs fields."""
 
     def __init__(
         self,
@@ -255,8 +285,10 @@ class AsyncLLM:
         *,
         log_level: str = DEFAULT_LOG_LEVEL,
         chat_template: str | None = None,
+        stream_interval: int = 1,
         **kwargs: Any,
     ):
+        self.stream_interval = check_stream_interval(stream_interval, "stream_interval")
         self.inputs = InputProcessor.load(model, chat_template)
         self.model = self.inputs.model_dir
         self.tokenizer = self.inputs.tokenizer
@@ -296,12 +328,14 @@ class AsyncLLM:
         cache_salt: str | None = None,
         priority: int | None = None,
         text: bool = True,
+        stream_interval: int | None = None,
     ) -> RequestStream:
         """Start a request and return its stream of outputs. prompt: text, token ids, a
         chat conversation ([{"role", "content"}, ...]) or a Prompt. request_id must not
         be open already (default: a fresh one). priority (default: the Prompt's, else 0):
         lower runs first when the engine runs the priority scheduling policy, and must be
-        0 otherwise. text False skips detokenizing. With
+        0 otherwise. text False skips detokenizing. stream_interval: at least this many
+        tokens an output (but a sequence's first and last), or the engine's if larger. With
         n > 1 the core runs n requests "{request_id}-{i}" (sharing the prompt's blocks
         through the prefix cache) and each output's index says which.
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
@@ -310,7 +344,7 @@ class AsyncLLM:
         one = self._prepare(
             _as_prompt(prompt), sampling_params, cache_salt, priority, f"request {rid}"
         )
-        return self._open(rid, [one], text)
+        return self._open(rid, [one], text, stream_interval)
 
     def generate_many(
         self,
@@ -321,6 +355,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         priority: int | None = None,
         text: bool = True,
+        stream_interval: int | None = None,
     ) -> RequestStream:
         """One request of several prompts (sampling_params: one for all, or one per
         prompt): one stream whose outputs' index is prompt-major, the sum of the earlier
@@ -341,7 +376,7 @@ class AsyncLLM:
             self._prepare(p, params, cache_salt, priority, f"request {rid} prompt {i}")
             for i, (p, params) in enumerate(zip(items, per_prompt))
         ]
-        return self._open(rid, checked, text)
+        return self._open(rid, checked, text, stream_interval)
 
     def _prepare(
         self,
@@ -378,6 +413,7 @@ class AsyncLLM:
         rid: str,
         prompts: list[_Prepared],
         text: bool,
+        stream_interval: int | None = None,
     ) -> RequestStream:
         """Send the core requests of prompts; the stream of them all. One prompt's copies
         are named as fan_out names them after rid; prompt k of several, after
@@ -391,7 +427,10 @@ class AsyncLLM:
                 seq = SequenceState(self.tokenizer, one.params, text)
                 requests.append((core_id, one, copy, seq))
         sequences = {core_id: seq for core_id, _, _, seq in requests}
-        stream = RequestStream(self, rid, [one.ids for one in prompts], sequences)
+        interval = self.stream_interval
+        if stream_interval is not None:
+            interval = max(interval, check_stream_interval(stream_interval, "stream_interval"))
+        stream = RequestStream(self, rid, [one.ids for one in prompts], sequences, interval)
         for core_id, one, copy, _ in requests:
             self._queues[core_id] = stream._inbox
             self.engine.add_request(core_id, one.ids, copy, one.cache_salt, one.priority)
@@ -572,6 +611,13 @@ class AsyncLLM:
         self._closing = True
         self._release_socket()
         self.engine.shutdown()
+
+
+def check_stream_interval(value: object, name: str) -> int:
+    """A stream interval (tokens an output, at least 1); ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _as_prompt(prompt: object) -> Prompt:

@@ -227,6 +227,14 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 def _add_api_flags(p: argparse.ArgumentParser) -> None:
     """What the OpenAI-compatible routes need to know of the model (serve, run-batch)."""
     p.add_argument(
+        "--stream-interval",
+        type=_positive("--stream-interval"),
+        default=1,
+        help="tokens per streamed chunk, but a stream's first and last (vLLM's): larger "
+        "values cost the server less per token at many streams; a request's "
+        "stream_interval may ask for more (default: 1, every token as it comes)",
+    )
+    p.add_argument(
         "--served-model-name",
         nargs="+",
         help="the model's name in the API, then any other names requests may use for it "

@@ -188,6 +188,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # vLLM's: beam search instead of sampling, n beams wide (launch/beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # vLLM's: streamed chunks carry at least this many tokens (the server's, if larger).
+    stream_interval: int | None = None
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""

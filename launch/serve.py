@@ -187,7 +187,11 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 def open_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> AsyncLLM:
     """The engine behind the API (serve, run-batch): its processes started, not joined."""
     return AsyncLLM(
-        args.model, log_level=args.log_level, chat_template=args.chat_template, **engine_kwargs
+        args.model,
+        log_level=args.log_level,
+        chat_template=args.chat_template,
+        stream_interval=args.stream_interval,
+        **engine_kwargs,
     )
 
 

@@ -541,6 +541,12 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
+        if body.stream_interval is not None and body.stream_interval < 1:
+            raise APIError(
+                f"stream_interval must be >= 1, got {body.stream_interval}",
+                param="stream_interval",
+                code="invalid_value",
+            )
         beam = None
         if body.use_beam_search:
             beam = beam_search_params(body, params, tools is not None and tools.choice != "none")
@@ -579,7 +585,12 @@ class OpenAIServer:
             )
         else:
             stream = engine.generate_many(
-                prompts, params, request_id, cache_salt=body.cache_salt, priority=body.priority
+                prompts,
+                params,
+                request_id,
+                cache_salt=body.cache_salt,
+                priority=body.priority,
+                stream_interval=body.stream_interval,
             )
         return Call(self, body, stream, request_id, chat, params[0], echo, prompt_only, tools)
 

@@ -192,6 +192,42 @@ def test_completions_and_chat_equal_llm_generate(
         client.models.retrieve("other")
 
 
+def test_a_stream_interval_sends_tokens_in_chunks(
+    server: Server, client: openai.OpenAI, builtin_server: Callable[..., Server]
+) -> None:
+    """vLLM's stream_interval, a request's or the server's (--stream-interval): chunks of at
+    least that many tokens but the first and the last, the same tokens in the same order."""
+
+    def sizes(c: openai.OpenAI, model: str, extra: dict) -> tuple[list[int], list[int]]:
+        chunks = c.completions.create(
+            model=model,
+            prompt=PROMPT_IDS,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            extra_body={**EXTRA, **extra},
+        )
+        got = [ch.choices[0].token_ids for ch in chunks if ch.choices[0].token_ids]  # type: ignore
+        return [len(ids) for ids in got], [t for ids in got for t in ids]
+
+    one, ids = sizes(client, MODEL_NAME, {})
+    four, ids4 = sizes(client, MODEL_NAME, {"stream_interval": 4})
+    assert ids4 == ids and len(one) == N
+    assert four[0] == 1 and all(k >= 4 for k in four[1:-1]) and len(four) <= 2 + (N - 1) // 4
+    status, err = post(
+        f"{server.url}/v1/completions",
+        {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "stream_interval": 0},
+    )
+    assert status == 400 and err["error"]["param"] == "stream_interval"
+    builtin = builtin_server("--stream-interval", "3")
+    c = openai.OpenAI(base_url=f"{builtin.url}/v1", api_key="none", max_retries=0)
+    three, _ = sizes(c, "pagedserve-builtin", {})
+    assert three[0] == 1 and all(k >= 3 for k in three[1:-1]) and len(three) <= 2 + (N - 1) // 3
+    # A request may ask for more than the server's, not less.
+    asked_less, _ = sizes(c, "pagedserve-builtin", {"stream_interval": 1})
+    assert all(k >= 3 for k in asked_less[1:-1])
+
+
 def test_several_prompts_in_one_request_are_answered_prompt_major(
     server: Server, client: openai.OpenAI, reference: dict[str, list[int]]
 ) -> None:

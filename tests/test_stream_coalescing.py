@@ -145,3 +145,55 @@ def test_an_error_after_queued_outputs_comes_after_them() -> None:
     first, error = asyncio.run(main())
     assert first.text == "hell" and first.finish_reason is None
     assert str(error) == "engine died" and stream.finished
+
+
+def keeping_up(stream: RequestStream, outs: list[RequestOutput]) -> list[StreamOutput]:
+    """A consumer that reads whenever the inbox wakes it, one engine output at a time."""
+    got: list[StreamOutput] = []
+
+    async def main() -> None:
+        for o in outs:
+            stream._inbox.put(o)
+            while stream._inbox.ready:
+                got.append(await stream.__anext__())
+
+    asyncio.run(main())
+    return got
+
+
+def test_a_stream_interval_wakes_the_consumer_every_n_tokens_but_first_and_last() -> None:
+    params = SamplingParams(max_tokens=len(IDS), logprobs=1)
+    every, _ = open_stream(ByteTokenizer(), params)
+    assert [len(o.new_token_ids) for o in keeping_up(every, outputs("r", IDS))] == [1] * len(IDS)
+    engine = FakeEngine()
+    sequences = {"r": SequenceState(ByteTokenizer(), params, text=True)}
+    stream = RequestStream(engine, "r", [[1, 2]], sequences, stream_interval=4)  # type: ignore[arg-type]
+    got = keeping_up(stream, outputs("r", IDS, lps=True))
+    sizes = [len(o.new_token_ids) for o in got]
+    # The first token at once, then four at a time, the rest with the finish.
+    rest = (len(IDS) - 1) % 4 or 4
+    assert sizes == [1] + [4] * ((len(IDS) - 1 - rest) // 4) + [rest], sizes
+    assert [t for o in got for t in o.new_token_ids] == IDS
+    assert "".join(o.text for o in got) == TEXT
+    assert [lp.top_token_ids[0] for o in got for lp in o.logprobs or []] == IDS
+    assert got[-1].finish_reason == "length" and engine.forgotten == ["r"]
+
+
+def test_a_stream_interval_counts_each_sequence_apart() -> None:
+    params = SamplingParams(max_tokens=9, n=2)
+    engine = FakeEngine()
+    sequences = {
+        c: SequenceState(ByteTokenizer(), params, text=True) for c, _ in fan_out("r", params)
+    }
+    stream = RequestStream(engine, "r", [[1, 2]], sequences, stream_interval=3)  # type: ignore[arg-type]
+    a, b = outputs("r-0", list(b"abcdefghi")), outputs("r-1", list(b"rstuvwxyz"))
+    got = keeping_up(stream, [o for pair in zip(a, b) for o in pair])
+    assert "".join(o.text for o in got if o.index == 0) == "abcdefghi"
+    assert "".join(o.text for o in got if o.index == 1) == "rstuvwxyz"
+    # Each sequence's first output wakes at once, its last with its finish; between
+    # them, every third token of either (a wake-up takes what both hold).
+    for index in (0, 1):
+        mine = [o for o in got if o.index == index]
+        assert len(mine[0].new_token_ids) == 1 and mine[-1].finish_reason == "length"
+        assert all(o.finish_reason is None for o in mine[:-1])
+    assert len(got) <= 2 + 2 * 8 // 3 + 2
