@@ -121,16 +121,16 @@ class BeamSearchStream:
         priority: int = 0,
     ) -> None:
         self.request_id = request_id
-        # Called after each round (the server's Call: the request is no longer waiting).
-        self.on_round: Callable[[], None] | None = None
-        self._cache_salt = cache_salt
-        self._priority = priority
         self.prompts = prompts
         self.prompt_token_ids = prompts[0]
         self.finished = False
+        # Called after each round (the server's Call: the request is no longer waiting).
+        self.on_round: Callable[[], None] | None = None
         self._engine = engine
         self._params = params
         self._num_logprobs = num_logprobs  # top alternatives per token in the answer
+        self._cache_salt = cache_salt
+        self._priority = priority
         self._outputs: list[StreamOutput] | None = None
 
     def __aiter__(self) -> BeamSearchStream:

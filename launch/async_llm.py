@@ -126,18 +126,8 @@ class _Inbox:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.items.append(item)
-        if self.interval > 1 and isinstance(item, RequestOutput) and item.finish_reason is None:
-            held = self.held
-            count = held.get(item.request_id)
-            if count is not None:
-                count += len(item.new_token_ids)
-                if count < self.interval:
-                    held[item.request_id] = count
-                    return
-            held[item.request_id] = 0
-        self._wake()
-
-    def _wake(self) -> None:
+        if self.interval > 1 and self._held_back(item):
+            return
         if self.held:  # the consumer takes everything waiting: every count starts over
             self.held = dict.fromkeys(self.held, 0)
         self.ready = True
@@ -146,6 +136,19 @@ class _Inbox:
             self.waiter = None
             if not waiter.done():  # a consumer cancelled while waiting leaves it cancelled
                 waiter.set_result(None)
+
+    def _held_back(self, item: RequestOutput | BaseException) -> bool:
+        """Whether item waits for more of its sequence's tokens (not a first or last
+        output, fewer than interval tokens since the last wake-up)."""
+        if not isinstance(item, RequestOutput) or item.finish_reason is not None:
+            return False
+        count = self.held.get(item.request_id)
+        if count is None:  # its first output
+            self.held[item.request_id] = 0
+            return False
+        count += len(item.new_token_ids)
+        self.held[item.request_id] = count
+        return count < self.interval
 
     async def wait(self) -> None:
         while not self.ready:

@@ -104,7 +104,11 @@ class Beam:
         self.logprobs = logprobs
         self.eos = eos  # the end-of-sequence token that finished it, if any
 
-    def extended(self, token: int, cum_logprob: float, chosen: Logprobs, eos: bool) -> Beam:
+    def extended(
+        self, token: int, logprob: float, found: Logprobs, cum_logprob: float, eos: bool
+    ) -> Beam:
+        """This beam and token (its logprob; found: the round's best for this beam)."""
+        chosen = Logprobs(logprob, found.top_token_ids, found.top_logprobs)
         return Beam(
             [*self.tokens, token], cum_logprob, [*self.logprobs, chosen], token if eos else None
         )
@@ -149,23 +153,22 @@ class BeamSearch:
         if len(found) != len(self.beams):
             raise ValueError(f"{len(found)} results for {len(self.beams)} beams")
         width, eos = self.params.beam_width, self.eos
-        candidates: list[tuple[float, int, Beam, Logprobs]] = []
+        candidates: list[tuple[float, int, float, Beam, Logprobs]] = []
         for beam, (sampled, lp) in zip(self.beams, found):
             options = zip(lp.top_token_ids, lp.top_logprobs)
             if sampled not in lp.top_token_ids:
                 options = itertools.chain(options, ((sampled, lp.logprob),))
             for token, logprob in options:
-                chosen = Logprobs(logprob, lp.top_token_ids, lp.top_logprobs)
                 cum = beam.cum_logprob + logprob
                 if token in eos:
-                    self.finished.append(beam.extended(token, cum, chosen, True))
+                    self.finished.append(beam.extended(token, logprob, lp, cum, True))
                 else:
-                    candidates.append((cum, token, beam, chosen))
+                    candidates.append((cum, token, logprob, beam, lp))
         # Stable: equal scores keep the order of beams, then of likelihood.
         candidates.sort(key=lambda c: -c[0])
         self.beams = [
-            beam.extended(token, cum, chosen, False)
-            for cum, token, beam, chosen in candidates[:width]
+            beam.extended(token, logprob, lp, cum, False)
+            for cum, token, logprob, beam, lp in candidates[:width]
         ]
         self.rounds += 1
 

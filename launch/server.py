@@ -36,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.api_call import BeamSearchStream, Call, error_response, json_response
-from launch.async_llm import AsyncLLM, RequestStream
+from launch.async_llm import AsyncLLM, RequestStream, check_stream_interval
 from launch.chat import ChatTemplateError
 from launch.cli import package_version
 from launch.engine import EngineDeadError
@@ -541,12 +541,11 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompts)
         ]
-        if body.stream_interval is not None and body.stream_interval < 1:
-            raise APIError(
-                f"stream_interval must be >= 1, got {body.stream_interval}",
-                param="stream_interval",
-                code="invalid_value",
-            )
+        if body.stream_interval is not None:
+            try:
+                check_stream_interval(body.stream_interval, "stream_interval")
+            except ValueError as e:
+                raise APIError(str(e), param="stream_interval", code="invalid_value") from None
         beam = None
         if body.use_beam_search:
             beam = beam_search_params(body, params, tools is not None and tools.choice != "none")
