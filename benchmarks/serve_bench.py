@@ -799,10 +799,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_worker_threads() -> int:
     """The machine's CPUs less one. The clients here are a load generator, as heavy per
-    streamed token as the server itself (27-44 us against 26-40); left to compete for the
-    workers' cores they slowed only the server's variant, whose ratio then priced the
-    clients, not the API layer: on 2 cores 0.76-0.92 with each worker's own count (two
-    threads), 0.90-1.00 with one thread in both variants."""
+    streamed token as the server itself (27-44 us against 26-40 on a 2-core VM); on the
+    workers' cores they slow the server's variant alone, and the ratio then prices the
+    clients, not the API layer."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
