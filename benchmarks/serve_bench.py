@@ -770,9 +770,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--worker-threads",
         type=int,
         help="the CPU workers' torch threads, server and LLM alike (OMP_NUM_THREADS); 0: "
-        "each worker picks its own count. Default: the machine's CPUs less one, so the "
-        "clients driving the server have a core of their own in both variants, as they "
-        "would on another machine (see default_worker_threads)",
+        "each worker picks its own count. Default: OMP_NUM_THREADS if set, else the "
+        "machine's CPUs less one, so the clients driving the server have a core of their "
+        "own in both variants, as they would on another machine (default_worker_threads)",
     )
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--startup-timeout", type=float, default=300)
@@ -812,7 +812,9 @@ def _interrupt(_sig: int, _frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.worker_threads is None:
-        a.worker_threads = default_worker_threads()
+        # A count the caller fixed in the environment stands, as it does for the engines.
+        fixed = os.environ.get("OMP_NUM_THREADS", "")
+        a.worker_threads = int(fixed) if fixed.isdigit() else default_worker_threads()
     if a.worker_threads < 0:
         raise SystemExit("--worker-threads must be >= 0 (0: each worker picks its count)")
     if a.worker_threads:
