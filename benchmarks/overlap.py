@@ -51,8 +51,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch.builtin_model import builtin_model_dir  # noqa: E402
-from launch.llm import LLM  # noqa: E402
+from launch.client.builtin_model import builtin_model_dir  # noqa: E402
+from launch.client.llm import LLM  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from worker.bench_clock import DELAY_ENV, SKIP_ENV, SKIPS, TIMING_ENV  # noqa: E402
 

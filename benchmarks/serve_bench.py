@@ -70,8 +70,8 @@ sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
 
-from launch.async_llm import run as run_async  # noqa: E402
-from launch.inputs import InputProcessor  # noqa: E402
+from launch.client.async_llm import run as run_async  # noqa: E402
+from launch.client.inputs import InputProcessor  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 
 WORDS = [

@@ -77,8 +77,8 @@ from peer import PEER_PYTHON, PEER_SCRIPTS, PEERS_DIR, run_peer_script  # noqa: 
 from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler  # noqa: E402
-from launch.builtin_model import write_llama_checkpoint  # noqa: E402
-from launch.engine import (  # noqa: E402
+from launch.client.builtin_model import write_llama_checkpoint  # noqa: E402
+from launch.client.engine import (  # noqa: E402
     DEFAULT_LOG_LEVEL,
     EngineArgs,
     core_config,

@@ -23,7 +23,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
+from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
 from protocol.config import ipc_address
 from protocol.engine import (
     AbortRequests,
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
     a = p.parse_args(argv)
     if a.model is None:
-        from launch.builtin_model import builtin_model_dir
+        from launch.client.builtin_model import builtin_model_dir
 
         a.model = str(builtin_model_dir())
 

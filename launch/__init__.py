@@ -1,9 +1,9 @@
 """Command line, process start-up and supervision, and the Python API."""
 
-from launch.async_llm import AsyncLLM, StreamOutput
-from launch.beam_search import BeamSearchOutput, BeamSearchParams
-from launch.engine import EngineDeadError
-from launch.llm import LLM, CompletionOutput, Prompt
+from launch.client.async_llm import AsyncLLM, StreamOutput
+from launch.client.beam_search import BeamSearchOutput, BeamSearchParams
+from launch.client.engine import EngineDeadError
+from launch.client.llm import LLM, CompletionOutput, Prompt
 from protocol.engine import SamplingParams
 
 __all__ = [

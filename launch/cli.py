@@ -11,20 +11,20 @@ import argparse
 import logging
 import os
 import re
-import signal
 import sys
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, get_args
 
 import msgspec
 
-from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs
-from launch.openai_api import StructuredOutputsBody
-from launch.reasoning import REASONING_PARSERS
-from launch.responses_api import DEFAULT_MAX_STORED_RESPONSES
-from launch.tool_parsers import TOOL_CALL_PARSERS
+from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.client.signals import Terminated, install_signal_handlers
+from launch.client.version import package_version
+from launch.openai.protocol import StructuredOutputsBody
+from launch.openai.reasoning import REASONING_PARSERS
+from launch.openai.responses import DEFAULT_MAX_STORED_RESPONSES
+from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 from protocol.config import (
     DType,
     GenerationConfigMode,
@@ -90,13 +90,6 @@ def _string_list(value: str) -> list[str]:
     if not items or not all(items):
         raise argparse.ArgumentTypeError(f"an empty entry in {value!r}")
     return items
-
-
-def package_version() -> str:
-    try:
-        return version("pagedserve")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 _BYTE_UNITS = {
@@ -393,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_engine_flags(g)
 
-    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (launch/serve.py)")
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=_port, default=8000, help="port (0: a free one, printed)")
     v.add_argument(
@@ -474,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "run-batch",
-        help="OpenAI's Batch API file format, run offline (launch/run_batch.py)",
+        help="OpenAI's Batch API file format, run offline (launch/openai/run_batch.py)",
     )
     b.add_argument("-i", "--input", required=True, type=Path, help="JSON lines of batch requests")
     b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines, in input order")
@@ -545,7 +538,7 @@ _LINE_OPTIONS = (
 def _read_inputs(path: Path, args: argparse.Namespace) -> list[tuple[int, Any]]:
     """(line number, Prompt) for each non-blank line, or (line number, error string) for a
     bad one, which fails alone."""
-    from launch.llm import Prompt
+    from launch.client.llm import Prompt
 
     decoder = msgspec.json.Decoder(InputLine)
     items: list[tuple[int, Any]] = []
@@ -592,26 +585,10 @@ def _pick(value, default):
     return default if value is None else value
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so the engine shuts down in order."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum: int, _frame: object) -> None:
-    raise Terminated(signum)
-
-
 def _start_command(args: argparse.Namespace) -> None:
     """Signals and logging of a command that runs an engine: SIGTERM and SIGHUP unwind like
     Ctrl-C (start-up and the run stop what they started)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
-    # Explicit: a shell without job control starts background jobs with SIGINT ignored,
-    # and Python then never raises KeyboardInterrupt; `kill -INT` must still stop us.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    install_signal_handlers()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
 
 
@@ -625,8 +602,8 @@ def _no_input(path: Path, command: str) -> bool:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from launch.engine import EngineDeadError
-    from launch.llm import LLM, CompletionOutput
+    from launch.client.engine import EngineDeadError
+    from launch.client.llm import LLM, CompletionOutput
     from launch.results import ResultWriter
 
     _start_command(args)
@@ -710,17 +687,17 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from launch.serve import serve
+    from launch.openai.run_server import serve
 
     _start_command(args)
     return serve(args, _engine_kwargs(args))
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from launch.engine import EngineDeadError
-    from launch.run_batch import run
-    from launch.serve import open_engine, served_names
-    from launch.server import OpenAIServer
+    from launch.client.engine import EngineDeadError
+    from launch.openai.api_server import OpenAIServer
+    from launch.openai.run_batch import run
+    from launch.openai.run_server import open_engine, served_names
 
     _start_command(args)
     if _no_input(args.input, "run-batch"):
@@ -825,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from launch.engine import worker_config
+    from launch.client.engine import worker_config
     from worker.main import run
 
     if not 0 <= args.rank < args.tp:
@@ -836,11 +813,11 @@ def worker(args: argparse.Namespace) -> int:
         return 2
     model = args.model
     if model is None:
-        from launch.builtin_model import builtin_model_dir
+        from launch.client.builtin_model import builtin_model_dir
 
         model = str(builtin_model_dir())
     else:
-        from launch.hub import resolve_model
+        from launch.client.hub import resolve_model
 
         try:
             model = resolve_model(model)
@@ -869,7 +846,7 @@ def replay(args: argparse.Namespace) -> int:
     model = args.model
     try:
         if model is not None:
-            from launch.hub import resolve_model
+            from launch.client.hub import resolve_model
 
             model = resolve_model(model)
         summary = replay(args.dir, model, args.timeout, args.log_level)

@@ -13,9 +13,9 @@ from cli_helpers import CPU
 from test_model_files import CONVERSATION, word_tokenizer
 
 from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from launch.async_llm import RequestStream, run
-from launch.detokenizer import IncrementalDetokenizer
-from launch.tokenizer import ByteTokenizer, HFTokenizer
+from launch.client.async_llm import RequestStream, run
+from launch.client.detokenizer import IncrementalDetokenizer
+from launch.client.tokenizer import ByteTokenizer, HFTokenizer
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

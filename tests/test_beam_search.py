@@ -23,8 +23,8 @@ from cli_helpers import CPU
 from test_server import MODEL_NAME, Server, metrics, post, start_server
 
 from launch import LLM, AsyncLLM
-from launch.async_llm import run
-from launch.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
+from launch.client.async_llm import run
+from launch.client.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
 from protocol.engine import Logprobs
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"

@@ -13,7 +13,7 @@ import pytest
 from cli_helpers import CPU, generate_cli
 
 from launch import LLM, SamplingParams
-from launch.engine import EngineArgs, EngineDeadError
+from launch.client.engine import EngineArgs, EngineDeadError
 
 OK = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cli_helpers import CPU, run_json_script
 
-from launch.engine import EngineArgs, EngineProcesses
+from launch.client.engine import EngineArgs, EngineProcesses
 from protocol.engine import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

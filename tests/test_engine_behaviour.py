@@ -11,8 +11,8 @@ import pytest
 from cli_helpers import CPU
 
 from launch import LLM, Prompt, SamplingParams
-from launch.builtin_model import builtin_model_dir
-from launch.engine import EngineArgs, EngineDeadError, EngineProcesses
+from launch.client.builtin_model import builtin_model_dir
+from launch.client.engine import EngineArgs, EngineDeadError, EngineProcesses
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"  # the core checks KV invariants every step
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

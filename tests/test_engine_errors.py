@@ -22,7 +22,7 @@ from cli_helpers import (
 from hf_checkpoints import VOCAB
 
 from launch import LLM, SamplingParams
-from launch.engine import EngineDeadError
+from launch.client.engine import EngineDeadError
 
 
 def test_bad_requests_fail_alone(llama_dir: Path, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 from cli_helpers import CPU, generate_cli
 
 from launch import LLM, SamplingParams
-from launch.llm import CompletionOutput
+from launch.client.llm import CompletionOutput
 from launch.results import ResultWriter
 
 # The keys a line without the new options has had all along, in their order.

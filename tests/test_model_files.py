@@ -19,7 +19,7 @@ from enginecore.kv_cache_config import make_kv_cache_config
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from launch import LLM, Prompt, SamplingParams
-from launch.chat import ChatTemplate, ChatTemplateError
+from launch.client.chat import ChatTemplate, ChatTemplateError
 from protocol.engine import SamplingDefaults
 from protocol.kv_cache import FullAttentionSpec
 from worker.generation_config import load_generation_config
@@ -162,7 +162,9 @@ def test_hub_ids_resolve_offline_from_the_cache(llama_dir: Path, tmp_path: Path)
     got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     assert got == want
 
-    resolve = "from launch.hub import resolve_model; import sys; print(resolve_model(sys.argv[1]))"
+    resolve = (
+        "from launch.client.hub import resolve_model; import sys; print(resolve_model(sys.argv[1]))"
+    )
     snapshot = home / "hub" / "models--testorg--tiny-llama" / "snapshots" / commit
     found = subprocess.run(
         [sys.executable, "-c", resolve, "testorg/tiny-llama"],
@@ -324,7 +326,7 @@ def test_a_chat_template_given_replaces_the_model_s(llama_dir: Path, tmp_path: P
     special tokens still fill it; the ids are transformers' with that template."""
     from transformers import PreTrainedTokenizerFast
 
-    from launch.inputs import InputProcessor
+    from launch.client.inputs import InputProcessor
 
     model = copy_model(llama_dir, tmp_path / "chat")
     word_tokenizer(model)  # ships FANCY
@@ -408,9 +410,9 @@ TOOLS = [
 def test_tools_render_as_transformers_renders_them(tmp_path: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from launch.chat import ChatTemplate
-    from launch.inputs import InputProcessor
-    from launch.tools import template_messages
+    from launch.client.chat import ChatTemplate
+    from launch.client.inputs import InputProcessor
+    from launch.openai.tools import template_messages
 
     word_tokenizer(tmp_path)
     hf = PreTrainedTokenizerFast(

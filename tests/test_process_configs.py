@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import CPU, children_of
 
 from launch import LLM, AsyncLLM, SamplingParams
-from launch.engine import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
+from launch.client.engine import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
 from protocol.config import EngineCoreConfig, WorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -25,7 +25,7 @@ from real_model import MANIFEST
 from tokenizers import Tokenizer
 
 from launch import LLM, SamplingParams
-from launch.llm import CompletionOutput, Prompt, RunSummary
+from launch.client.llm import CompletionOutput, Prompt, RunSummary
 
 MAX_TOKENS = 24
 # A generated token other than HF's argmax passes only if HF's logit for it is within
@@ -275,7 +275,7 @@ def test_tokenizer_matches_transformers(
         assert out.prompt_token_ids == hf.encode(text), text
         # The engine decodes as vLLM does by default, without special tokens.
         assert out.text == hf.decode(out.token_ids, skip_special_tokens=True), out.token_ids
-    # The engine reads tokenizer.json with `tokenizers` (launch/tokenizer.py). SmolLM2's
+    # The engine reads tokenizer.json with `tokenizers` (launch/client/tokenizer.py). SmolLM2's
     # tokenizer isolates every digit before the byte-level split (llama.cpp's "smollm"
     # pre-tokenizer); transformers' GGUF converter alone would give [3351, 127, 39050].
     engine_tok = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_server import TOOLS, Server, start_server
 
-from launch.reasoning import ReasoningSplit, split_reasoning
+from launch.openai.reasoning import ReasoningSplit, split_reasoning
 
 # Thinking off by default: the prompt closes an empty think block (Qwen3's template with
 # enable_thinking false), so a structured output's language starts at once.

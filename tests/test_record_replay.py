@@ -30,8 +30,8 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.builtin_model import builtin_model_dir
-from launch.engine import EngineArgs, EngineProcesses
+from launch.client.builtin_model import builtin_model_dir
+from launch.client.engine import EngineArgs, EngineProcesses
 from launch.replay import ReplayMismatch, replay
 from launch.replay_tables import CoreBlockTables
 from protocol.codec import Codec

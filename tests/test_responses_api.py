@@ -28,8 +28,8 @@ from test_server import (
     start_server,
 )
 
-from launch.openai_api import APIError
-from launch.responses_api import (
+from launch.openai.protocol import APIError
+from launch.openai.responses import (
     ResponseStore,
     StoredResponse,
     input_messages,

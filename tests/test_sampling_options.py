@@ -24,10 +24,10 @@ from test_model_files import copy_model
 from test_server import MODEL_NAME, Server, post, start_server
 
 from launch import LLM, AsyncLLM, SamplingParams
-from launch.async_llm import run
-from launch.detokenizer import IncrementalDetokenizer
-from launch.stop_strings import StopStringMatcher
-from launch.tokenizer import ByteTokenizer, HFTokenizer
+from launch.client.async_llm import run
+from launch.client.detokenizer import IncrementalDetokenizer
+from launch.client.stop_strings import StopStringMatcher
+from launch.client.tokenizer import ByteTokenizer, HFTokenizer
 from worker.sampler import PenaltyTensors, apply_penalties
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"

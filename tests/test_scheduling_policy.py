@@ -18,10 +18,10 @@ from enginecore.request import Request
 from enginecore.request_queue import FCFSQueue, PriorityQueue, make_request_queue
 from enginecore.scheduler import Scheduler
 from launch import LLM, Prompt
-from launch.async_llm import AsyncLLM
-from launch.async_llm import run as run_async
-from launch.builtin_model import builtin_model_dir
-from launch.engine import EngineArgs, EngineProcesses
+from launch.client.async_llm import AsyncLLM
+from launch.client.async_llm import run as run_async
+from launch.client.builtin_model import builtin_model_dir
+from launch.client.engine import EngineArgs, EngineProcesses
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_model_files import CONVERSATION, FANCY
 
 from launch import LLM, SamplingParams
-from launch.openai_api import sse_event
+from launch.openai.protocol import sse_event
 
 MODEL_NAME = "tiny"
 PROMPT_TEXT = "What is 2 + 2 ? And 3"

@@ -4,7 +4,7 @@ hit rate, and silence while nothing happens."""
 
 from __future__ import annotations
 
-from launch.metrics import ServerMetrics, StatsLog
+from launch.openai.metrics import ServerMetrics, StatsLog
 from protocol.engine import SchedulerStats
 
 

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 from test_model_files import word_tokenizer
 
-from launch.async_llm import RequestStream, StreamOutput
-from launch.sequence import SequenceState, fan_out
-from launch.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from launch.client.async_llm import RequestStream, StreamOutput
+from launch.client.output_processor import SequenceState, fan_out
+from launch.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from protocol.engine import Logprobs, RequestOutput, SamplingParams
 
 

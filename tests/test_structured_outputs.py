@@ -20,7 +20,7 @@ import torch
 from cli_helpers import CPU, generate_cli
 
 from launch import LLM, Prompt, SamplingParams
-from launch.builtin_model import builtin_model_dir
+from launch.client.builtin_model import builtin_model_dir
 from protocol.engine import StructuredOutputs
 from worker.sampler import SamplingTensors, sample, token_bans, unpack_bans
 from worker.structured_output import GrammarMatchers, grammar_of, grammar_tokenizer

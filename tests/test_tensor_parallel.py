@@ -35,7 +35,7 @@ from test_model_vs_hf import (
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
-from launch.engine import EngineArgs, runner_config
+from launch.client.engine import EngineArgs, runner_config
 from protocol.codec import Codec
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, WorkerConfigure

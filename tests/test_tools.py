@@ -1,4 +1,4 @@
-"""launch/tools.py: what tools and tool_choice make of a chat's answer (the server's
+"""launch/openai/tools.py: what tools and tool_choice make of a chat's answer (the server's
 end-to-end tests are in test_server.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from launch.tool_parsers import content_so_far, parse_calls
-from launch.tools import (
+from launch.openai.tool_parsers import content_so_far, parse_calls
+from launch.openai.tools import (
     FunctionDef,
     FunctionName,
     NamedToolChoice,

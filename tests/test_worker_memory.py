@@ -16,7 +16,7 @@ from cli_helpers import CPU
 from hf_checkpoints import save_checkpoint
 
 from enginecore.kv_cache_config import make_kv_cache_config
-from launch.engine import EngineArgs, runner_config
+from launch.client.engine import EngineArgs, runner_config
 from protocol.worker import WorkerConfigure
 from worker.model_runner import (
     DEFAULT_CPU_KV_CACHE_MEMORY,

@@ -14,7 +14,7 @@ State: a response asked to be stored (`store`, true by default as at OpenAI) is 
 bounded in-memory ResponseStore, oldest dropped first, so `previous_response_id` continues
 its conversation (its input and output; instructions are not carried over, as at OpenAI)
 and GET/DELETE /v1/responses/{id} find it. `truncation: "auto"` drops the oldest turns of a
-conversation that does not fit the context. The answer itself: launch/responses_run.py.
+conversation that does not fit the context. The answer itself: launch/openai/responses_run.py.
 
 Only what this engine can serve is accepted: function tools (hosted tools, images, files,
 reasoning, background runs are refused by name).
@@ -28,14 +28,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from launch.openai_api import (
+from launch.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     JSONSchemaFormat,
     ResponseFormat,
     StructuredOutputsBody,
 )
-from launch.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
+from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
 
 # Kept responses (for previous_response_id and GET): bounded, the oldest dropped first.
 DEFAULT_MAX_STORED_RESPONSES = 1024

@@ -10,7 +10,7 @@ tokens; each decode costs a few tokens, not the whole output.
 
 from __future__ import annotations
 
-from launch.tokenizer import Tokenizer
+from launch.client.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -8,7 +8,7 @@ tool use sees its own format); what the answer may be depends on tool_choice:
 - "required": a JSON array of at least one {"name", "parameters"} object, each held to
   one tool's schema (one call only when parallel_tool_calls is false); answered as calls.
 - "auto" (the default when tools are given): the model decides, in its own format, so
-  the server must know that format: `--tool-call-parser` (launch/tool_parsers.py: hermes,
+  the server must know that format: `--tool-call-parser` (launch/openai/tool_parsers.py: hermes,
   llama3_json, mistral, pythonic) reads the calls out of the text. Without a parser "auto"
   is refused (as vLLM does), naming the choices that work.
 """
@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from launch.tool_parsers import (
+from launch.openai.tool_parsers import (
     KEEPS_SPECIAL_TOKENS,
     TOOL_CALL_PARSERS,
     ToolCall,

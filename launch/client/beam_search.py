@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from launch.inputs import Prompt
+from launch.client.inputs import Prompt
 from protocol.engine import MAX_LOGPROBS, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
-    from launch.async_llm import AsyncLLM
-    from launch.tokenizer import Tokenizer
+    from launch.client.async_llm import AsyncLLM
+    from launch.client.tokenizer import Tokenizer
 
 # Each round asks for 2 * beam_width alternatives, within the engine's logprobs cap.
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2

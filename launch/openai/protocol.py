@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from launch.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from launch.tools import ToolChoice, ToolDef
+from launch.client.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from launch.openai.tools import ToolChoice, ToolDef
 from protocol.engine import Logprobs, SamplingParams, StructuredOutputs
 from worker.structured_output import grammar_of
 
@@ -185,7 +185,7 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The output kept inside a language: OpenAI's response_format, or vLLM's extension.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
-    # vLLM's: beam search instead of sampling, n beams wide (launch/beam_search.py).
+    # vLLM's: beam search instead of sampling, n beams wide (launch/client/beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # vLLM's: streamed chunks carry at least this many tokens (the server's, if larger).
@@ -410,7 +410,7 @@ def sampling_params(
     """The engine's SamplingParams for body, checked; max_tokens None: default. which
     names the prompt in errors ("prompt 3" of several); has_tokenizer: whether the model
     has one (structured outputs need it); constraint: the language tool_choice holds the
-    output to (launch/tools.py), which excludes the body's own."""
+    output to (launch/openai/tools.py), which excludes the body's own."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; `launch/serve.py` runs it).
+"""The OpenAI-compatible HTTP API over one AsyncLLM (Starlette; run_server.py runs it).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
-/v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items: launch/responses_api.py), GET
+/v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items: responses.py), GET
 /v1/models (and /v1/models/{id}), GET /health,
-GET /metrics (Prometheus, launch/metrics.py), POST /reset_prefix_cache, and vLLM's POST
+GET /metrics (Prometheus, launch/openai/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
 an API key (--api-key), every route but /health, /ping, /metrics and /version wants
 `Authorization: Bearer KEY`; with CORS origins (--allowed-origins), browsers' cross-origin
@@ -35,14 +35,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from launch.api_call import BeamSearchStream, Call, error_response, json_response
-from launch.async_llm import AsyncLLM, RequestStream, check_stream_interval
-from launch.chat import ChatTemplateError
-from launch.cli import package_version
-from launch.engine import EngineDeadError
-from launch.inputs import Prompt, truncated
-from launch.metrics import CONTENT_TYPE, ServerMetrics
-from launch.openai_api import (
+from launch.client.async_llm import AsyncLLM, RequestStream, check_stream_interval
+from launch.client.chat import ChatTemplateError
+from launch.client.engine import EngineDeadError
+from launch.client.inputs import Prompt, truncated
+from launch.client.version import package_version
+from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
+from launch.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,8 +53,8 @@ from launch.openai_api import (
     precompile,
     sampling_params,
 )
-from launch.reasoning import ReasoningParser, language_start
-from launch.responses_api import (
+from launch.openai.reasoning import ReasoningParser, language_start
+from launch.openai.responses import (
     DEFAULT_MAX_STORED_RESPONSES,
     ResponsesRequest,
     ResponseStore,
@@ -64,9 +63,10 @@ from launch.responses_api import (
     not_found,
     without_oldest_turn,
 )
-from launch.responses_run import ResponseRun
-from launch.tool_parsers import ToolCallParser
-from launch.tools import ToolError, ToolPlan, plan_tools, template_messages
+from launch.openai.responses_run import ResponseRun
+from launch.openai.serving import BeamSearchStream, Call, error_response, json_response
+from launch.openai.tool_parsers import ToolCallParser
+from launch.openai.tools import ToolError, ToolPlan, plan_tools, template_messages
 from protocol.engine import EmbeddingParams, SamplingParams, truncation_error
 
 # Probes a load balancer or a scraper calls without credentials.
@@ -351,7 +351,7 @@ class OpenAIServer:
             raise APIError(str(e), param=param, code="invalid_value") from None
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API (launch/responses_api.py): the conversation of its input
+        """OpenAI's Responses API (launch/openai/responses.py): the conversation of its input
         items, after a stored response's when it continues one, as a chat completion."""
         body: ResponsesRequest = decode_body(await request.body(), ResponsesRequest)
         body.check()

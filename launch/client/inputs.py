@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from launch.chat import ChatTemplate, load_chat_template
-from launch.tokenizer import Tokenizer, load_tokenizer
+from launch.client.chat import ChatTemplate, load_chat_template
+from launch.client.tokenizer import Tokenizer, load_tokenizer
 from protocol.engine import SamplingParams
 from worker.structured_output import grammar_of
 
@@ -32,7 +32,7 @@ class Prompt:
     priority: int = 0
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # Function tools for the chat template, in OpenAI's shape (launch/tools.py).
+    # Function tools for the chat template, in OpenAI's shape (launch/openai/tools.py).
     tools: list[dict[str, Any]] | None = None
     # The output continues the last message (a reply begun for the model) rather than
     # starting a new turn; add_generation_prompt must then be False.
@@ -133,11 +133,11 @@ class InputProcessor:
         """model: a local checkpoint directory, a Hub id (org/name[@revision]), or None
         for the built-in model; chat_template: a Jinja file or template that replaces the
         model's. Raises ValueError naming what is wrong."""
-        from launch.hub import resolve_model
+        from launch.client.hub import resolve_model
         from worker.model_config import load_model_config  # fails fast, naming the file
 
         if model is None:
-            from launch.builtin_model import builtin_model_dir
+            from launch.client.builtin_model import builtin_model_dir
 
             model = str(builtin_model_dir())
         else:

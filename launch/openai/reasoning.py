@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from launch.stop_strings import partial_suffix
+from launch.client.stop_strings import partial_suffix
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 ReasoningParser = Literal["deepseek_r1", "qwen3"]

@@ -1,4 +1,4 @@
-"""One Responses API request being generated (launch/responses_api.py has its body, the
+"""One Responses API request being generated (launch/openai/responses.py has its body, the
 conversation it stands for and the store): the Response it ends as, whole, or OpenAI's
 typed event stream as it grows: reasoning, text or a named function's arguments as they
 come, calls that must be read whole at the end, each item opened and closed in order."""
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from launch.openai_api import APIError, chat_logprobs, sse_event
-from launch.responses_api import (
+from launch.openai.protocol import APIError, chat_logprobs, sse_event
+from launch.openai.responses import (
     ResponsesRequest,
     ResponseStore,
     StoredResponse,
@@ -20,11 +20,11 @@ from launch.responses_api import (
     input_item_list,
     new_item_id,
 )
-from launch.tool_parsers import ToolCall, new_call_id
-from launch.tools import ToolPlan
+from launch.openai.tool_parsers import ToolCall, new_call_id
+from launch.openai.tools import ToolPlan
 
 if TYPE_CHECKING:
-    from launch.api_call import Call
+    from launch.openai.serving import Call
 
 
 class ResponseRun:

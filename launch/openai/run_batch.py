@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from launch.server import OpenAIServer
+from launch.openai.api_server import OpenAIServer
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Requests handed to the server at once: the engine's queue holds the rest of them anyway,

@@ -4,7 +4,7 @@
 
     import asyncio
     from launch import AsyncLLM, SamplingParams
-    from launch.async_llm import run
+    from launch.client.async_llm import run
 
     async def main() -> None:
         engine = AsyncLLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_model_len=2048)
@@ -43,16 +43,16 @@ from typing import Any, NamedTuple, TypeVar
 import zmq
 import zmq.asyncio
 
-from launch.beam_search import BeamSearchOutput, BeamSearchParams, check_room, search
-from launch.engine import (
+from launch.client.beam_search import BeamSearchOutput, BeamSearchParams, check_room, search
+from launch.client.engine import (
     CORE_REPORT_TIMEOUT_S,
     DEFAULT_LOG_LEVEL,
     EngineArgs,
     EngineDeadError,
     EngineProcesses,
 )
-from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
-from launch.sequence import SequenceOutput, SequenceState, fan_out, merge
+from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
+from launch.client.output_processor import SequenceOutput, SequenceState, fan_out, merge
 from protocol.engine import (
     EngineDead,
     EngineOutputs,
@@ -448,7 +448,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         priority: int | None = None,
     ) -> BeamSearchOutput:
-        """vLLM's beam search of one prompt (launch/beam_search.py): each round is one
+        """vLLM's beam search of one prompt (launch/client/beam_search.py): each round is one
         engine request per live beam, "{request_id}-r{round}-{beam}". Cancelling it
         aborts the round in flight; ValueError for bad params or a prompt without room
         for max_tokens more; BeamSearchError when a round fails. cache_salt and priority

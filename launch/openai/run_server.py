@@ -25,11 +25,12 @@ from typing import Any
 
 import uvicorn
 
-from launch.async_llm import AsyncLLM
-from launch.engine import EngineDeadError
-from launch.metrics import STATS_LOGGER, StatsLog
-from launch.server import CORS, OpenAIServer
-from launch.tool_parsers import TOOL_CALL_PARSERS
+from launch.client.async_llm import AsyncLLM
+from launch.client.engine import EngineDeadError
+from launch.client.signals import Terminated
+from launch.openai.api_server import CORS, OpenAIServer
+from launch.openai.metrics import STATS_LOGGER, StatsLog
+from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pagedserve.serve")
 
@@ -128,8 +129,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """0 after a stop signal; 1 if the engine failed; 2 for bad settings."""
-    from launch.cli import Terminated
-
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         print("pagedserve serve: --max-waiting-requests must be >= 0", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """Stop strings, matched on a request's streamed text (the output of
-launch.detokenizer.IncrementalDetokenizer, so never half a character).
+launch.client.detokenizer.IncrementalDetokenizer, so never half a character).
 
 Text that could still be the start of a stop string is held back until the next delta
 settles it, so a stream never shows text that a later match would have cut: the text a

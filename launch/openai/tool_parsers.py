@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from launch.stop_strings import partial_suffix
+from launch.client.stop_strings import partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
-from launch.async_llm import AsyncLLM, RequestStream, StreamOutput
-from launch.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
-from launch.engine import EngineDeadError
-from launch.metrics import RequestTimer
-from launch.openai_api import (
+from launch.client.async_llm import AsyncLLM, RequestStream, StreamOutput
+from launch.client.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
+from launch.client.engine import EngineDeadError
+from launch.openai.metrics import RequestTimer
+from launch.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,13 +26,13 @@ from launch.openai_api import (
     usage,
     vllm_prompt_logprobs,
 )
-from launch.reasoning import ReasoningParser, ReasoningSplit
-from launch.tool_parsers import new_call_id
-from launch.tools import ToolPlan
+from launch.openai.reasoning import ReasoningParser, ReasoningSplit
+from launch.openai.tool_parsers import new_call_id
+from launch.openai.tools import ToolPlan
 from protocol.engine import Logprobs, SamplingParams
 
 if TYPE_CHECKING:
-    from launch.server import OpenAIServer
+    from launch.openai.api_server import OpenAIServer
 
 _json = msgspec.json.Encoder()
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from launch.beam_search import (
+from launch.client.beam_search import (
     BeamSearch,
     BeamSearchError,
     BeamSearchOutput,
@@ -17,11 +17,11 @@ from launch.beam_search import (
     check_room,
     round_prompts,
 )
-from launch.chat import ChatTemplate
-from launch.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
-from launch.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
-from launch.sequence import SequenceState, fan_out, text_token_ids
-from launch.tokenizer import Tokenizer
+from launch.client.chat import ChatTemplate
+from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
+from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
+from launch.client.output_processor import SequenceState, fan_out, text_token_ids
+from launch.client.tokenizer import Tokenizer
 from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, SchedulerStats
 
 
@@ -238,7 +238,7 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int] | Prompt],
         params: BeamSearchParams,
     ) -> list[BeamSearchOutput]:
-        """vLLM's beam search (launch/beam_search.py): each prompt's params.beam_width
+        """vLLM's beam search (launch/client/beam_search.py): each prompt's params.beam_width
         best sequences, best first. The prompts search together: each round is one batch
         of every live beam, whose blocks its parent's requests left in the prefix cache.
         ValueError for bad params or a prompt without room for max_tokens more;
@@ -278,7 +278,7 @@ class LLM:
         """generate() for conversations: one ([{"role": ..., "content": ...}, ...]) or a
         list of them, each rendered with the model's chat template. tools: function tools
         in OpenAI's shape, for the template (the answer is text, as vLLM's LLM.chat
-        gives it; the server reads calls out of it, launch/tools.py)."""
+        gives it; the server reads calls out of it, launch/openai/tools.py)."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             conversations = [messages]
         elif isinstance(messages, (list, tuple)):

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from launch.detokenizer import IncrementalDetokenizer
-from launch.stop_strings import StopStringMatcher
-from launch.tokenizer import Tokenizer
+from launch.client.detokenizer import IncrementalDetokenizer
+from launch.client.stop_strings import StopStringMatcher
+from launch.client.tokenizer import Tokenizer
 from protocol.engine import Logprobs, RequestOutput, SamplingParams
 
 
