@@ -4,7 +4,7 @@
     python benchmarks/decode_profile.py [--workloads 32x264,64x200] [--steps 20]
         [--warmup 3] [--threads 1] [--modes plain,profiled]
 
-SmolLM2-135M-Instruct (float32, tests/real_model.py) in a real ModelRunner on the CPU,
+SmolLM2-135M-Instruct (float32, tests/helpers/real_model.py) in a real ModelRunner on the CPU,
 fed by the real Scheduler through the wire codecs, in this process. A workload RxL is R
 greedy requests whose decode steps see about L tokens each (prompts of L - warmup -
 steps / 2 tokens, +- --spread). Prefill is not what is measured and would cost a minute of compute,
@@ -49,10 +49,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+
 
 import torch  # noqa: E402
-from real_model import fetch_real_model  # noqa: E402
 
 import worker.model_runner as model_runner_module  # noqa: E402
 import worker.models.llama as llama_module  # noqa: E402
@@ -66,6 +65,7 @@ from protocol.codec import Codec  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from protocol.kv_cache import NULL_BLOCK_ID  # noqa: E402
 from protocol.worker import CoreToWorker, WorkerConfigure, WorkerToCore  # noqa: E402
+from tests.helpers.real_model import fetch_real_model  # noqa: E402
 from worker.host_memory import keep_freed_memory  # noqa: E402
 from worker.layers import GatedMLP, Linear, ParallelLMHead, RMSNorm, RotaryEmbedding  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402

@@ -58,10 +58,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # real_model lives with the tests that gate on it
+
 
 from peer import PEER_SCRIPTS, PEERS_DIR  # noqa: E402
-from real_model import fetch_real_model  # noqa: E402
+
+from tests.helpers.real_model import fetch_real_model  # noqa: E402
 
 PEER_PYTHON = PEERS_DIR / "vllm-full-venv" / "bin" / "python"
 PEER_SCRIPT = PEER_SCRIPTS / "bench_e2e.py"

@@ -6,7 +6,7 @@ checkpoint directory on stdout (progress goes to stderr):
     pagedserve generate --model "$(python benchmarks/fetch_real_model.py)" ...
 
 The cache defaults to $PAGEDSERVE_REAL_MODEL_CACHE or ~/.cache/pagedserve/real-models/;
-see tests/real_model.py.
+see tests/helpers/real_model.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from real_model import RealModelError, fetch_real_model
+from tests.helpers.real_model import RealModelError, fetch_real_model
 
 
 def main() -> int:

@@ -83,11 +83,11 @@ run() {  # run NAME CMD...: log the output, remember the exit status
 
 run nvrtc "$PY" -m kernels.nvrtc_check
 run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
-  tests/test_cuda_kernels.py tests/test_reference_kernels.py tests/test_worker_batch.py \
-  tests/test_worker_memory.py
+  tests/kernels/test_cuda_kernels.py tests/kernels/test_reference_kernels.py tests/worker/test_worker_batch.py \
+  tests/worker/test_worker_memory.py
 # The whole engine on the GPU in bf16 and fp16 against float32 transformers.
 run e2e "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not emulated" \
-  tests/test_half_precision.py
+  tests/worker/test_half_precision.py
 run check "$PY" benchmarks/attention_bench.py check "${BENCH_FLAGS[@]}" --out "$RESULTS/check.json"
 run bench "$PY" benchmarks/attention_bench.py bench "${BENCH_FLAGS[@]}" --out "$RESULTS/bench.json"
 

@@ -1,6 +1,6 @@
 """The CUDA-free control plane: requests, block hashing, KV-cache ownership, scheduling.
 
-Nothing in this package may import torch or cupy (tests/test_enginecore_imports.py).
+Nothing in this package may import torch or cupy (tests/enginecore/test_enginecore_imports.py).
 """
 
 from enginecore.block_hash import BlockHasher

