@@ -20,12 +20,12 @@ weighs on both). The worker reports its steps, busy and idle seconds
 idle / (busy + idle), from its first step to its last. Tokens are checked equal between
 the modes. Progress on stderr; the last line of stdout is one JSON object.
 
-On the CPU the worker's thread runs the model itself (1.2-1.6 ms a step at 256 requests
-even for the tiny layer, mostly the attention plan and kernels), work that a GPU's host
-thread only queues; under async scheduling that thread must also plan the next step, so
+On the CPU the worker's thread runs the model itself (milliseconds a step at 256
+requests even for the tiny layer, mostly the attention plan and kernels), work that a
+GPU's host thread only queues; under async scheduling that thread must also plan the next step, so
 the forward's CPU time, which the delay already models as device time, would count twice.
 --skip (a benchmark-only worker setting, worker/bench_clock.py) cuts it short: attention
-makes every attention layer return zeros (~0.7 ms a step left); layers passes every
+makes every attention layer return zeros (the rest of the layer left); layers passes every
 decoder layer's input through (embedding, norm, LM head and sampling left, as cheap as
 queueing a small model's kernels), so the overlap measured is the host path's against
 the modelled device.
