@@ -210,6 +210,7 @@ def test_text_naming_a_file_outside_the_repository_is_found(tmp_path: Path) -> N
             "README.md": f"see {OUTSIDE_MARKERS[1]}\n",
             "docs/a.md": "all inside\n",
             "x.py": f"# {OUTSIDE_MARKERS[0]}/notes\n",
+            ".venv/site.py": f"# {OUTSIDE_MARKERS[1]}\n",  # not the repository's text
         },
     )
     (root / "blob.bin").write_bytes(b"\0" + OUTSIDE_MARKERS[2].encode())

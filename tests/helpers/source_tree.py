@@ -184,15 +184,30 @@ def long_functions(path: Path, limit: int) -> list[tuple[str, int]]:
     return found
 
 
+def _is_build_output(part: str) -> bool:
+    return part.startswith(".") or part == "__pycache__" or part.endswith(".egg-info")
+
+
 def tracked_files(root: Path) -> list[Path]:
-    """The files git tracks under `root`; every file when `root` is not a git work tree."""
+    """The files git tracks under `root` when it is a work tree's top; else every file but
+    hidden folders and build outputs."""
+    git = ["git", "-C", str(root)]
     try:
-        listed = subprocess.run(
-            ["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True
-        ).stdout.decode()
+        top = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        if Path(top).resolve() == root.resolve():
+            listed = subprocess.run(
+                [*git, "ls-files", "-z"], capture_output=True, check=True
+            ).stdout.decode()
+            return [root / name for name in listed.split("\0") if name]
     except (OSError, subprocess.CalledProcessError):
-        return sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.parts)
-    return [root / name for name in listed.split("\0") if name]
+        pass
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not any(map(_is_build_output, p.relative_to(root).parts))
+    )
 
 
 def text_of(path: Path) -> str | None:
