@@ -185,40 +185,52 @@ def make_runner(model_dir: Path) -> ModelRunner:
     return ModelRunner(runner_config(args))
 
 
-def run_workload(
-    runner: ModelRunner, num_reqs: int, context: int, a: argparse.Namespace, threads: list[int]
-) -> dict[str, Any]:
-    prompt_len = context - a.warmup - a.steps // 2
-    max_model_len = prompt_len + a.spread + a.warmup + a.steps + 2
-    specs = runner.kv_cache_specs()
-    groups = make_kv_cache_config(specs, 1 << 40).kv_cache_groups
-    num_blocks = 1 + num_reqs * -(-max_model_len // BLOCK_SIZE)
-    kv_config = with_num_blocks(groups, num_blocks)
-    max_tokens = num_reqs * (prompt_len + a.spread)
-    settings = EngineArgs(model="unused", max_num_batched_tokens=max_tokens, max_num_seqs=num_reqs)
-    scheduler = Scheduler(
-        scheduler_config(settings, max_model_len=max_model_len),
-        kv_config,
-        runner.model_config.vocab_size,
-    )
-    runner.initialize(WorkerConfigure(kv_config, num_reqs, max_model_len, max_tokens))
-    to_worker = Codec(CoreToWorker, "core->worker")
-    to_core = Codec(WorkerToCore, "worker->core")
-    rng = random.Random(a.seed)
-    vocab = runner.model_config.vocab_size
-    # The prefill loop ends on the first decode-only step: one more token than its count.
-    params = SamplingParams(max_tokens=a.warmup + a.steps + 2, temperature=0, ignore_eos=True)
-    for i in range(num_reqs):
-        # Lengths spread around the mean: attention then pads and masks as it does live.
-        n = prompt_len + rng.randint(-a.spread, a.spread)
-        prompt = [rng.randrange(3, vocab) for _ in range(n)]
-        req = Request(
-            f"r{i}", prompt, scheduler.kv_cache_manager.block_hasher, sampling_params=params
-        )
-        if scheduler.add_request(req) is not None:
-            raise SystemExit(f"request r{i} was refused")
+class DecodeLoop:
+    """The real Scheduler driving the runner through the wire codecs, in this process, on
+    num_reqs greedy requests whose decode steps see about `context` tokens."""
 
-    def step() -> tuple[float, bool]:
+    def __init__(
+        self, runner: ModelRunner, num_reqs: int, context: int, a: argparse.Namespace
+    ) -> None:
+        self.runner = runner
+        self.prompt_len = prompt_len = context - a.warmup - a.steps // 2
+        max_model_len = prompt_len + a.spread + a.warmup + a.steps + 2
+        specs = runner.kv_cache_specs()
+        groups = make_kv_cache_config(specs, 1 << 40).kv_cache_groups
+        num_blocks = 1 + num_reqs * -(-max_model_len // BLOCK_SIZE)
+        kv_config = with_num_blocks(groups, num_blocks)
+        max_tokens = num_reqs * (prompt_len + a.spread)
+        settings = EngineArgs(
+            model="unused", max_num_batched_tokens=max_tokens, max_num_seqs=num_reqs
+        )
+        self.scheduler = Scheduler(
+            scheduler_config(settings, max_model_len=max_model_len),
+            kv_config,
+            runner.model_config.vocab_size,
+        )
+        runner.initialize(WorkerConfigure(kv_config, num_reqs, max_model_len, max_tokens))
+        self.to_worker = Codec(CoreToWorker, "core->worker")
+        self.to_core = Codec(WorkerToCore, "worker->core")
+        self._add_requests(num_reqs, a)
+
+    def _add_requests(self, num_reqs: int, a: argparse.Namespace) -> None:
+        rng = random.Random(a.seed)
+        vocab = self.runner.model_config.vocab_size
+        # The prefill loop ends on the first decode-only step: one more token than its count.
+        params = SamplingParams(max_tokens=a.warmup + a.steps + 2, temperature=0, ignore_eos=True)
+        hasher = self.scheduler.kv_cache_manager.block_hasher
+        for i in range(num_reqs):
+            # Lengths spread around the mean: attention then pads and masks as it does live.
+            n = self.prompt_len + rng.randint(-a.spread, a.spread)
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+            req = Request(f"r{i}", prompt, hasher, sampling_params=params)
+            if self.scheduler.add_request(req) is not None:
+                raise SystemExit(f"request r{i} was refused")
+
+    def step(self) -> tuple[float, bool]:
+        """One engine step; the ms its execute took, and whether it was decode-only."""
+        scheduler, runner = self.scheduler, self.runner
+        to_worker, to_core = self.to_worker, self.to_core
         so = scheduler.schedule()
         decode_only = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
         t0 = time.perf_counter()
@@ -229,69 +241,96 @@ def run_workload(
             scheduler.update_from_output(so, to_core.decode(frame))
         return ms, decode_only
 
-    # Prefill without its compute (module docstring), then noise in every KV slot.
-    hidden = runner.model_config.hidden_size
-    real_forward = runner.model.forward
-    runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden)  # type: ignore[method-assign]
-    while not step()[1]:
-        pass
-    del runner.model.forward
-    assert runner.model.forward == real_forward
-    gen = torch.Generator().manual_seed(a.seed)
-    for k_cache, v_cache in runner.kv_caches:
-        for cache in (k_cache, v_cache):
-            cache.normal_(generator=gen)
-            cache[NULL_BLOCK_ID].fill_(float("nan"))
-    for _ in range(a.warmup):
-        step()
+    def prefill_then_noise(self, a: argparse.Namespace) -> None:
+        """Prefill without its compute (module docstring), noise in every KV slot, then
+        the warm-up decode steps."""
+        runner = self.runner
+        hidden = runner.model_config.hidden_size
+        real_forward = runner.model.forward
+        runner.model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden)  # type: ignore[method-assign]
+        while not self.step()[1]:
+            pass
+        del runner.model.forward
+        assert runner.model.forward == real_forward
+        gen = torch.Generator().manual_seed(a.seed)
+        for k_cache, v_cache in runner.kv_caches:
+            for cache in (k_cache, v_cache):
+                cache.normal_(generator=gen)
+                cache[NULL_BLOCK_ID].fill_(float("nan"))
+        for _ in range(a.warmup):
+            self.step()
 
+    def finish(self) -> None:
+        while self.scheduler.has_unfinished_requests():
+            self.step()
+        self.step()  # the finishing step frees the worker's rows
+
+
+class StepTimes:
+    """Per thread count: plain steps' execute and forward ms, profiled steps' components."""
+
+    def __init__(self, threads: list[int]) -> None:
+        self.plain_ms: dict[int, list[float]] = {t: [] for t in threads}
+        self.forward_ms: dict[int, list[float]] = {t: [] for t in threads}
+        self.profiled: dict[int, list[dict[str, float]]] = {t: [] for t in threads}
+
+    def by_threads(self, t: int) -> dict[str, Any]:
+        def med(xs: list[float]) -> float | None:
+            return round(statistics.median(xs), 3) if xs else None
+
+        profiled = self.profiled[t]
+        names = sorted({k for p in profiled for k in p})
+        components = {n: med([p.get(n, 0.0) for p in profiled]) for n in names}
+        if profiled:
+            components["forward_sum"] = med(
+                [sum(p.get(n, 0.0) for n in FORWARD_PARTS) for p in profiled]
+            )
+        return {
+            "execute_ms": med(self.plain_ms[t]),
+            "forward_ms": med(self.forward_ms[t]),
+            "execute_ms_all": [round(x, 2) for x in self.plain_ms[t]],
+            "forward_ms_all": [round(x, 2) for x in self.forward_ms[t]],
+            "profiled_ms": components,
+        }
+
+
+def time_steps(loop: DecodeLoop, a: argparse.Namespace, threads: list[int]) -> StepTimes:
+    """The timed decode steps, modes and thread counts interleaved step by step."""
+    runner = loop.runner
     timers = Timers()
     fwd = Timers()
     modes = [(m, t) for m in a.modes for t in threads]
-    plain_ms: dict[int, list[float]] = {t: [] for t in threads}
-    forward_ms: dict[int, list[float]] = {t: [] for t in threads}
-    profiled: dict[int, list[dict[str, float]]] = {t: [] for t in threads}
+    times = StepTimes(threads)
     for i in range(a.steps):
         mode, t = modes[i % len(modes)]
         torch.set_num_threads(t)
         if mode == "plain":
             fwd.patch(runner.model, "forward", "forward")
-            ms, decode_only = step()
+            ms, decode_only = loop.step()
             fwd.unpatch()
-            plain_ms[t].append(ms)
-            forward_ms[t].append(fwd.take()["forward"])
+            times.plain_ms[t].append(ms)
+            times.forward_ms[t].append(fwd.take()["forward"])
         else:
-            instrument(timers, runner, (to_worker, to_core))
-            ms, decode_only = step()
+            instrument(timers, runner, (loop.to_worker, loop.to_core))
+            ms, decode_only = loop.step()
             timers.unpatch()
             parts = timers.take()
             parts["total"] = ms
-            profiled[t].append(parts)
+            times.profiled[t].append(parts)
         if not decode_only:
             raise AssertionError(f"step {i} was not decode-only")
-    while scheduler.has_unfinished_requests():
-        step()
-    step()  # the finishing step frees the worker's rows
+    return times
 
-    def med(xs: list[float]) -> float | None:
-        return round(statistics.median(xs), 3) if xs else None
 
-    result: dict[str, Any] = {"prompt_len": prompt_len, "by_threads": {}}
-    for t in threads:
-        names = sorted({k for p in profiled[t] for k in p})
-        components = {n: med([p.get(n, 0.0) for p in profiled[t]]) for n in names}
-        if profiled[t]:
-            components["forward_sum"] = med(
-                [sum(p.get(n, 0.0) for n in FORWARD_PARTS) for p in profiled[t]]
-            )
-        result["by_threads"][str(t)] = {
-            "execute_ms": med(plain_ms[t]),
-            "forward_ms": med(forward_ms[t]),
-            "execute_ms_all": [round(x, 2) for x in plain_ms[t]],
-            "forward_ms_all": [round(x, 2) for x in forward_ms[t]],
-            "profiled_ms": components,
-        }
-    return result
+def run_workload(
+    runner: ModelRunner, num_reqs: int, context: int, a: argparse.Namespace, threads: list[int]
+) -> dict[str, Any]:
+    loop = DecodeLoop(runner, num_reqs, context, a)
+    loop.prefill_then_noise(a)
+    times = time_steps(loop, a, threads)
+    loop.finish()
+    by_threads = {str(t): times.by_threads(t) for t in threads}
+    return {"prompt_len": loop.prompt_len, "by_threads": by_threads}
 
 
 def main(argv: list[str] | None = None) -> int:

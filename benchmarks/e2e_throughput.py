@@ -17,7 +17,7 @@ is shared, so a load change should not always fall on the same engine):
 - ours: `pagedserve generate --input W --output O` as a user runs it. Output tokens are
   counted in O; gen_s is the generate phase from its summary line (first request sent
   to last output; start-up and shutdown excluded); whole_s is the whole command.
-- peer: ../shared/peers/vllm/bench_e2e.py (vLLM 0.32 LLM.generate, CPU backend) in
+- peer: the vLLM peer's bench_e2e.py (vLLM 0.32 LLM.generate, CPU backend; peer.py) in
   $PEERS_DIR/vllm-full-venv (made by setup-full.sh); gen_s is its LLM.generate time.
   Skipped with a note in the JSON when that venv or script is absent.
 - transformers: this file with --hf-worker in a subprocess: AutoModelForCausalLM float32,
@@ -379,7 +379,7 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(vals), 3) if vals else None
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=1, help="interleaved rounds of every engine")
     p.add_argument("--workloads", default="shared,unique")
@@ -399,15 +399,157 @@ def main() -> int:
     p.add_argument("--input", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--hf-out", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.engines = [e for e in a.engines.split(",") if e]
+    unknown = set(a.engines) - set(ENGINES)
+    if unknown and not a.hf_worker:
+        p.error(f"unknown engines {sorted(unknown)}")
+    return a
+
+
+def check_peer(a: argparse.Namespace, engines: list[str], result: dict[str, Any]) -> None:
+    """Say whether the vLLM peer runs; drop it from `engines` when it is absent."""
+    if "peer" in engines and not (a.peer_python.exists() and a.peer_script.exists()):
+        engines.remove("peer")
+        result["peer_status"] = (
+            f"absent: {a.peer_python} or {a.peer_script} missing; "
+            f"run bash {PEER_SCRIPTS}/setup-full.sh to compare with vLLM"
+        )
+        log(result["peer_status"])
+    elif "peer" in engines:
+        result["peer_status"] = f"ran {a.peer_script} with {a.peer_python}"
+
+
+def write_workloads(
+    work: Path, loads: dict[str, list[dict[str, Any]]], chosen: list[str]
+) -> dict[str, dict[str, Path]]:
+    """Each chosen workload as JSONL, in full and as its first-token (max_tokens=1) form."""
+    files: dict[str, dict[str, Path]] = {}
+    for name in chosen:
+        files[name] = {"full": work / f"{name}.jsonl", "ttft": work / f"{name}-ttft.jsonl"}
+        write_jsonl(files[name]["full"], loads[name])
+        write_jsonl(files[name]["ttft"], ttft_rows(loads[name]))
+    return files
+
+
+class Rounds:
+    """Every engine on every workload, --repeat times, the engines' order rotating per
+    round so that a slow spell of the machine does not always fall on the same one."""
+
+    def __init__(self, engines: list[str], chosen: list[str]) -> None:
+        self.chosen = chosen
+        self.runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+            w: {e: [] for e in engines} for w in chosen
+        }
+        self.ttft: dict[str, dict[str, list[float]]] = {w: {e: [] for e in engines} for w in chosen}
+        self.failures: list[str] = []
+
+    def _run(self, eng: str, what: str, failed: str, *args: Any) -> dict[str, Any] | None:
+        """One engine run; a failure is recorded and logged, and the rounds go on."""
+        try:
+            return RUNNERS[eng](*args)
+        except (RuntimeError, ValueError, OSError) as e:
+            self.failures.append(f"{eng} {what}: {e}")
+            log(f"{eng} {failed}: {str(e)[-1500:]}")
+            return None
+
+    def run_all(
+        self,
+        a: argparse.Namespace,
+        model: Path,
+        engines: list[str],
+        files: dict[str, dict[str, Path]],
+        loads: dict[str, list[dict[str, Any]]],
+        work: Path,
+    ) -> None:
+        for rep in range(a.repeat):
+            order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
+            for name in self.chosen:
+                for eng in order:
+                    tag = f"{name}-r{rep}"
+                    load = os.getloadavg()[0]
+                    log(f"repeat {rep + 1}/{a.repeat} {name}: {eng} (load avg {load:.2f})")
+                    r = self._run(eng, tag, "failed", model, files[name]["full"], work, tag, a)
+                    if r is None:
+                        continue
+                    r["load_avg_1m"] = round(os.getloadavg()[0], 2)
+                    self.runs[name][eng].append(r)
+                    log(
+                        f"  {r['output_tokens']} tokens, gen {r['gen_s']:.2f} s = "
+                        f"{r['output_tok_s']:.1f} tok/s, whole {r['whole_s']:.1f} s"
+                    )
+                    if a.no_ttft:
+                        continue
+                    ttft_file = files[name]["ttft"]
+                    t = self._run(
+                        eng, f"{tag} ttft", "ttft failed", model, ttft_file, work, f"{tag}-ttft", a
+                    )
+                    if t is None:
+                        continue
+                    self.ttft[name][eng].append(t["gen_s"])
+                    log(f"  first token of all {len(loads[name])} requests: {t['gen_s']:.2f} s")
+
+
+def engine_report(rs: list[dict[str, Any]], ttft: list[float]) -> dict[str, Any]:
+    """One engine's runs of one workload: medians, first-token times, and the runs."""
+    return {
+        "median": {k: _median(rs, k) for k in ("output_tok_s", "gen_s", "whole_s", "load_s")},
+        "first_token_all_s": ttft or None,
+        "first_token_all_s_median": round(statistics.median(ttft), 3) if ttft else None,
+        # Greedy on one machine should repeat itself; say when it does not.
+        "same_tokens_every_repeat": all(r["token_ids"] == rs[0]["token_ids"] for r in rs),
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rs],
+    }
+
+
+def workload_report(
+    name: str,
+    rows: list[dict[str, Any]],
+    engines: list[str],
+    rounds: Rounds,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """One workload's report: each engine's figures, throughput ratios, token agreement."""
+    w: dict[str, Any] = {
+        "requests": len(rows),
+        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in rows),
+        "max_tokens": rows[0]["max_tokens"],
+        "engines": {},
+    }
+    ids: dict[str, list[list[int]]] = {}
+    for eng in engines:
+        rs = rounds.runs[name][eng]
+        if not rs:
+            continue
+        ids[eng] = rs[0]["token_ids"]
+        w["engines"][eng] = engine_report(rs, rounds.ttft[name][eng])
+        if eng == "peer" and rs[0].get("threads_log"):
+            result["threads"]["peer"] = rs[0]["threads_log"]
+    ratios: dict[str, Any] = {}
+    med = {e: w["engines"][e]["median"] for e in w["engines"]}
+    for other in ("peer", "transformers"):
+        if "ours" in med and other in med:
+            ratios[f"ours_over_{other}_output_tok_s"] = round(
+                med["ours"]["output_tok_s"] / med[other]["output_tok_s"], 3
+            )
+            ratios[f"{other}_over_ours_whole_s"] = round(
+                med[other]["whole_s"] / med["ours"]["whole_s"], 3
+            )
+    w["ratios"] = ratios
+    pairs = [("ours", "peer"), ("ours", "transformers"), ("peer", "transformers")]
+    w["agreement"] = {
+        f"{x}_vs_{y}": agreement(ids[x], ids[y]) for x, y in pairs if x in ids and y in ids
+    }
+    return w
+
+
+def main() -> int:
+    a = parse_args()
     if a.hf_worker:
         return hf_worker(a)
 
     started = time.perf_counter()
     model = fetch_real_model()
-    engines = [e for e in a.engines.split(",") if e]
-    unknown = set(engines) - set(ENGINES)
-    if unknown:
-        p.error(f"unknown engines {sorted(unknown)}")
+    engines = a.engines
     threads, most = ours_threads()
     if a.hf_threads is None:
         a.hf_threads = most
@@ -419,110 +561,25 @@ def main() -> int:
         "cpus": len(os.sched_getaffinity(0)),
         "threads": {"ours": threads, "transformers": a.hf_threads, "peer": None},
     }
-    if "peer" in engines and not (a.peer_python.exists() and a.peer_script.exists()):
-        engines.remove("peer")
-        result["peer_status"] = (
-            f"absent: {a.peer_python} or {a.peer_script} missing; "
-            f"run bash {PEER_SCRIPTS}/setup-full.sh to compare with vLLM"
-        )
-        log(result["peer_status"])
-    elif "peer" in engines:
-        result["peer_status"] = f"ran {a.peer_script} with {a.peer_python}"
+    check_peer(a, engines, result)
 
     work = a.keep or Path(tempfile.mkdtemp(prefix="pagedserve-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     loads = build_workloads(model, a.seed)
     chosen = [w for w in a.workloads.split(",") if w]
-    files: dict[str, dict[str, Path]] = {}
+    files = write_workloads(work, loads, chosen)
+    rounds = Rounds(engines, chosen)
+    rounds.run_all(a, model, engines, files, loads, work)
     for name in chosen:
-        files[name] = {"full": work / f"{name}.jsonl", "ttft": work / f"{name}-ttft.jsonl"}
-        write_jsonl(files[name]["full"], loads[name])
-        write_jsonl(files[name]["ttft"], ttft_rows(loads[name]))
-
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {e: [] for e in engines} for w in chosen}
-    ttft: dict[str, dict[str, list[float]]] = {w: {e: [] for e in engines} for w in chosen}
-    failures: list[str] = []
-    for rep in range(a.repeat):
-        order = engines[rep % len(engines) :] + engines[: rep % len(engines)]
-        for name in chosen:
-            for eng in order:
-                tag = f"{name}-r{rep}"
-                load = os.getloadavg()[0]
-                log(f"repeat {rep + 1}/{a.repeat} {name}: {eng} (load avg {load:.2f})")
-                try:
-                    r = RUNNERS[eng](model, files[name]["full"], work, tag, a)
-                except (RuntimeError, ValueError, OSError) as e:
-                    failures.append(f"{eng} {tag}: {e}")
-                    log(f"{eng} failed: {str(e)[-1500:]}")
-                    continue
-                r["load_avg_1m"] = round(os.getloadavg()[0], 2)
-                runs[name][eng].append(r)
-                log(
-                    f"  {r['output_tokens']} tokens, gen {r['gen_s']:.2f} s = "
-                    f"{r['output_tok_s']:.1f} tok/s, whole {r['whole_s']:.1f} s"
-                )
-                if a.no_ttft:
-                    continue
-                try:
-                    t = RUNNERS[eng](model, files[name]["ttft"], work, tag + "-ttft", a)
-                except (RuntimeError, ValueError, OSError) as e:
-                    failures.append(f"{eng} {tag} ttft: {e}")
-                    log(f"{eng} ttft failed: {str(e)[-1500:]}")
-                    continue
-                ttft[name][eng].append(t["gen_s"])
-                log(f"  first token of all {len(loads[name])} requests: {t['gen_s']:.2f} s")
-
-    for name in chosen:
-        w: dict[str, Any] = {
-            "requests": len(loads[name]),
-            "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in loads[name]),
-            "max_tokens": loads[name][0]["max_tokens"],
-            "engines": {},
-        }
-        ids: dict[str, list[list[int]]] = {}
-        for eng in engines:
-            rs = runs[name][eng]
-            if not rs:
-                continue
-            ids[eng] = rs[0]["token_ids"]
-            w["engines"][eng] = {
-                "median": {
-                    k: _median(rs, k) for k in ("output_tok_s", "gen_s", "whole_s", "load_s")
-                },
-                "first_token_all_s": ttft[name][eng] or None,
-                "first_token_all_s_median": (
-                    round(statistics.median(ttft[name][eng]), 3) if ttft[name][eng] else None
-                ),
-                # Greedy on one machine should repeat itself; say when it does not.
-                "same_tokens_every_repeat": all(r["token_ids"] == ids[eng] for r in rs),
-                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in rs],
-            }
-            if eng == "peer" and rs[0].get("threads_log"):
-                result["threads"]["peer"] = rs[0]["threads_log"]
-        ratios: dict[str, Any] = {}
-        med = {e: w["engines"][e]["median"] for e in w["engines"]}
-        for other in ("peer", "transformers"):
-            if "ours" in med and other in med:
-                ratios[f"ours_over_{other}_output_tok_s"] = round(
-                    med["ours"]["output_tok_s"] / med[other]["output_tok_s"], 3
-                )
-                ratios[f"{other}_over_ours_whole_s"] = round(
-                    med[other]["whole_s"] / med["ours"]["whole_s"], 3
-                )
-        w["ratios"] = ratios
-        pairs = [("ours", "peer"), ("ours", "transformers"), ("peer", "transformers")]
-        w["agreement"] = {
-            f"{x}_vs_{y}": agreement(ids[x], ids[y]) for x, y in pairs if x in ids and y in ids
-        }
-        result[name] = w
-    if failures:
-        result["failures"] = [f[-2000:] for f in failures]
+        result[name] = workload_report(name, loads[name], engines, rounds, result)
+    if rounds.failures:
+        result["failures"] = [f[-2000:] for f in rounds.failures]
     result["files"] = str(work) if a.keep else None
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result))
-    return 1 if failures else 0
+    return 1 if rounds.failures else 0
 
 
 if __name__ == "__main__":

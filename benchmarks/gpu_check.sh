@@ -6,9 +6,8 @@
 #   bash benchmarks/gpu_check.sh [--quick]
 # Without a GPU, --emulate runs the same steps with the kernels on the CPU emulator and small
 # shapes (the GPU-only tests skip): it checks this script, not the GPU (the tests run it).
-# Results (JSON and logs, 8 files) go to $OUT if set (the device tool's output folder),
-# else to results/gpu_check/. The last line printed is a JSON summary; exit status 1 if
-# anything failed.
+# Results (JSON and logs, at most 8 files) go to $OUT if set, else to results/gpu_check/.
+# The last line printed is a JSON summary; exit status 1 if anything failed.
 #
 # The GPU machine may have no network. The kernels need torch and CuPy (cupy-cuda12x or
 # cupy-cuda13x); the compile check needs cuda-bindings + nvidia-cuda-nvrtc +
@@ -67,8 +66,8 @@ print("cuda available", torch.cuda.is_available(),
 EOF
 
 # Each step logs to $RESULTS/<step>.log, except that the end-to-end tests append to
-# pytest.log and both sanitizer tools to sanitizer.log (the device tool brings back 8 files
-# at most; this script writes 8).
+# pytest.log and both sanitizer tools to sanitizer.log: a small, fixed set of files that
+# is quick to bring back from a GPU machine and read.
 declare -A status
 declare -A log_as=([e2e]=pytest [memcheck]=sanitizer [racecheck]=sanitizer)
 run() {  # run NAME CMD...: log the output, remember the exit status
@@ -91,10 +90,11 @@ run e2e "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not emulated" \
 run check "$PY" benchmarks/attention_bench.py check "${BENCH_FLAGS[@]}" --out "$RESULTS/check.json"
 run bench "$PY" benchmarks/attention_bench.py bench "${BENCH_FLAGS[@]}" --out "$RESULTS/bench.json"
 
-# compute-sanitizer on the small cases, in what time is left of the device tool's 10-minute
-# command limit: memcheck (out-of-bounds and misaligned device accesses; without the
-# caching allocator every tensor is its own allocation, so a read past a tensor's end is
-# caught, not hidden in a pool), then racecheck (shared-memory hazards between threads).
+# compute-sanitizer on the small cases, in what is left of GPU_CHECK_BUDGET_S (default
+# 540 s, so the whole check fits in a 10-minute command): memcheck (out-of-bounds and
+# misaligned device accesses; without the caching allocator every tensor is its own
+# allocation, so a read past a tensor's end is caught, not hidden in a pool), then
+# racecheck (shared-memory hazards between threads).
 BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
 sanitize() {  # sanitize TOOL: run it on the small cases if there is time and a sanitizer
   local tool="$1" left=$((BUDGET_S - SECONDS))

@@ -70,7 +70,7 @@ from enginecore.scheduler import Scheduler  # noqa: E402
 from launch.client.engine import EngineArgs, runner_config  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
-from protocol.kv_cache import FullAttentionSpec, KVCacheSpec  # noqa: E402
+from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec  # noqa: E402
 from protocol.worker import (  # noqa: E402
     CoreToWorker,
     SchedulerOutput,
@@ -186,47 +186,27 @@ def measure(
     usage.tokens_in_flight.append(tokens)
 
 
-def run_workload(
-    runner: ModelRunner,
+def size_kv_config(
     specs: dict[str, KVCacheSpec],
     prompts: list[list[int]],
     a: argparse.Namespace,
     budget_bytes: int | None,
-) -> tuple[dict[str, Any], list[list[int]]]:
-    """One run. budget_bytes None: a block count ample for every request at once (the
-    same for both layouts, nothing preempted); else the pool sized from that budget."""
-    max_model_len = a.prompt_max + a.decode
-    if budget_bytes is None:
-        sized = make_kv_cache_config(specs, _SIZING_MEMORY)
-        # Enough blocks for every request's whole life at once in two groups of equal
-        # layer counts, whichever the config.
-        num_groups = max(2, len(sized.kv_cache_groups))
-        num_blocks = 1 + num_groups * sum(cdiv(len(p) + a.decode, a.block_size) for p in prompts)
-        kv_config = with_num_blocks(sized.kv_cache_groups, num_blocks)
-    else:
-        kv_config = make_kv_cache_config(specs, budget_bytes)
-    # Pool bytes per block id (buffers shared across groups of equal layer counts), and
-    # per group: what one id of that group holds, page size x its layers.
-    pool_bytes_per_block = sum(t.size for t in kv_config.kv_cache_tensors) // kv_config.num_blocks
-    per_group = [
-        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_config.kv_cache_groups
-    ]
-    settings = EngineArgs(
-        model="unused",
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_num_seqs=max(len(prompts), 1),
-    )
-    config = scheduler_config(settings, max_model_len=max_model_len)
-    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
-    scheduler.check_capacity()
-    runner.initialize(
-        WorkerConfigure(kv_config, len(prompts), max_model_len, a.max_num_batched_tokens)
-    )
-    # What the worker really allocated (distinct storages), against what the core sized.
-    physical_bytes, num_buffers = runner.kv_cache_storage_bytes()
-    config_bytes = sum(t.size for t in kv_config.kv_cache_tensors)
-    to_worker = Codec(CoreToWorker, "core->worker")
-    to_core = Codec(WorkerToCore, "worker->core")
+) -> KVCacheConfig:
+    """budget_bytes None: a block count ample for every request at once (the same for both
+    layouts, nothing preempted); else the pool sized from that budget."""
+    if budget_bytes is not None:
+        return make_kv_cache_config(specs, budget_bytes)
+    sized = make_kv_cache_config(specs, _SIZING_MEMORY)
+    # Enough blocks for every request's whole life at once in two groups of equal
+    # layer counts, whichever the config.
+    num_groups = max(2, len(sized.kv_cache_groups))
+    num_blocks = 1 + num_groups * sum(cdiv(len(p) + a.decode, a.block_size) for p in prompts)
+    return with_num_blocks(sized.kv_cache_groups, num_blocks)
+
+
+def add_requests(
+    scheduler: Scheduler, prompts: list[list[int]], a: argparse.Namespace
+) -> list[Request]:
     params = SamplingParams(max_tokens=a.decode, temperature=0, ignore_eos=True)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -236,6 +216,16 @@ def run_workload(
         if scheduler.add_request(request) is not None:
             raise SystemExit(f"request r{i} was refused")
         requests.append(request)
+    return requests
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: ModelRunner, per_group: list[int]
+) -> tuple[Usage, float]:
+    """Every step through the wire codecs until no request is left, measuring each; the
+    seconds it took."""
+    to_worker = Codec(CoreToWorker, "core->worker")
+    to_core = Codec(WorkerToCore, "worker->core")
     usage = Usage()
     t0 = time.perf_counter()
     while scheduler.has_unfinished_requests():
@@ -250,18 +240,27 @@ def run_workload(
                 f"{usage.tokens_in_flight[-1]} tokens in flight"
             )
     runner.execute(to_worker.decode(to_worker.encode(scheduler.schedule())))
-    seconds = time.perf_counter() - t0
-    if budget_bytes is None and scheduler.num_preemptions:
-        raise AssertionError(f"{scheduler.num_preemptions} preemptions with ample blocks")
-    kv = scheduler.kv_cache_manager
-    if kv.num_free_blocks != kv.num_usable_blocks:
-        raise AssertionError("blocks still in use after every request finished")
+    return usage, time.perf_counter() - t0
 
+
+def usage_report(
+    kv_config: KVCacheConfig,
+    per_group: list[int],
+    usage: Usage,
+    storage: tuple[int, int],
+    preemptions: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """One run's figures; storage is what the worker allocated (bytes, distinct buffers)."""
+    physical_bytes, num_buffers = storage
+    # Pool bytes per block id (buffers shared across groups of equal layer counts).
+    config_bytes = sum(t.size for t in kv_config.kv_cache_tensors)
+    pool_bytes_per_block = config_bytes // kv_config.num_blocks
     peak_blocks = max(usage.blocks_in_use)
     peak_live = [
         max(step[g] for step in usage.live_blocks_per_group) for g in range(len(per_group))
     ]
-    result = {
+    return {
         "groups": [
             {
                 "type": type(g.kv_cache_spec).__name__,
@@ -278,7 +277,7 @@ def run_workload(
         "physical_kv_buffers": num_buffers,
         "physical_over_config": round(physical_bytes / config_bytes, 4),
         "steps": len(usage.blocks_in_use),
-        "preemptions": scheduler.num_preemptions,
+        "preemptions": preemptions,
         "seconds": round(seconds, 3),
         "blocks_in_use": {
             "peak": peak_blocks,
@@ -299,7 +298,46 @@ def run_workload(
             "mean_length_at_peak": round(statistics.fmean(usage.peak_lengths), 1),
         },
     }
+
+
+def run_workload(
+    runner: ModelRunner,
+    specs: dict[str, KVCacheSpec],
+    prompts: list[list[int]],
+    a: argparse.Namespace,
+    budget_bytes: int | None,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One run (size_kv_config says how budget_bytes sizes the pool); its figures and
+    every request's generated tokens."""
+    max_model_len = a.prompt_max + a.decode
+    kv_config = size_kv_config(specs, prompts, a, budget_bytes)
+    # Per group: what one block id of that group holds, page size x its layers.
+    per_group = [
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_config.kv_cache_groups
+    ]
+    settings = EngineArgs(
+        model="unused",
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=max(len(prompts), 1),
+    )
+    config = scheduler_config(settings, max_model_len=max_model_len)
+    scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
+    scheduler.check_capacity()
+    runner.initialize(
+        WorkerConfigure(kv_config, len(prompts), max_model_len, a.max_num_batched_tokens)
+    )
+    # What the worker really allocated (distinct storages), against what the core sized.
+    storage = runner.kv_cache_storage_bytes()
+    requests = add_requests(scheduler, prompts, a)
+    usage, seconds = run_to_completion(scheduler, runner, per_group)
+    if budget_bytes is None and scheduler.num_preemptions:
+        raise AssertionError(f"{scheduler.num_preemptions} preemptions with ample blocks")
+    kv = scheduler.kv_cache_manager
+    if kv.num_free_blocks != kv.num_usable_blocks:
+        raise AssertionError("blocks still in use after every request finished")
+    result = usage_report(kv_config, per_group, usage, storage, scheduler.num_preemptions, seconds)
     if budget_bytes is not None:
+        physical_bytes = storage[0]
         result["budget_bytes"] = budget_bytes
         result["physical_over_budget"] = round(physical_bytes / budget_bytes, 4)
         result["tokens_per_mib"] = round(max(usage.tokens_in_flight) / physical_bytes * 2**20, 2)

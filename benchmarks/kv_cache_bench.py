@@ -10,7 +10,7 @@ then allocate the whole prompt), {"op":"decode","req":I,"tok":T} (append T, allo
 slot), {"op":"finish","req":I} (free). A request whose allocation fails is dropped and
 counted; its later ops are skipped.
 
-When vLLM's peer venv is present (../shared/peers/vllm, made by its setup.sh) the same
+When vLLM's peer venv is present (peer.py: made by the peer's setup.sh) the same
 trace is replayed there too, in the same run, and the ratio is reported. The last line
 of output is one JSON object.
 """

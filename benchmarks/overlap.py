@@ -20,12 +20,12 @@ weighs on both). The worker reports its steps, busy and idle seconds
 idle / (busy + idle), from its first step to its last. Tokens are checked equal between
 the modes. Progress on stderr; the last line of stdout is one JSON object.
 
-On the CPU the worker's thread runs the model itself (1.2-1.6 ms a step at 256 requests
-even for the tiny layer, mostly the attention plan and kernels), work that a GPU's host
-thread only queues; under async scheduling that thread must also plan the next step, so
+On the CPU the worker's thread runs the model itself (milliseconds a step at 256
+requests even for the tiny layer, mostly the attention plan and kernels), work that a
+GPU's host thread only queues; under async scheduling that thread must also plan the next step, so
 the forward's CPU time, which the delay already models as device time, would count twice.
 --skip (a benchmark-only worker setting, worker/bench_clock.py) cuts it short: attention
-makes every attention layer return zeros (~0.7 ms a step left); layers passes every
+makes every attention layer return zeros (the rest of the layer left); layers passes every
 decoder layer's input through (embedding, norm, LM head and sampling left, as cheap as
 queueing a small model's kernels), so the overlap measured is the host path's against
 the modelled device.
@@ -113,7 +113,7 @@ def run(
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--tokens", type=int, default=200, help="output tokens per request")
@@ -133,14 +133,32 @@ def main() -> None:
         "shrinks toward what a GPU launch costs its thread and the delay is the device; "
         "tokens are meaningless but still compared between the modes",
     )
-    a = p.parse_args()
-    os.environ[SKIP_ENV] = "" if a.skip == "none" else a.skip
-    rng = random.Random(0)
-    prompts = [
-        # Byte ids: valid in both vocabularies.
-        [rng.randrange(3, 250) for _ in range(rng.randint(8, 32))]
-        for _ in range(a.requests)
-    ]
+    return p.parse_args()
+
+
+def auto_delay(model: Path, prompts: list[list[int]], a: argparse.Namespace, tmp: Path) -> float:
+    """The model step as long as the host path: what a serial step takes besides the model
+    (the core's schedule and update, both IPC hops, the worker's bookkeeping). The
+    modelled device runs from the launch, so the worker's own forward (CPU work a GPU would
+    not do) hides inside any longer delay: the host path is a serial step with a delay
+    less that delay. A first run without a delay gives a delay long enough to hide the
+    forward."""
+    probe = run(model, prompts, a.tokens, 0, False, tmp, a.device)
+    longer = probe["host_step_ms"]
+    timed = run(model, prompts, a.tokens, longer, False, tmp, a.device)
+    delay = 1e3 / timed["steps_per_s"] - longer
+    print(
+        f"serial step {1e3 / timed['steps_per_s']:.3f} ms with a {longer:.3f} ms "
+        f"delay: host path and delay {delay:.3f} ms",
+        file=sys.stderr,
+    )
+    return delay
+
+
+def run_rounds(
+    a: argparse.Namespace, prompts: list[list[int]]
+) -> tuple[float, list[dict[str, Any]]]:
+    """The step delay, and --rounds pairs of a serial then an async run on one model."""
     with tempfile.TemporaryDirectory(prefix="overlap-") as d:
         tmp = Path(d)
         if a.model == "tiny":
@@ -148,24 +166,7 @@ def main() -> None:
             write_model_dir(model, VOCAB, 64 + a.tokens)
         else:
             model = builtin_model_dir()
-        if a.delay_ms == "auto":
-            # The model step as long as the host path: what a serial step takes besides
-            # the model (the core's schedule and update, both IPC hops, the worker's
-            # bookkeeping). The modelled device runs from the launch, so the worker's
-            # own forward (CPU work a GPU would not do) hides inside any longer delay:
-            # the host path is a serial step with a delay less that delay. A first run
-            # without a delay gives a delay long enough to hide the forward.
-            probe = run(model, prompts, a.tokens, 0, False, tmp, a.device)
-            longer = probe["host_step_ms"]
-            timed = run(model, prompts, a.tokens, longer, False, tmp, a.device)
-            delay = 1e3 / timed["steps_per_s"] - longer
-            print(
-                f"serial step {1e3 / timed['steps_per_s']:.3f} ms with a {longer:.3f} ms "
-                f"delay: host path and delay {delay:.3f} ms",
-                file=sys.stderr,
-            )
-        else:
-            delay = float(a.delay_ms)
+        delay = auto_delay(model, prompts, a, tmp) if a.delay_ms == "auto" else float(a.delay_ms)
         runs: list[dict[str, Any]] = []
         for i in range(a.rounds):
             for async_on in (False, True):
@@ -176,6 +177,11 @@ def main() -> None:
                     file=sys.stderr,
                 )
                 runs.append(r)
+    return delay, runs
+
+
+def report(a: argparse.Namespace, delay: float, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each mode's medians over its runs, the async speedup, and the goals read from it."""
     tokens_equal = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
     by_mode: dict[str, dict[str, float]] = {}
     for mode in ("serial", "async"):
@@ -190,7 +196,7 @@ def main() -> None:
             )
         }
     speedup = by_mode["async"]["steps_per_s"] / by_mode["serial"]["steps_per_s"]
-    result = {
+    return {
         "benchmark": "overlap",
         "model": a.model,
         "device": a.device,
@@ -208,7 +214,19 @@ def main() -> None:
         },
         "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
     }
-    print(json.dumps(result))
+
+
+def main() -> None:
+    a = parse_args()
+    os.environ[SKIP_ENV] = "" if a.skip == "none" else a.skip
+    rng = random.Random(0)
+    prompts = [
+        # Byte ids: valid in both vocabularies.
+        [rng.randrange(3, 250) for _ in range(rng.randint(8, 32))]
+        for _ in range(a.requests)
+    ]
+    delay, runs = run_rounds(a, prompts)
+    print(json.dumps(report(a, delay, runs)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The vLLM peer (../shared/peers/vllm): where it lives, and running one of its scripts."""
+"""The vLLM peer, optional and kept outside this repository: where its scripts
+($PEER_SCRIPTS) and venvs ($PEERS_DIR) are, and running one of its scripts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "peers"))
-PEER_SCRIPTS = ROOT.parent / "shared" / "peers" / "vllm"
+PEER_SCRIPTS = Path(os.environ.get("PEER_SCRIPTS", ROOT.parent / "shared" / "peers" / "vllm"))
 PEER_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
 
 

@@ -5,17 +5,16 @@
         [--workloads random,shared] [--request-rate R] [--url URL] [--quick]
 
 Clients: the official `openai` client (AsyncOpenAI) on its aiohttp transport
-(DefaultAioHttpClient, the `openai[aiohttp]` extra: on this 2-core machine, where the
-clients share the CPUs with the server and the engine, its C HTTP parser halves the
-clients' CPU per streamed token, 56-62 -> 32 us, against httpx's pure-Python one), one
-streaming completion per request, prompts sent as token ids so the server and
-LLM.generate see identical ids; greedy, ignore_eos, fixed max_tokens, so every variant
-generates the same tokens (checked: the server's ids, from the `return_token_ids`
-extension, must equal LLM.generate's). That extension also makes every step's tokens a
-chunk, so ITL is per step even when a token ends inside a character. Load: --concurrency
-C keeps C streams open (a closed loop: a client sends its next request when one ends);
---request-rate R sends requests at Poisson arrivals of R per second instead (still
-capped at C open).
+(DefaultAioHttpClient, the `openai[aiohttp]` extra: where the clients share the CPUs
+with the server and the engine, its C HTTP parser spends far less of them per streamed
+token than httpx's pure-Python one), one streaming completion per request, prompts sent
+as token ids so the server and LLM.generate see identical ids; greedy, ignore_eos, fixed
+max_tokens, so every variant generates the same tokens (checked: the server's ids, from
+the `return_token_ids` extension, must equal LLM.generate's). That extension also makes
+every step's tokens a chunk, so ITL is per step even when a token ends inside a
+character. Load: --concurrency C keeps C streams open (a closed loop: a client sends its
+next request when one ends); --request-rate R sends requests at Poisson arrivals of R
+per second instead (still capped at C open).
 
 Workloads (prompts are words in the model's tokenizer, cut to a token count):
 - random: prompts of random words, no two sharing their first block.
@@ -46,612 +45,30 @@ on --model). Progress on stderr; the last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import itertools
 import json
 import os
-import random
-import re
 import signal
-import statistics
-import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import msgspec  # noqa: E402
-
-from launch.client.async_llm import run as run_async  # noqa: E402
-from launch.client.inputs import InputProcessor  # noqa: E402
-from protocol.engine import SamplingParams  # noqa: E402
-
-WORDS = [
-    "river",
-    "stone",
-    "lamp",
-    "orbit",
-    "cedar",
-    "maple",
-    "signal",
-    "harbor",
-    "copper",
-    "velvet",
-    "meadow",
-    "canyon",
-    "ember",
-    "lantern",
-    "quartz",
-    "prairie",
-    "falcon",
-    "tundra",
-    "glacier",
-    "violet",
-    "summit",
-    "willow",
-    "thunder",
-    "marble",
-    "compass",
-    "saddle",
-    "timber",
-    "beacon",
-    "ribbon",
-    "pepper",
-    "walnut",
-    "harvest",
-    "jasmine",
-    "cobalt",
-]
-SERVER_LINE = re.compile(r"on (https?://\S+)")
-
-
-def log(msg: str) -> None:
-    print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
-
-
-# -- workloads ----------------------------------------------------------------------
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-
-
-def _ids(inputs: InputProcessor, rng: random.Random, head: str, n: int) -> list[int]:
-    """Token ids of head + random words, exactly n of them."""
-    tok = inputs.tokenizer
-    assert tok is not None, "the model has no tokenizer: the workloads are built from words"
-    text = head
-    ids = tok.encode(text, add_special_tokens=False)
-    while len(ids) < n:
-        text += " " + " ".join(rng.choice(WORDS) for _ in range(max(8, (n - len(ids)) // 2)))
-        ids = tok.encode(text, add_special_tokens=False)
-    return ids[:n]
-
-
-def build_workload(name: str, inputs: InputProcessor, n: int, a: argparse.Namespace) -> Workload:
-    rng = random.Random(f"{a.seed}-{name}-{n}")
-    lo, hi = a.prompt_len
-    if name == "random":
-        prompts = [_ids(inputs, rng, f"Case {i}:", rng.randint(lo, hi)) for i in range(n)]
-        heads = {tuple(p[:16]) for p in prompts}
-        # A shared first block would be a prefix-cache hit this workload must not have.
-        assert len(heads) == len(prompts), "two random prompts share their first 16 tokens"
-        return Workload(name, prompts)
-    if name == "shared":
-        # Up to 4 system prompts, each shared by at least 4 requests when n allows.
-        k = max(1, min(4, n // 4))
-        systems = [
-            _ids(inputs, rng, f"System {j}: you are helper {j}.", a.system_len) for j in range(k)
-        ]
-        prompts = [
-            systems[i % k] + _ids(inputs, rng, f" Question {i}:", a.question_len) for i in range(n)
-        ]
-        return Workload(name, prompts)
-    raise ValueError(f"unknown workload {name!r} (random, shared)")
-
-
-def percentiles(xs: list[float], scale: float = 1e3) -> dict[str, float | None]:
-    """p50/p90/p99 (in ms by default); None when there is nothing to measure."""
-    if not xs:
-        return {"p50": None, "p90": None, "p99": None}
-    s = sorted(xs)
-
-    def at(q: float) -> float:
-        return round(s[min(len(s) - 1, int(q * len(s)))] * scale, 3)
-
-    return {"p50": round(statistics.median(s) * scale, 3), "p90": at(0.9), "p99": at(0.99)}
-
-
-# -- the server -----------------------------------------------------------------------
-class ServerProcess:
-    """`pagedserve serve` on a free port, in its own process group so the terminal's
-    Ctrl-C reaches only us, and we stop it in order (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, a: argparse.Namespace, prefix_caching: bool) -> None:
-        # INFO: the CPU worker logs its thread-count choices (reported per run); nothing
-        # is logged per step or per request at that level.
-        cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0", "--log-level", "INFO"]
-        if a.profile_server:
-            # cProfile writes its file when serve returns (SIGTERM ends it with status 0).
-            out = f"{a.profile_server}.{'on' if prefix_caching else 'off'}.prof"
-            cmd[1:1] = ["-m", "cProfile", "-o", out]
-        cmd += _engine_flags(a, prefix_caching)
-        cmd += ["--stream-interval", str(a.stream_interval)]
-        if a.model is not None:
-            cmd += ["--model", a.model]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self._url: str | None = None
-        self._seen = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = SERVER_LINE.search(line)
-            if m and self._url is None:
-                self._url = m.group(1)
-                self._seen.set()
-        self._seen.set()
-
-    def wait_ready(self, timeout: float) -> str:
-        self._seen.wait(timeout)
-        if self._url is None:
-            raise RuntimeError("the server did not start:\n" + "".join(self.lines[-30:]))
-        deadline = time.monotonic() + timeout
-        while True:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self._url}/health", timeout=5) as r,
-            ):
-                if r.status == 200:
-                    return self._url
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("/health never answered 200:\n" + "".join(self.lines[-30:]))
-            time.sleep(0.05)
-
-    def stop(self) -> int | None:
-        """SIGTERM (the server stops its engine in order), SIGKILL for the group if that
-        takes too long; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                log("the server did not stop in 30 s: killing its process group")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _engine_flags(a: argparse.Namespace, prefix_caching: bool) -> list[str]:
-    flags = []
-    if a.device:
-        flags += ["--device", a.device]
-    if a.dtype:
-        flags += ["--dtype", a.dtype]
-    if not prefix_caching:
-        flags.append("--no-prefix-caching")
-    return flags
-
-
-def _engine_kwargs(a: argparse.Namespace, prefix_caching: bool) -> dict[str, Any]:
-    kw: dict[str, Any] = {"enable_prefix_caching": prefix_caching}
-    if a.device:
-        kw["device"] = a.device
-    if a.dtype:
-        kw["dtype"] = a.dtype
-    return kw
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return r.read()
-
-
-COUNTERS = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:time_to_first_token_seconds_sum",
-    "vllm:time_to_first_token_seconds_count",
+from serve_bench_runs import engine_step_time, llm_run, server_run  # noqa: E402
+from serve_bench_server import (  # noqa: E402
+    ServerProcess,
+    children,
+    engine_kwargs,
+    http_get,
+    log,
 )
+from serve_bench_summary import goals, summarize  # noqa: E402
+from serve_bench_workloads import Workload, build_workload  # noqa: E402
 
-
-def server_counters(url: str) -> dict[str, float]:
-    """The server's /metrics counters this benchmark reads: prefix-cache queries and
-    hits in tokens, and TTFT as the server measures it (from a request's arrival)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    got = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(_get(f"{url}/metrics").decode()):
-        for s in family.samples:
-            if s.name in got:
-                got[s.name] += s.value
-    return got
-
-
-def reset_server_cache(url: str) -> None:
-    request = urllib.request.Request(f"{url}/reset_prefix_cache", b"", method="POST")
-    with urllib.request.urlopen(request, timeout=60):
-        pass
-
-
-# -- one server run -------------------------------------------------------------------
-@dataclass
-class Result:
-    """One request as a client saw it (times in seconds, from perf_counter)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-def _create_args(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One streaming completion's arguments. The prompt's token ids ride in extra_body,
-    the same JSON on the wire: the SDK's typed transform walks a list of ids one element
-    at a time (~3 ms of client CPU per 300-token prompt here, before anything is sent),
-    which made up most of the TTFT the client saw over the server's own, and at 64
-    streams spread each wave's arrivals over ~200 ms."""
-    return {
-        "model": model,
-        "prompt": "",
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "extra_body": {"prompt": prompt, "ignore_eos": True, "return_token_ids": True},
-    }
-
-
-class _Clock:
-    """Stamps a request's chunks: TTFT, the gaps between chunks with tokens (ITL)."""
-
-    def __init__(self, res: Result) -> None:
-        self.res = res
-        self.start = self.last = time.perf_counter()
-
-    def tokens(self, ids: list[int]) -> None:
-        if not ids:
-            return
-        now = time.perf_counter()
-        res = self.res
-        if res.ttft is None:
-            res.ttft = now - self.start
-        else:
-            res.itl.append(now - self.last)
-        self.last = now
-        res.token_ids.extend(ids)
-
-
-async def _one_typed(client: Any, model: str, prompt: list[int], max_tokens: int) -> Result:
-    """The official client as a user calls it: each chunk parsed into its typed objects."""
-    res = Result()
-    clock = _Clock(res)
-    try:
-        stream = await client.completions.create(**_create_args(model, prompt, max_tokens))
-        async for chunk in stream:
-            if chunk.choices:
-                choice = chunk.choices[0]
-                clock.tokens(getattr(choice, "token_ids", None) or [])
-                if choice.finish_reason is not None:
-                    res.finish_reason = choice.finish_reason
-            if chunk.usage is not None:
-                res.prompt_tokens = chunk.usage.prompt_tokens
-                details = chunk.usage.prompt_tokens_details
-                res.cached_tokens = (details.cached_tokens or 0) if details else 0
-    except Exception as e:  # one failed request is reported, not fatal to the run
-        res.error = f"{type(e).__name__}: {e}"
-    res.latency = time.perf_counter() - clock.start
-    return res
-
-
-_decode = msgspec.json.Decoder()
-
-
-async def _one_raw(client: Any, model: str, prompt: list[int], max_tokens: int) -> Result:
-    """The official client's raw streaming response (its HTTP, retries and errors), the
-    events decoded here with msgspec: building typed objects per chunk costs the client
-    more CPU than the server spends on it, on the cores the server needs."""
-    res = Result()
-    clock = _Clock(res)
-    try:
-        async with client.completions.with_streaming_response.create(
-            **_create_args(model, prompt, max_tokens)
-        ) as response:
-            async for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
-                chunk = _decode.decode(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"].get("message"))
-                for choice in chunk["choices"]:
-                    clock.tokens(choice.get("token_ids") or [])
-                    if choice.get("finish_reason") is not None:
-                        res.finish_reason = choice["finish_reason"]
-                u = chunk.get("usage")
-                if u is not None:
-                    res.prompt_tokens = u["prompt_tokens"]
-                    res.cached_tokens = (u.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens"
-                    ) or 0
-    except Exception as e:  # one failed request is reported, not fatal to the run
-        res.error = f"{type(e).__name__}: {e}"
-    res.latency = time.perf_counter() - clock.start
-    return res
-
-
-async def _drive(
-    url: str, model: str, prompts: list[list[int]], a: argparse.Namespace, concurrency: int
-) -> tuple[list[Result], float]:
-    import openai
-
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1",
-        api_key="none",
-        max_retries=0,
-        timeout=a.request_timeout,
-        http_client=openai.DefaultAioHttpClient(timeout=a.request_timeout),
-    )
-    results: list[Result] = [Result() for _ in prompts]
-    gate = asyncio.Semaphore(concurrency)
-    rng = random.Random(a.seed)
-
-    one = _one_raw if a.client == "raw" else _one_typed
-
-    async def run(i: int) -> None:
-        async with gate:
-            results[i] = await one(client, model, prompts[i], a.max_tokens)
-
-    start = time.perf_counter()
-    try:
-        tasks = []
-        for i in range(len(prompts)):
-            tasks.append(asyncio.ensure_future(run(i)))
-            if a.request_rate:
-                await asyncio.sleep(rng.expovariate(a.request_rate))
-        await asyncio.gather(*tasks)
-    finally:
-        await client.close()
-    return results, time.perf_counter() - start
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    """CPU time (user + system) a process has used so far; None without one."""
-    if pid is None:
-        return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    """Pids of pid's direct children (a server's engine processes)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                if int(stat[1]) == pid:
-                    out.append(int(entry))
-    return out
-
-
-def total_cpu(pids: list[int]) -> float | None:
-    times = [cpu_seconds(p) for p in pids]
-    return sum(t for t in times if t is not None) if pids else None
-
-
-def _us_per_token(cpu0: float | None, cpu1: float | None, ntok: int) -> float | None:
-    return round((cpu1 - cpu0) / ntok * 1e6, 1) if cpu0 is not None and cpu1 and ntok else None
-
-
-def server_run(
-    url: str,
-    model: str,
-    w: Workload,
-    a: argparse.Namespace,
-    concurrency: int,
-    pid: int | None = None,
-    engine_pids: list[int] | None = None,
-) -> tuple[dict[str, Any], list[list[int]]]:
-    reset_server_cache(url)
-    m0 = server_counters(url)
-    s0, c0, e0 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
-    # The clients' loop on uvloop, as the server's: on two cores the client's CPU per
-    # token (~55 us, ~15% less than on asyncio's loop) is taken from the engine's.
-    results, seconds = run_async(_drive(url, model, w.prompts, a, concurrency))
-    s1, c1, e1 = cpu_seconds(pid), time.process_time(), total_cpu(engine_pids or [])
-    m1 = server_counters(url)
-    q, h, ttft_s, n = (m1[k] - m0[k] for k in COUNTERS)
-    done = [r for r in results if r.error is None and r.finish_reason is not None]
-    ntok = sum(len(r.token_ids) for r in results)
-    tpot = [
-        (r.latency - r.ttft) / (len(r.token_ids) - 1)
-        for r in done
-        if r.ttft is not None and len(r.token_ids) > 1
-    ]
-    prompt_tokens = sum(r.prompt_tokens for r in results)
-    errors = sorted({r.error for r in results if r.error})
-    return {
-        "seconds": round(seconds, 3),
-        "requests": len(results),
-        "finished": len(done),
-        "errors": errors[:3],
-        "output_tokens": ntok,
-        "output_tok_s": round(ntok / seconds, 1),
-        "request_s": round(len(done) / seconds, 3),
-        # CPU per output token of the server process alone (not its engine), and of
-        # this client: less noisy than wall time on a shared machine.
-        "server_cpu_us_per_token": _us_per_token(s0, s1, ntok),
-        "client_cpu_us_per_token": _us_per_token(c0, c1, ntok),
-        "engine_cpu_us_per_token": _us_per_token(e0, e1, ntok),
-        "ttft_ms": percentiles([r.ttft for r in done if r.ttft is not None]),
-        "tpot_ms": percentiles(tpot),
-        "itl_ms": percentiles([x for r in done for x in r.itl]),
-        "e2e_ms": percentiles([r.latency for r in done]),
-        # The server's own view: arrival to first token, without the client's part.
-        "server_ttft_mean_ms": round(ttft_s / n * 1e3, 3) if n else None,
-        "prefix_hit_rate": round(h / q, 4) if q else 0.0,
-        "cached_token_rate": round(sum(r.cached_tokens for r in results) / prompt_tokens, 4)
-        if prompt_tokens
-        else 0.0,
-    }, [r.token_ids for r in results]
-
-
-# -- the LLM.generate baseline ----------------------------------------------------------
-def llm_run(
-    llm: Any, w: Workload, a: argparse.Namespace, concurrency: int
-) -> tuple[dict[str, Any], list[list[int]]]:
-    llm.reset_prefix_cache()
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
-    outs = []
-    engine_pids = [p.pid for p in llm.engine.procs.values()]
-    c0, e0 = time.process_time(), total_cpu(engine_pids)
-    start = time.perf_counter()
-    for k in range(0, len(w.prompts), concurrency):
-        outs += llm.generate(w.prompts[k : k + concurrency], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    c1, e1 = time.process_time(), total_cpu(engine_pids)
-    ntok = sum(len(o.token_ids) for o in outs)
-    prompt_tokens = sum(len(p) for p in w.prompts)
-    return {
-        "seconds": round(seconds, 3),
-        "requests": len(outs),
-        "finished": sum(o.finish_reason == "length" for o in outs),
-        "output_tokens": ntok,
-        "output_tok_s": round(ntok / seconds, 1),
-        "request_s": round(len(outs) / seconds, 3),
-        "client_cpu_us_per_token": _us_per_token(c0, c1, ntok),
-        "engine_cpu_us_per_token": _us_per_token(e0, e1, ntok),
-        "cached_token_rate": round(sum(o.num_cached_tokens for o in outs) / prompt_tokens, 4),
-    }, [o.token_ids for o in outs]
-
-
-def engine_step_time(llm: Any, prompts: list[list[int]], a: argparse.Namespace) -> dict[str, Any]:
-    """The engine alone on a low-load run's prompts, one request at a time through the
-    LLM's engine (the prefix cache reset once before, as before a server run, so hits
-    are the same): its first output's latency (the prefill step, what TTFT at low load
-    compares to) and the gaps between its outputs (decode steps), in ms."""
-    params = SamplingParams(max_tokens=a.step_probe_tokens, temperature=0, ignore_eos=True)
-    engine = llm.engine
-    llm.reset_prefix_cache()
-    gaps: list[float] = []
-    firsts: list[float] = []
-    for i, prompt in enumerate(prompts):
-        rid = f"step-probe-{i}"
-        start = time.perf_counter()
-        engine.add_request(rid, prompt, params)
-        stamps: list[float] = []
-        finished = False
-        while not finished:
-            batch = engine.get_outputs()
-            now = time.perf_counter()
-            for o in batch.outputs if batch is not None else ():
-                if o.request_id == rid and o.new_token_ids:
-                    stamps.append(now)
-                finished |= o.request_id == rid and o.finish_reason is not None
-        firsts.append(stamps[0] - start)
-        gaps += [b - c for c, b in itertools.pairwise(stamps)]
-    return {"first_token_ms": percentiles(firsts), "decode_step_ms": percentiles(gaps)}
-
-
-# -- the run ---------------------------------------------------------------------------
-def _median(rows: list[dict[str, Any]], *path: str) -> float | None:
-    vals = []
-    for r in rows:
-        v: Any = r
-        for p in path:
-            v = v.get(p) if isinstance(v, dict) else None
-        if v is not None:
-            vals.append(v)
-    return round(statistics.median(vals), 3) if vals else None
-
-
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    cells: dict[tuple, list[dict[str, Any]]] = {}
-    for r in runs:
-        cells.setdefault((r["workload"], r["concurrency"], r["prefix_caching"]), []).append(r)
-    out = []
-    for (wl, c, pc), rows in cells.items():
-        out.append(
-            {
-                "workload": wl,
-                "concurrency": c,
-                "prefix_caching": pc,
-                "repeats": len(rows),
-                "server_tok_s": _median(rows, "server", "output_tok_s"),
-                "llm_tok_s": _median(rows, "llm", "output_tok_s"),
-                "ratio": _median(rows, "ratio"),
-                "ratios": [r["ratio"] for r in rows],
-                "ttft_p50_ms": _median(rows, "server", "ttft_ms", "p50"),
-                "server_ttft_mean_ms": _median(rows, "server", "server_ttft_mean_ms"),
-                "tpot_p50_ms": _median(rows, "server", "tpot_ms", "p50"),
-                "itl_p50_ms": _median(rows, "server", "itl_ms", "p50"),
-                "server_cpu_us_per_token": _median(rows, "server", "server_cpu_us_per_token"),
-                "client_cpu_us_per_token": _median(rows, "server", "client_cpu_us_per_token"),
-                "llm_client_cpu_us_per_token": _median(rows, "llm", "client_cpu_us_per_token"),
-                "engine_cpu_us_per_token": _median(rows, "server", "engine_cpu_us_per_token"),
-                "llm_engine_cpu_us_per_token": _median(rows, "llm", "engine_cpu_us_per_token"),
-                "prefix_hit_rate": _median(rows, "server", "prefix_hit_rate"),
-                "engine_first_token_p50_ms": _median(rows, "engine", "first_token_ms", "p50"),
-                "engine_decode_step_p50_ms": _median(rows, "engine", "decode_step_ms", "p50"),
-            }
-        )
-    return out
-
-
-def goals(summary: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's two goals: throughput ratio at the highest concurrency (every cell,
-    the worst counts), and TTFT at concurrency 1 against the engine's own first token on
-    the same prompts (its prefill step; the decode step is reported beside it)."""
-    out: dict[str, Any] = {}
-    if not summary:
-        return out
-    top = max(s["concurrency"] for s in summary)
-    ratios = [s["ratio"] for s in summary if s["concurrency"] == top and s["ratio"]]
-    if ratios:
-        out["throughput_concurrency"] = top
-        out["throughput_ratio_min"] = min(ratios)
-        out["throughput_ratio_median"] = round(statistics.median(ratios), 3)
-        out["throughput_met"] = min(ratios) >= 0.9
-    low = [
-        s for s in summary if s["concurrency"] == 1 and s["engine_first_token_p50_ms"] is not None
-    ]
-    if low and all(s["ttft_p50_ms"] is not None for s in low):
-        over = [round(s["ttft_p50_ms"] - s["engine_first_token_p50_ms"], 3) for s in low]
-        out["ttft_over_engine_first_token_ms"] = over
-        out["ttft_over_engine_first_token_max_ms"] = max(over)
-        out["engine_decode_step_p50_ms"] = round(
-            statistics.median(s["engine_decode_step_p50_ms"] for s in low), 3
-        )
-        out["ttft_met"] = max(over) <= 5.0
-    return out
+from launch.client.inputs import InputProcessor  # noqa: E402
 
 
 def run_setting(
@@ -670,12 +87,12 @@ def run_setting(
         log(f"prefix caching {tag}: starting the server and the LLM")
         server = ServerProcess(a, prefix_caching)
         stack.callback(server.stop)
-    llm = LLM(a.model, **_engine_kwargs(a, prefix_caching))
+    llm = LLM(a.model, **engine_kwargs(a, prefix_caching))
     stack.callback(llm.close)
     url = a.url or (server.wait_ready(a.startup_timeout) if server else "")
     pid = server.proc.pid if server is not None else None
     engine_pids = children(pid) if pid is not None else []
-    model = json.loads(_get(f"{url}/v1/models"))["data"][0]["id"]
+    model = json.loads(http_get(f"{url}/v1/models"))["data"][0]["id"]
     # First runs pay for lazy start-up work (allocator, caches) and for the CPU worker's
     # choice of thread count, probed in the first ~70 steps of a large batch (a server
     # runs long; a cell lasts ~250 steps): one wave at the highest concurrency, not part
@@ -745,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("raw", "openai"),
         default="raw",
         help="raw: the openai client's raw stream, events decoded with msgspec; openai: "
-        "every chunk parsed into the client's typed objects (costs the client ~4x the CPU)",
+        "every chunk parsed into the client's typed objects (costs the client several times "
+        "the CPU)",
     )
     p.add_argument(
         "--stream-interval",
@@ -798,10 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_worker_threads() -> int:
-    """The machine's CPUs less one. The clients here are a load generator, as heavy per
-    streamed token as the server itself (27-44 us against 26-40 on a 2-core VM); on the
-    workers' cores they slow the server's variant alone, and the ratio then prices the
-    clients, not the API layer."""
+    """The machine's CPUs less one. The clients here are a load generator, about as heavy
+    per streamed token as the server itself; on the workers' cores they slow the server's
+    variant alone, and the ratio then prices the clients, not the API layer."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 

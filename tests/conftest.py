@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.hf_checkpoints import save_checkpoint
+from tests.helpers.model_files import copy_model, word_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -20,9 +21,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def chat_model(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a word-level tokenizer and a chat template, as the server tests
-    serve it (test_model_files.word_tokenizer)."""
-    from tests.worker.test_model_files import copy_model, word_tokenizer
-
+    serve it (tests/helpers/model_files.py)."""
     model = copy_model(llama_dir, tmp_path_factory.mktemp("served") / "model")
     word_tokenizer(model)
     return model

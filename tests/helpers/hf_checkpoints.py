@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from worker.model_config import ModelConfig, parse_model_config
+
 VOCAB = 160
 
 # Weights drawn with std 0.2 instead of transformers' 0.02. At 0.02 attention is nearly
@@ -157,3 +159,19 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], n: int) -> list[int]
         f"of {float(margins[step]):.2e}; change the prompt or the checkpoint seed"
     )
     return out.sequences[0, len(prompt) :].tolist()
+
+
+def small_model_config(architecture: str, **overrides: object) -> ModelConfig:
+    """A two-layer config of the given architecture, parsed as a config.json would be."""
+    raw = {
+        "architectures": [architecture],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        **overrides,
+    }
+    return parse_model_config(raw)

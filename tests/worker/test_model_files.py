@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +21,13 @@ from protocol.engine import SamplingDefaults
 from protocol.kv_cache import FullAttentionSpec
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.kv_helpers import sched_config
+from tests.helpers.model_files import CONVERSATION, FANCY, copy_model, word_tokenizer
 from worker.generation_config import load_generation_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[11, 12, 13, 14, 15, 16], [40, 41, 42, 43]]
 N = 12
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)
-
-
-def copy_model(src: Path, dst: Path, generation_config: dict | None = None) -> Path:
-    shutil.copytree(src, dst)
-    if generation_config is not None:
-        (dst / "generation_config.json").write_text(json.dumps(generation_config))
-    return dst
 
 
 # -- generation_config.json ---------------------------------------------------------
@@ -203,16 +196,6 @@ CHATML = (
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# Special-token variables, loop controls, raise_exception and tojson, as real templates
-# use them.
-FANCY = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
-    "{{ raise_exception('no tools here') }}{% endif %}"
-    "{% if loop.index > 3 %}{% break %}{% endif %}"
-    "[{{ m['role'] | upper }}] {{ m['content'] | trim }}{{ eos_token }}\n"
-    "{% endfor %}{{ {'n': messages | length, 'x': '<&>'} | tojson }}"
-    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
-)
 # Block tags on lines of their own, indented, as most real templates are written: only
 # Jinja's trim_blocks and lstrip_blocks (transformers sets both) keep these lines out.
 MULTILINE = """{% for m in messages %}
@@ -226,30 +209,6 @@ MULTILINE = """{% for m in messages %}
 <|assistant|>
 {% endif %}
 """
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "  What is 2 + 2? <&>  "},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "And 3 + 3?"},
-]
-
-
-def word_tokenizer(path: Path) -> None:
-    """A tiny word-level tokenizer.json (every id inside the test models' vocabulary)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "user", "assistant"]
-    words += ["system", "What", "is", "2", "+", "4", "?", "And", "3", "You", "are", "terse"]
-    words += ["[", "]", "USER", "SYSTEM", "ASSISTANT", "{", "}", ":", ",", '"', "n", "x"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
-    )
-    tok.add_special_tokens(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": FANCY})
-    )
 
 
 @pytest.mark.parametrize(

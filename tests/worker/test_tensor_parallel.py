@@ -29,13 +29,12 @@ from launch.client.engine import EngineArgs, runner_config
 from protocol.codec import Codec
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, WorkerConfigure
-from tests.helpers.hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from tests.helpers.hf_checkpoints import VOCAB, hf_greedy, save_checkpoint, small_model_config
 from tests.helpers.kv_helpers import sched_config
-from tests.worker.test_model_vs_hf import (
+from tests.helpers.paged_harness import (
     GEN_TOKENS,
-    _PagedHarness,
-    _Request,
-    _small_config,
+    PagedHarness,
+    PagedRequest,
     paged_prompts,
     run_paged_batches,
 )
@@ -78,7 +77,7 @@ def _child_setup() -> None:
     torch.set_num_threads(1)
 
 
-def _run_paged_batches(harness: _PagedHarness) -> dict[str, _Request]:
+def _run_paged_batches(harness: PagedHarness) -> dict[str, PagedRequest]:
     return run_paged_batches(harness, paged_prompts())
 
 
@@ -88,7 +87,7 @@ def _model_results(tp: TPContext, model_dir: str, num_groups: int) -> dict[str, 
     model.load_weights(iterate_weights(model_dir))
     # The harness sizes its caches from the config; give it this rank's KV heads.
     local_kv = next(iter(model.attention_layers().values())).num_kv_heads
-    harness = _PagedHarness(
+    harness = PagedHarness(
         model, dataclasses.replace(config, num_key_value_heads=local_kv), num_groups
     )
     reqs = _run_paged_batches(harness)
@@ -274,7 +273,7 @@ def test_head_sharding_splits_or_replicates_kv_heads() -> None:
     ],
 )
 def test_indivisible_shapes_are_rejected(overrides: dict, tp: int, message: str) -> None:
-    config = _small_config("LlamaForCausalLM", **overrides)
+    config = small_model_config("LlamaForCausalLM", **overrides)
     with pytest.raises(ValueError, match=message):
         LlamaForCausalLM(config, torch.float32, CPU, TPContext(0, tp))
 

@@ -15,7 +15,7 @@ from launch.client.async_llm import RequestStream, run
 from launch.client.detokenizer import IncrementalDetokenizer
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer
 from tests.helpers.cli_helpers import CPU
-from tests.worker.test_model_files import CONVERSATION, word_tokenizer
+from tests.helpers.model_files import CONVERSATION, word_tokenizer
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@ from launch.client.async_llm import RequestStream, StreamOutput
 from launch.client.output_processor import SequenceState, fan_out
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from protocol.engine import Logprobs, RequestOutput, SamplingParams
-from tests.worker.test_model_files import word_tokenizer
+from tests.helpers.model_files import word_tokenizer
 
 
 class FakeEngine:

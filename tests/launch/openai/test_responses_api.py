@@ -22,6 +22,7 @@ from launch.openai.responses import (
     input_messages,
     without_oldest_turn,
 )
+from tests.helpers.model_files import CONVERSATION
 from tests.launch.openai.test_server import (
     CALLED,
     CITY,
@@ -34,7 +35,6 @@ from tests.launch.openai.test_server import (
     post,
     start_server,
 )
-from tests.worker.test_model_files import CONVERSATION
 
 N = 10
 # The Responses shape of test_server's tools: flat functions.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from launch import LLM, SamplingParams
 from tests.helpers.cli_helpers import CPU, ENV
-from tests.worker.test_model_files import CONVERSATION
+from tests.helpers.model_files import CONVERSATION
 
 N = 6
 GREEDY = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True)

@@ -39,7 +39,7 @@ from tests.helpers.cli_helpers import (
     children_of,
     processes_mentioning,
 )
-from tests.worker.test_model_files import CONVERSATION, FANCY
+from tests.helpers.model_files import CONVERSATION, FANCY
 
 MODEL_NAME = "tiny"
 PROMPT_TEXT = "What is 2 + 2 ? And 3"
