@@ -14,7 +14,8 @@ State: a response asked to be stored (`store`, true by default as at OpenAI) is 
 bounded in-memory ResponseStore, oldest dropped first, so `previous_response_id` continues
 its conversation (its input and output; instructions are not carried over, as at OpenAI)
 and GET/DELETE /v1/responses/{id} find it. `truncation: "auto"` drops the oldest turns of a
-conversation that does not fit the context. The answer itself: launch/openai/responses_run.py.
+conversation that does not fit the context. The answer itself: responses_output.py; the
+store: responses_store.py; input items as chat messages: responses_items.py.
 
 Only what this engine can serve is accepted: function tools (hosted tools, images, files,
 reasoning, background runs are refused by name).
@@ -22,8 +23,6 @@ reasoning, background runs are refused by name).
 
 from __future__ import annotations
 
-import uuid
-from collections import OrderedDict
 from typing import Any, Literal
 
 import msgspec
@@ -37,8 +36,6 @@ from launch.openai.protocol import (
 )
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
 
-# Kept responses (for previous_response_id and GET): bounded, the oldest dropped first.
-DEFAULT_MAX_STORED_RESPONSES = 1024
 # OpenAI's limits on metadata.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
@@ -221,187 +218,3 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             parallel_tool_calls=self.parallel_tool_calls,
             stream=self.stream,
         )
-
-
-# -- input items -> chat messages ------------------------------------------------------
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-
-
-def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
-    """The input as chat messages: a text is one user message; items are messages
-    (developer becomes system, which chat templates know), function calls (an assistant
-    turn's tool_calls, consecutive ones in one turn) and their outputs (tool messages)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad_input(f"{where} must be an object (a message or a function call item)")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-            if role is None:
-                raise _bad_input(
-                    f"{where}.role must be user, assistant, system or developer, "
-                    f"got {item.get('role')!r}"
-                )
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
-            if not all(isinstance(x, str) for x in (call_id, name, arguments)):
-                raise _bad_input(f"{where}: a function_call needs call_id, name and arguments")
-            call = {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "reasoning":
-            continue  # an earlier answer's thinking: templates leave it out of the history
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise _bad_input(f"{where}: a function_call_output needs its call_id")
-            content = _text(item.get("output"), f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
-        else:
-            raise _bad_input(
-                f"{where}: items of type {kind!r} are not supported here (message, "
-                "function_call, function_call_output, reasoning)"
-            )
-    return out
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad_input(f"{where} must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise _bad_input(
-                f"{where}[{j}]: only text parts ({', '.join(_TEXT_PARTS[:2])}) are "
-                f"supported, got {kind!r}"
-            )
-        text = part.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise _bad_input(f"{where}[{j}] has no text")
-        texts.append(text)
-    return "".join(texts)
-
-
-def _bad_input(message: str) -> APIError:
-    return APIError(message, param="input", code="invalid_value")
-
-
-def without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """truncation "auto": the conversation less its oldest turn after any leading system
-    messages, and the tool results that answered it; None when nothing more can go."""
-    head = 0
-    while head < len(messages) and messages[head]["role"] == "system":
-        head += 1
-    rest = messages[head + 1 :]
-    while rest and rest[0]["role"] == "tool":  # their call went with the turn
-        rest = rest[1:]
-    if not rest:
-        return None
-    return messages[:head] + rest
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-# -- the store ---------------------------------------------------------------------------
-class StoredResponse(msgspec.Struct):
-    response: dict[str, Any]
-    # The conversation so far, input and output, without instructions.
-    messages: list[dict[str, Any]]
-    # This response's own input, as items with ids (GET .../input_items).
-    input_items: list[dict[str, Any]] = []
-
-
-def input_item_list(value: str | list[Any]) -> list[dict[str, Any]]:
-    """The input as OpenAI lists it back: items with ids, a text as a user message,
-    message content as parts. (Checked already by input_messages.)"""
-    items = [{"role": "user", "content": value}] if isinstance(value, str) else value
-    out = []
-    for item in items:
-        item = dict(item)
-        kind = item.setdefault("type", "message")
-        if kind == "message":
-            content = item.get("content")
-            if isinstance(content, str):
-                part = "output_text" if item.get("role") == "assistant" else "input_text"
-                item["content"] = [{"type": part, "text": content}]
-            item.setdefault("status", "completed")
-        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(kind, "item")
-        item.setdefault("id", new_item_id(prefix))
-        out.append(item)
-    return out
-
-
-def list_page(
-    items: list[dict[str, Any]], limit: int, order: str, after: str | None
-) -> dict[str, Any]:
-    """One page of a list endpoint (OpenAI's cursor pagination by item id)."""
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise APIError(f"no item has the id {after!r}", param="after", code="invalid_value")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(ordered) > limit,
-    }
-
-
-class ResponseStore:
-    """The last `capacity` stored responses by id (0: none are kept)."""
-
-    def __init__(self, capacity: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-        if capacity < 0:
-            raise ValueError(f"the response store's capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity == 0:
-            return
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._items.get(response_id)
-
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
-
-
-def not_found(response_id: str, param: str | None = None) -> APIError:
-    return APIError(
-        f"no stored response has the id {response_id!r} (responses are kept in memory, "
-        "the most recent first, while the server runs)",
-        400 if param else 404,
-        param=param,
-        code="response_not_found" if param is None else "previous_response_not_found",
-    )
