@@ -22,12 +22,13 @@ chat_template_kwargs.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from launch.openai.tools import ToolChoice, ToolDef
-from protocol.engine import StructuredOutputs
+from protocol.engine import SamplingParams, StructuredOutputs
 
 # Prompts in one completions request (a list of texts or token-id lists): each is its own
 # engine request (n of them with n > 1), all checked before any is sent. Bounded so one
@@ -118,23 +119,11 @@ def _json_text(value: Any) -> str:
     return msgspec.json.encode(value).decode()
 
 
-class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields completions and chat completions share."""
+class _GenerationOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields of a generation body that are not sampling parameters; those are
+    SamplingParams' own declarations (GenerationRequest, below), which these methods read."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -142,19 +131,9 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     priority: int = 0
     return_token_ids: bool = False
     user: str | None = None  # accepted, unused
-    n: int = 1
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    # OpenAI's: token ids (as JSON keys, strings of digits) to values in [-100, 100].
-    logit_bias: dict[int, float] | None = None
-    # vLLM's: the prompt's tokens with their logprobs and that many alternatives.
-    prompt_logprobs: int | None = None
-    # The output kept inside a language: OpenAI's response_format, or vLLM's extension.
+    # The output kept inside a language: OpenAI's response_format, or vLLM's
+    # structured_outputs.
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsBody | None = None
     # vLLM's: beam search instead of sampling, n beams wide (launch/client/beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -209,6 +188,72 @@ class GenerationRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+# SamplingParams fields a body takes, declared there (type and default) once. OpenAI's
+# logit_bias maps token ids (JSON keys, strings of digits) to values in [-100, 100];
+# prompt_logprobs (vLLM's) asks for the prompt's tokens' logprobs. logprobs is each
+# endpoint's own (a count, or chat's bool with top_logprobs).
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "ignore_eos",
+    "n",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "prompt_logprobs",
+    "structured_outputs",
+)
+# Where HTTP differs: null means the default (max_tokens: the endpoint's), stop may be one
+# string, structured_outputs takes a schema as an object too.
+_HTTP_FIELDS: dict[str, tuple[Any, Any]] = {
+    "max_tokens": (int | None, None),
+    "stop_token_ids": (list[int] | None, None),
+    "bad_words": (list[str] | None, None),
+    "stop": (str | list[str] | None, None),
+    "structured_outputs": (StructuredOutputsBody | None, None),
+}
+
+
+def sampling_fields(names: Sequence[str]) -> list[tuple[str, Any, Any]]:
+    """These SamplingParams fields as a body declares them (msgspec.defstruct's fields)."""
+    declared = {f.name: f for f in msgspec.structs.fields(SamplingParams)}
+    out = []
+    for name in names:
+        if name in _HTTP_FIELDS:
+            out.append((name, *_HTTP_FIELDS[name]))
+            continue
+        f = declared[name]
+        if f.default_factory is not msgspec.NODEFAULT:
+            out.append((name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            out.append((name, f.type, f.default))
+    return out
+
+
+GenerationRequest = msgspec.defstruct(
+    "GenerationRequest",
+    sampling_fields(_SAMPLING_FIELDS),
+    bases=(_GenerationOptions,),
+    module=__name__,
+    kw_only=True,
+    forbid_unknown_fields=True,
+)
+GenerationRequest.__doc__ = "Fields completions and chat completions share."
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):

@@ -33,6 +33,7 @@ from launch.openai.protocol import (
     JSONSchemaFormat,
     ResponseFormat,
     StructuredOutputsBody,
+    sampling_fields,
 )
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
 
@@ -83,17 +84,14 @@ class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """POST /v1/responses: OpenAI's fields this engine serves, and vLLM's sampling
-    extensions (top_k, min_p, seed, stop, penalties, ignore_eos, cache_salt, priority,
-    structured_outputs)."""
+class _ResponsesOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields of a Responses body that are not sampling parameters; those are
+    SamplingParams' own declarations (ResponsesRequest, below), which these methods read."""
 
     input: str | list[Any]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
     stream: bool = False
@@ -114,14 +112,6 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     background: bool = False
     max_tool_calls: int | None = None
     # vLLM's extensions.
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
     cache_salt: str | None = None
     priority: int = 0
     structured_outputs: StructuredOutputsBody | None = None
@@ -218,3 +208,32 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             parallel_tool_calls=self.parallel_tool_calls,
             stream=self.stream,
         )
+
+
+# OpenAI's temperature and top_p, and vLLM's sampling extensions, as SamplingParams
+# declares them.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+)
+ResponsesRequest = msgspec.defstruct(
+    "ResponsesRequest",
+    sampling_fields(_SAMPLING_FIELDS),
+    bases=(_ResponsesOptions,),
+    module=__name__,
+    kw_only=True,
+    forbid_unknown_fields=True,
+)
+ResponsesRequest.__doc__ = (
+    "POST /v1/responses: OpenAI's fields this engine serves, and vLLM's sampling "
+    "extensions (top_k, min_p, seed, stop, penalties, ignore_eos, cache_salt, priority, "
+    "structured_outputs)."
+)

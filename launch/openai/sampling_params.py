@@ -72,6 +72,8 @@ def sampling_params(
         prompt_logprobs=body.num_prompt_logprobs(),
         structured_outputs=structured,
     )
+    # Checked here as well as by the client (inputs.checked_params): a bad body must be a
+    # 400 naming its field before admission's 503s and before a beam search streams.
     try:
         params.validate(vocab_size)
     except ValueError as e:
