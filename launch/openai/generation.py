@@ -7,7 +7,7 @@ chat and legacy completions fill in (serving_chat.py, serving_completions.py).""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, NamedTuple
 
 from starlette.responses import Response
@@ -105,6 +105,8 @@ class Generation:
     ) -> None:
         stream, request_id, params, waiting = started
         self.ctx = ctx
+        # A token's text in logprobs (bound once: called per token).
+        self.token_text: Callable[[int], str] = ctx.token_text
         self.body = body
         self.stream = stream
         self.id = request_id
@@ -151,9 +153,6 @@ class Generation:
         """Each prompt counted once (its first copy's cache hits: later copies hit what
         the first brought in)."""
         return sum(c.num_cached for c in self.choices[:: self.n])
-
-    def token_text(self, token_id: int) -> str:
-        return self.ctx.token_text(token_id)
 
     def prompt_logprobs(self, c: Choice) -> list[Any] | None:
         if c.prompt_logprobs is None:

@@ -28,24 +28,7 @@ def sampling_params(
     names the prompt in errors ("prompt 3" of several); has_tokenizer: whether the model
     has one (structured outputs need it); constraint: the language tool_choice holds the
     output to (launch/openai/tools.py), which excludes the body's own."""
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise APIError(
-            f"{which} has {num_prompt_tokens} tokens; this model's context is "
-            f"{max_model_len} tokens, leaving none to generate",
-            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is None:
-        chat = isinstance(body, ChatCompletionRequest)
-        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    elif max_tokens > room and max_tokens >= 1:
-        raise APIError(
-            f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
-            f"({which}) + {max_tokens} (max_tokens) were asked for",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    max_tokens = _max_tokens(body, max_tokens, num_prompt_tokens, max_model_len, which)
     structured, structured_param = structured_spec(body, constraint)
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -96,6 +79,35 @@ def sampling_params(
         except ValueError as e:
             raise APIError(str(e), param=structured_param, code="invalid_value") from None
     return params
+
+
+def _max_tokens(
+    body: GenerationRequest,
+    max_tokens: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    which: str,
+) -> int:
+    """max_tokens, or the endpoint's default, if the prompt leaves room for it."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(
+            f"{which} has {num_prompt_tokens} tokens; this model's context is "
+            f"{max_model_len} tokens, leaving none to generate",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        chat = isinstance(body, ChatCompletionRequest)
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    elif max_tokens > room and max_tokens >= 1:
+        raise APIError(
+            f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
+            f"({which}) + {max_tokens} (max_tokens) were asked for",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
 
 
 def beam_search_params(
