@@ -399,5 +399,5 @@ class _Streamed:
         self.message: str | None = None  # the open message item's id
         self.text = ""  # the text its deltas carried
         self.sent = 0  # tokens whose logprobs went out
-        self.generation: tuple[str, ToolCall] | None = None  # a named function's open call item
+        self.call: tuple[str, ToolCall] | None = None  # a named function's open call item
         self.output: list[dict[str, Any]] = []  # items closed
