@@ -184,8 +184,8 @@ def structured_spec(
 
 async def precompile(body: GenerationRequest, constraint: StructuredOutputs | None) -> None:
     """The output's language converted and checked on a thread (llguidance drops the GIL;
-    a schema of a few hundred properties takes tens of ms, which would stall every
-    stream), so that sampling_params finds it cached."""
+    a large schema's compile on the event loop would stall every stream), so that
+    sampling_params finds it cached."""
     spec, param = structured_spec(body, constraint)
     if spec is None:
         return
