@@ -23,7 +23,7 @@ from launch.client.signals import Terminated, install_signal_handlers
 from launch.client.version import package_version
 from launch.openai.protocol import StructuredOutputsBody
 from launch.openai.reasoning import REASONING_PARSERS
-from launch.openai.responses import DEFAULT_MAX_STORED_RESPONSES
+from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 from protocol.config import (
     DType,

@@ -25,7 +25,7 @@ from launch.client.async_llm import run
 from launch.client.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
 from protocol.engine import Logprobs
 from tests.helpers.cli_helpers import CPU
-from tests.launch.openai.test_server import MODEL_NAME, Server, metrics, post, start_server
+from tests.helpers.server import MODEL_NAME, Server, metrics, post, start_server
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42, 43, 44]]

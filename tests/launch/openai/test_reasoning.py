@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from launch.openai.reasoning import ReasoningSplit, split_reasoning
-from tests.launch.openai.test_server import TOOLS, Server, start_server
+from tests.helpers.server import TOOLS, Server, start_server
 
 # Thinking off by default: the prompt closes an empty think block (Qwen3's template with
 # enable_thinking false), so a structured output's language starts at once.

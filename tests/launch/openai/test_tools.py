@@ -1,5 +1,5 @@
 """launch/openai/tools.py: what tools and tool_choice make of a chat's answer (the server's
-end-to-end tests are in test_server.py)."""
+end-to-end tests are in test_serving_chat.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""One Responses API request being generated (launch/openai/responses.py has its body, the
-conversation it stands for and the store): the Response it ends as, whole, or OpenAI's
+"""One Responses API request being generated (responses_protocol.py has its body, the
+conversation it stands for): the Response it ends as, whole, or OpenAI's
 typed event stream as it grows: reasoning, text or a named function's arguments as they
 come, calls that must be read whole at the end, each item opened and closed in order."""
 
@@ -7,24 +7,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-from launch.openai.protocol import APIError, chat_logprobs, sse_event
-from launch.openai.responses import (
-    ResponsesRequest,
-    ResponseStore,
-    StoredResponse,
-    TextFormat,
-    input_item_list,
-    new_item_id,
-)
+from launch.openai.generation import Generation
+from launch.openai.protocol import APIError
+from launch.openai.response_shapes import chat_logprobs, sse_event
+from launch.openai.responses_items import input_item_list, new_item_id
+from launch.openai.responses_protocol import ResponsesRequest, TextFormat
+from launch.openai.responses_store import ResponseStore, StoredResponse
 from launch.openai.tool_parsers import ToolCall, new_call_id
 from launch.openai.tools import ToolPlan
-
-if TYPE_CHECKING:
-    from launch.openai.serving import Call
 
 
 class ResponseRun:
@@ -33,20 +27,20 @@ class ResponseRun:
     def __init__(
         self,
         body: ResponsesRequest,
-        call: Call,
+        generation: Generation,
         plan: ToolPlan | None,
         model: str,
         messages: list[dict[str, Any]],
         store: ResponseStore,
     ) -> None:
         self.body = body
-        self.call = call
+        self.generation = generation
         # Tools, unless "none": the answer may be function calls.
         self.plan = plan if plan is not None and plan.choice != "none" else None
         self.model = model
         self.messages = messages
         self.store = store if body.store and store.capacity else None
-        self.id = "resp_" + call.id.split("-", 1)[1]
+        self.id = "resp_" + generation.id.split("-", 1)[1]
         self.created = int(time.time())
         self._seq = 0
 
@@ -96,29 +90,29 @@ class ResponseRun:
         }
 
     def _usage(self) -> dict[str, Any]:
-        call = self.call
-        inputs, outputs = call.num_prompt_tokens, call.timer.num_tokens
+        gen = self.generation
+        inputs, outputs = gen.num_prompt_tokens, gen.timer.num_tokens
         return {
             "input_tokens": inputs,
-            "input_tokens_details": {"cached_tokens": call.choices[0].num_cached},
+            "input_tokens_details": {"cached_tokens": gen.choices[0].num_cached},
             "output_tokens": outputs,
             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": inputs + outputs,
         }
 
     def _reasoning_tokens(self) -> int:
-        split = self.call.choices[0].split
+        split = self.generation.choices[0].split
         return split.reasoning_tokens if split is not None else 0
 
     def _status(self) -> str:
-        return "incomplete" if self.call.choices[0].finish == "length" else "completed"
+        return "incomplete" if self.generation.choices[0].finish == "length" else "completed"
 
     def _logprobs(self, start: int, end: int | None = None) -> list[dict[str, Any]]:
-        c = self.call.choices[0]
+        c = self.generation.choices[0]
         if c.logprobs is None:
             return []
         ids, lps = c.ids[start:end], c.logprobs[start:end]
-        return chat_logprobs(ids, lps, self.call.token_text)["content"]
+        return chat_logprobs(ids, lps, self.generation.token_text)["content"]
 
     @staticmethod
     def _message(item_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,9 +156,9 @@ class ResponseRun:
     # -- whole ---------------------------------------------------------------------------
     async def complete(self) -> dict[str, Any]:
         """The Response (APIError if generation failed)."""
-        async for _ in self.call.outputs():
+        async for _ in self.generation.outputs():
             pass
-        c = self.call.choices[0]
+        c = self.generation.choices[0]
         text: str | None = "".join(c.texts)
         calls: list[ToolCall] = []
         if self.plan is not None:
@@ -210,10 +204,10 @@ class ResponseRun:
         yield self._event("response.created", response=self.response("in_progress"))
         yield self._event("response.in_progress", response=self.response("in_progress"))
         s = _Streamed()
-        c = self.call.choices[0]
+        c = self.generation.choices[0]
         named = self.plan is not None and self.plan.choice == "named"
         try:
-            async for out in self.call.outputs():
+            async for out in self.generation.outputs():
                 text = c.texts[-1]
                 events = self._thought_delta(s, c.thoughts[-1] if c.thoughts else "")
                 if named:
@@ -269,14 +263,14 @@ class ResponseRun:
         if plan is None:
             return text
         if plan.choice == "auto" and finish is None:
-            whole = "".join(self.call.choices[0].texts)
+            whole = "".join(self.generation.choices[0].texts)
             return whole[len(s.text) : max(len(s.text), plan.content_so_far(whole))]
         return ""  # calls read whole at the end
 
     def _text_delta(self, s: _Streamed, text: str, last: bool = False) -> list[bytes]:
         """A delta of text; the last one also carries the logprobs of tokens that had no
         text of their own (special tokens)."""
-        c = self.call.choices[0]
+        c = self.generation.choices[0]
         if not text and not (last and c.logprobs and s.sent < len(c.ids)):
             return []
         events = self._open_message(s)
@@ -334,7 +328,7 @@ class ResponseRun:
 
     def _close(self, s: _Streamed) -> list[bytes]:
         """The rest of the text and the calls, each item closed, then the Response."""
-        c = self.call.choices[0]
+        c = self.generation.choices[0]
         plan = self.plan
         status = self._status()
         whole = "".join(c.texts)

@@ -15,7 +15,7 @@ import torch
 
 from launch import LLM
 from tests.helpers.cli_helpers import CPU
-from tests.launch.openai.test_server import Server, builtin_server, post  # noqa: F401 - a fixture
+from tests.helpers.server import Server, post
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42], list(range(50, 90))]
 
@@ -63,7 +63,7 @@ def test_embeddings_are_transformers_last_hidden_state(
 
 
 def test_the_embeddings_endpoint_through_the_openai_client(
-    builtin_server: Callable[..., Server],  # noqa: F811
+    builtin_server: Callable[..., Server],
 ) -> None:
     server = builtin_server()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

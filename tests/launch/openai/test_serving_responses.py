@@ -1,8 +1,8 @@
 """OpenAI's Responses API (POST /v1/responses) through the official `openai` client: the
 same tokens as a chat completion of the same conversation (LLM.chat is the oracle), the
 typed event stream, stored responses continued by previous_response_id, function tools,
-and the 400s of what cannot be served. The store and the input conversion alone: plain
-unit tests."""
+and the 400s of what cannot be served. The store and the input conversion alone:
+test_responses_store.py, test_responses_items.py."""
 
 from __future__ import annotations
 
@@ -15,15 +15,8 @@ from typing import Any
 import openai
 import pytest
 
-from launch.openai.protocol import APIError
-from launch.openai.responses import (
-    ResponseStore,
-    StoredResponse,
-    input_messages,
-    without_oldest_turn,
-)
 from tests.helpers.model_files import CONVERSATION
-from tests.launch.openai.test_server import (
+from tests.helpers.server import (
     CALLED,
     CITY,
     EXTRA,
@@ -37,7 +30,7 @@ from tests.launch.openai.test_server import (
 )
 
 N = 10
-# The Responses shape of test_server's tools: flat functions.
+# The Responses shape of tests/helpers/server.py's tools: flat functions.
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # type: ignore[dict-item]
 GREEDY = {"model": MODEL_NAME, "temperature": 0, "max_output_tokens": N}
 
@@ -210,7 +203,7 @@ def test_a_disconnected_stream_frees_its_blocks(server: Server) -> None:
             chunk = s.recv(65536)
             assert chunk, seen
             seen += chunk
-    from tests.launch.openai.test_server import wait_for_metric
+    from tests.helpers.server import wait_for_metric
 
     wait_for_metric(server.url, "vllm:num_requests_running", 0)
     assert metrics(server.url)["vllm:kv_cache_usage_perc"] == 0
@@ -350,57 +343,3 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
     kept = [turns[0], turns[2]]  # the oldest turn went, the system message stayed
     assert answer["usage"]["input_tokens"] == _count(server, kept)
     assert answer["truncation"] == "auto"
-
-
-# -- without a server ---------------------------------------------------------------------
-def test_input_items_become_chat_messages() -> None:
-    items = [
-        {"role": "developer", "content": "Be brief."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "b", "annotations": []}]},
-        {"type": "function_call", "call_id": "1", "name": "f", "arguments": "{}"},
-        {"type": "function_call", "call_id": "2", "name": "g", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "1", "output": "x"},
-        {
-            "type": "function_call_output",
-            "call_id": "2",
-            "output": [{"type": "input_text", "text": "y"}],
-        },
-    ]
-    call = lambda i, n: {"id": i, "type": "function", "function": {"name": n, "arguments": "{}"}}  # noqa: E731
-    assert input_messages(items) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "b", "tool_calls": [call("1", "f"), call("2", "g")]},
-        {"role": "tool", "tool_call_id": "1", "content": "x"},
-        {"role": "tool", "tool_call_id": "2", "content": "y"},
-    ]
-    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
-    for bad in ([1], [{"type": "function_call", "name": "f"}], [{"role": "user", "content": 3}]):
-        with pytest.raises(APIError) as e:
-            input_messages(bad)
-        assert e.value.param == "input"
-
-
-def test_the_oldest_turn_goes_with_the_tool_results_that_answered_it() -> None:
-    s, u, a, t = ({"role": r, "content": r} for r in ("system", "user", "assistant", "tool"))
-    assert without_oldest_turn([s, u, a, u]) == [s, a, u]
-    assert without_oldest_turn([s, a, t, t, u]) == [s, u]
-    assert without_oldest_turn([s, u]) is None
-    assert without_oldest_turn([u]) is None
-
-
-def test_the_store_keeps_the_most_recent() -> None:
-    store = ResponseStore(2)
-    for i in range(3):
-        store.put(str(i), StoredResponse({"id": str(i)}, []))
-    assert store.get("0") is None and len(store) == 2
-    store.put("1", StoredResponse({"id": "1"}, []))  # stored again: the newest now
-    store.put("3", StoredResponse({"id": "3"}, []))
-    assert store.get("2") is None and store.get("1") is not None
-    assert store.delete("1") and not store.delete("1")
-    empty = ResponseStore(0)
-    empty.put("x", StoredResponse({}, []))
-    assert empty.get("x") is None
-    with pytest.raises(ValueError):
-        ResponseStore(-1)

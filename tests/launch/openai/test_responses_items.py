@@ -1,0 +1,46 @@
+"""A Responses body's input items as chat messages, and truncation's oldest turn
+(responses_items.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch.openai.protocol import APIError
+from launch.openai.responses_items import input_messages, without_oldest_turn
+
+
+def test_input_items_become_chat_messages() -> None:
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "b", "annotations": []}]},
+        {"type": "function_call", "call_id": "1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "1", "output": "x"},
+        {
+            "type": "function_call_output",
+            "call_id": "2",
+            "output": [{"type": "input_text", "text": "y"}],
+        },
+    ]
+    call = lambda i, n: {"id": i, "type": "function", "function": {"name": n, "arguments": "{}"}}  # noqa: E731
+    assert input_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", "tool_calls": [call("1", "f"), call("2", "g")]},
+        {"role": "tool", "tool_call_id": "1", "content": "x"},
+        {"role": "tool", "tool_call_id": "2", "content": "y"},
+    ]
+    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+    for bad in ([1], [{"type": "function_call", "name": "f"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(APIError) as e:
+            input_messages(bad)
+        assert e.value.param == "input"
+
+
+def test_the_oldest_turn_goes_with_the_tool_results_that_answered_it() -> None:
+    s, u, a, t = ({"role": r, "content": r} for r in ("system", "user", "assistant", "tool"))
+    assert without_oldest_turn([s, u, a, u]) == [s, a, u]
+    assert without_oldest_turn([s, a, t, t, u]) == [s, u]
+    assert without_oldest_turn([s, u]) is None
+    assert without_oldest_turn([u]) is None

@@ -1,0 +1,174 @@
+"""POST /v1/chat/completions (serving_chat.py): bad bodies, and tool calls (named,
+required, auto) whole and streamed through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from tests.helpers.server import (
+    ASK,
+    CALLED,
+    TOOLS,
+    TOOLS_TEMPLATE,
+    Server,
+    post,
+)
+from tests.worker.test_model_files import CONVERSATION
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # template refuses
+        ({"messages": "hello"}, "messages"),
+        ({"messages": CONVERSATION, "tools": [{"type": "function"}]}, "tools"),
+    ],
+    ids=["malformed JSON", "template refuses", "messages not a list", "tools"],
+)
+def test_a_bad_chat_body_is_a_400(server: Server, body: object, param: str | None) -> None:
+    status, answer = post(f"{server.url}/v1/chat/completions", body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def _streamed_calls(chunks: list[Any]) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """(content, calls by index with id, name and arguments, finish reason) of a stream."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            got = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+            got["id"] += call.id or ""
+            got["name"] += (call.function and call.function.name) or ""
+            got["arguments"] += (call.function and call.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_through_the_openai_client(builtin_server: Callable[..., Server]) -> None:
+    """tool_choice named, required and auto (Hermes blocks, with the parser), streamed and
+    not; the tools and earlier calls reach the chat template."""
+    server = builtin_server("--chat-template", TOOLS_TEMPLATE, "--tool-call-parser", "hermes")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    args: dict[str, Any] = dict(model="pagedserve-builtin", tools=TOOLS, temperature=0)
+    # The template got the tools, and a call's arguments as an object.
+    status, tokens = post(f"{server.url}/tokenize", {"messages": CALLED, "tools": TOOLS})
+    want = '[get_weather][now]user:Weather?assistant:None<now {"z": 1}>tool:noon'  # trim_blocks
+    assert status == 200 and bytes(tokens["tokens"]).decode() == want, tokens
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = client.chat.completions.create(messages=ASK, tool_choice=named, max_tokens=300, **args)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    city = json.loads(call.function.arguments)["city"]
+    assert isinstance(city, str) and len(city) <= 6
+    stream = client.chat.completions.create(
+        messages=ASK, tool_choice=named, max_tokens=300, stream=True, **args
+    )
+    content, calls, finish = _streamed_calls(list(stream))
+    assert content == "" and finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)  # greedy
+    for stream_it in (False, True):
+        got = client.chat.completions.create(
+            messages=ASK,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=600,
+            stream=stream_it,
+            **args,
+        )
+        if stream_it:
+            content, calls, finish = _streamed_calls(list(got))  # type: ignore[arg-type]
+            names = [c["name"] for c in calls.values()]
+            arguments = [c["arguments"] for c in calls.values()]
+        else:
+            message = got.choices[0].message  # type: ignore[union-attr]
+            finish, content = got.choices[0].finish_reason, message.content  # type: ignore[union-attr]
+            names = [c.function.name for c in message.tool_calls or []]
+            arguments = [c.function.arguments for c in message.tool_calls or []]
+        assert finish == "tool_calls" and not content and len(names) == 1, got
+        assert names[0] in ("get_weather", "now") and isinstance(json.loads(arguments[0]), dict)
+    # auto: the model's own Hermes blocks (forced here: a random model writes none).
+    forced = 'On it.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    extra = {"structured_outputs": {"regex": re.escape(forced)}}
+    message = (
+        client.chat.completions.create(messages=ASK, max_tokens=100, extra_body=extra, **args)
+        .choices[0]
+        .message
+    )
+    assert message.content == "On it." and [c.function.name for c in message.tool_calls or []] == [
+        "now"
+    ]
+    stream = client.chat.completions.create(
+        messages=ASK, max_tokens=100, extra_body=extra, stream=True, **args
+    )
+    chunks = list(stream)
+    content, calls, finish = _streamed_calls(chunks)
+    assert content == "On it." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("now", {})]
+    # The text went out as it came, up to where the call began.
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) >= 2
+    for body, param in (
+        ({"tool_choice": named, "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tools": [{"type": "other"}]}, "tools"),
+    ):
+        status, answer = post(
+            f"{server.url}/v1/chat/completions", {"messages": ASK, "tools": TOOLS, **body}
+        )
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+
+
+@pytest.mark.parametrize(
+    ("parser", "written"),
+    [
+        ("pythonic", '[get_weather(city="Oslo"), now()]'),
+        ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now"}'),
+    ],
+)
+def test_whole_answer_tool_formats(
+    builtin_server: Callable[..., Server], parser: str, written: str
+) -> None:
+    """Formats whose calls are the whole answer: a stream holds the answer while it may be
+    a call, and lets a plain one go as it comes."""
+    server = builtin_server("--chat-template", TOOLS_TEMPLATE, "--tool-call-parser", parser)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    args: dict[str, Any] = dict(
+        model="pagedserve-builtin", messages=ASK, tools=TOOLS, temperature=0, max_tokens=200
+    )
+    want = [("get_weather", {"city": "Oslo"}), ("now", {})]
+    extra = {"structured_outputs": {"regex": re.escape(written)}}
+    choice = client.chat.completions.create(extra_body=extra, **args).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = choice.message.tool_calls or []
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+    chunks = list(client.chat.completions.create(extra_body=extra, stream=True, **args))
+    content, streamed, finish = _streamed_calls(chunks)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == want
+    plain = {"structured_outputs": {"regex": re.escape("Sure, it is sunny in Oslo today.")}}
+    chunks = list(client.chat.completions.create(extra_body=plain, stream=True, **args))
+    content, streamed, finish = _streamed_calls(chunks)
+    assert content == "Sure, it is sunny in Oslo today." and not streamed and finish == "stop"
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) >= 2  # not held to the end
+
+
+def test_auto_tool_choice_needs_a_parser(server: Server) -> None:
+    status, answer = post(f"{server.url}/v1/chat/completions", {"messages": ASK, "tools": TOOLS})
+    assert status == 400 and answer["error"]["param"] == "tool_choice", answer
+    assert "--tool-call-parser" in answer["error"]["message"]
+    status, answer = post(
+        f"{server.url}/v1/chat/completions",
+        {"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
+    )
+    assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
