@@ -26,13 +26,8 @@ from launch.client.stop_strings import StopStringMatcher
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import MIN_GREEDY_MARGIN
-<<<<<<< HEAD
 from tests.helpers.model_files import copy_model
-from tests.launch.openai.test_server import MODEL_NAME, Server, post, start_server
-=======
 from tests.helpers.server import MODEL_NAME, Server, post, start_server
-from tests.worker.test_model_files import copy_model
->>>>>>> h-openai
 from worker.sampler import PenaltyTensors, apply_penalties
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"

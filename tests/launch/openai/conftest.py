@@ -11,6 +11,7 @@ import pytest
 
 from launch import LLM
 from tests.helpers.cli_helpers import CPU
+from tests.helpers.model_files import CONVERSATION
 from tests.helpers.server import (
     GREEDY,
     PROMPT_IDS,
@@ -18,7 +19,6 @@ from tests.helpers.server import (
     Server,
     start_server,
 )
-from tests.worker.test_model_files import CONVERSATION
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tests.helpers.cli_helpers import (
     ENV,
     children_of,
 )
+from tests.helpers.model_files import CONVERSATION
 from tests.helpers.server import (
     EXTRA,
     MODEL_NAME,
@@ -42,7 +43,6 @@ from tests.helpers.server import (
     post,
     wait_for_metric,
 )
-from tests.worker.test_model_files import CONVERSATION
 
 
 def test_completions_and_chat_equal_llm_generate(

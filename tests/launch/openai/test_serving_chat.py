@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.helpers.model_files import CONVERSATION
 from tests.helpers.server import (
     ASK,
     CALLED,
@@ -19,7 +20,6 @@ from tests.helpers.server import (
     Server,
     post,
 )
-from tests.worker.test_model_files import CONVERSATION
 
 
 @pytest.mark.parametrize(

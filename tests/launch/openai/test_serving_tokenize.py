@@ -9,6 +9,7 @@ from pathlib import Path
 
 import openai
 
+from tests.helpers.model_files import CONVERSATION, FANCY
 from tests.helpers.server import (
     EXTRA,
     MODEL_NAME,
@@ -16,7 +17,6 @@ from tests.helpers.server import (
     Server,
     post,
 )
-from tests.worker.test_model_files import CONVERSATION, FANCY
 
 
 def test_tokenize_and_detokenize_give_what_generation_uses(
