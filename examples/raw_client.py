@@ -23,7 +23,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
 from protocol.config import ipc_address
 from protocol.engine import (
     AbortRequests,

@@ -2,7 +2,7 @@
 
 from launch.client.async_llm import AsyncLLM, StreamOutput
 from launch.client.beam_search import BeamSearchOutput, BeamSearchParams
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.client.llm import LLM, CompletionOutput, Prompt
 from protocol.engine import SamplingParams
 

@@ -18,7 +18,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.signals import Terminated, install_signal_handlers
 from launch.client.version import package_version
 from launch.openai.protocol import StructuredOutputsBody
@@ -602,7 +602,7 @@ def _no_input(path: Path, command: str) -> bool:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from launch.client.engine import EngineDeadError
+    from launch.client.engine_processes import EngineDeadError
     from launch.client.llm import LLM, CompletionOutput
     from launch.results import ResultWriter
 
@@ -694,7 +694,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from launch.client.engine import EngineDeadError
+    from launch.client.engine_processes import EngineDeadError
     from launch.openai.api_server import OpenAIServer
     from launch.openai.run_batch import run
     from launch.openai.run_server import open_engine, served_names
@@ -802,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    from launch.client.engine import worker_config
+    from launch.client.engine_args import worker_config
     from worker.main import run
 
     if not 0 <= args.rank < args.tp:

@@ -44,13 +44,8 @@ import zmq
 import zmq.asyncio
 
 from launch.client.beam_search import BeamSearchOutput, BeamSearchParams, check_room, search
-from launch.client.engine import (
-    CORE_REPORT_TIMEOUT_S,
-    DEFAULT_LOG_LEVEL,
-    EngineArgs,
-    EngineDeadError,
-    EngineProcesses,
-)
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.client.engine_processes import CORE_REPORT_TIMEOUT_S, EngineDeadError, EngineProcesses
 from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
 from launch.client.output_processor import SequenceOutput, SequenceState, fan_out, merge
 from protocol.engine import (

@@ -18,7 +18,8 @@ from launch.client.beam_search import (
     round_prompts,
 )
 from launch.client.chat import ChatTemplate
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.client.engine_processes import EngineDeadError, EngineProcesses
 from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
 from launch.client.output_processor import SequenceState, fan_out, text_token_ids
 from launch.client.tokenizer import Tokenizer

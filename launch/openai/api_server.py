@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.client.async_llm import AsyncLLM, RequestStream, check_stream_interval
 from launch.client.chat import ChatTemplateError
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.client.inputs import Prompt, truncated
 from launch.client.version import package_version
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics

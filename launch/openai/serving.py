@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from launch.client.async_llm import AsyncLLM, RequestStream, StreamOutput
 from launch.client.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.openai.metrics import RequestTimer
 from launch.openai.protocol import (
     APIError,

@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from launch import LLM, SamplingParams
-from launch.client.engine import EngineArgs, EngineDeadError
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineDeadError
 from tests.helpers.cli_helpers import CPU, generate_cli
 
 OK = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
