@@ -38,7 +38,6 @@ from protocol.engine import (
     ResetPrefixCache,
     SamplingParams,
     ShutdownCore,
-    priority_error,
 )
 
 log = logging.getLogger("pagedserve.launch")
@@ -161,13 +160,6 @@ class EngineProcesses:
         msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt, priority)
         self._check_open()
         self.to_core.send(self.from_client.encode(msg), copy=False)
-
-    def check_priority(self, priority: object) -> None:
-        """ValueError unless this engine's scheduling policy can serve the priority: the
-        launchers' check before sending, so that a caller hears it at once."""
-        error = priority_error(priority, self.args.scheduling_policy)
-        if error is not None:
-            raise ValueError(error)
 
     def abort(self, request_ids: list[str]) -> None:
         self._check_open()

@@ -35,10 +35,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from launch.client.async_llm import AsyncLLM, RequestStream, check_stream_interval
+from launch.client.async_llm import AsyncLLM
 from launch.client.chat import ChatTemplateError
 from launch.client.engine_processes import EngineDeadError
-from launch.client.inputs import Prompt, truncated
+from launch.client.inputs import Prompt, check_priority, check_stream_interval, truncated
+from launch.client.request_stream import RequestStream
 from launch.client.version import package_version
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.protocol import (
@@ -560,7 +561,7 @@ class OpenAIServer:
         if self.draining:
             raise _stopping()
         try:
-            engine.engine.check_priority(body.priority)
+            check_priority(body.priority, engine.limits.scheduling_policy)
         except ValueError as e:
             raise APIError(str(e), 400, param="priority", code="invalid_value") from None
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:

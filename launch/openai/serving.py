@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
-from launch.client.async_llm import AsyncLLM, RequestStream, StreamOutput
+from launch.client.async_llm import AsyncLLM
 from launch.client.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
 from launch.client.engine_processes import EngineDeadError
+from launch.client.request_stream import RequestStream, StreamOutput
 from launch.openai.metrics import RequestTimer
 from launch.openai.protocol import (
     APIError,

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from launch.client.async_llm import RequestStream, run
+from launch.client.async_llm import run
 from launch.client.detokenizer import IncrementalDetokenizer
+from launch.client.request_stream import RequestStream
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer
 from tests.helpers.cli_helpers import CPU
 from tests.worker.test_model_files import CONVERSATION, word_tokenizer
@@ -129,7 +130,7 @@ def test_a_consumer_that_falls_behind_gets_every_token_once_in_fewer_outputs(
 
     async def until_queued_to_the_end(stream: RequestStream) -> None:
         """Wait (for an event, not a time) until the request's last output is queued."""
-        inbox = stream._inbox
+        inbox = stream.inbox
         while not any(getattr(o, "finish_reason", None) for o in inbox.items):
             inbox.waiter = asyncio.get_running_loop().create_future()
             await inbox.waiter  # the reader's next put
