@@ -22,6 +22,8 @@ from protocol.config import (
 
 # vLLM's default share of a GPU: the rest stays for other processes and the allocator.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# What every launcher logs at unless told otherwise (LLM, AsyncLLM, the CLI, replay).
+DEFAULT_LOG_LEVEL: LogLevel = "WARNING"
 
 
 # Worker settings that EngineArgs and `pagedserve worker`'s flags both carry, by name.
@@ -94,10 +96,6 @@ def _check_choice(name: str, value: object, choices: object) -> None:
     allowed = get_args(choices)
     if value not in allowed:
         raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}, not {value!r}")
-
-
-# What every launcher logs at unless told otherwise (LLM, AsyncLLM, the CLI, replay).
-DEFAULT_LOG_LEVEL: LogLevel = "WARNING"
 
 
 def log_level_name(level: str) -> LogLevel:
