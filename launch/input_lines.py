@@ -88,6 +88,8 @@ def _prompt(line: Any, args: argparse.Namespace) -> Prompt:
     if line.structured_outputs is not None:
         options["structured_outputs"] = line.structured_outputs.to_wire()
     params = SamplingParams(**options)
+    # Here, not only in the client: a bad line fails alone naming its file and line, and
+    # before the engine starts (the client checks it again against the model).
     params.validate()
     return Prompt(
         line.prompt,
