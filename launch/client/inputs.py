@@ -1,7 +1,9 @@
 """What a request is made of, and how it becomes the token ids the engine takes.
 
 Shared by the synchronous `LLM`, the asyncio `AsyncLLM` and the HTTP server, so a prompt
-(text, token ids or a chat conversation) means the same thing through every door.
+(text, token ids or a chat conversation) means the same thing through every door. It is
+the client's one check of a request (sampling params, priority, stream interval,
+truncation): a refusal is a RequestError naming the field, before anything is sent.
 """
 
 from __future__ import annotations
