@@ -78,7 +78,7 @@ from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler  # noqa: E402
 from launch.client.builtin_model import write_llama_checkpoint  # noqa: E402
-from launch.client.engine import (  # noqa: E402
+from launch.client.engine_args import (  # noqa: E402
     DEFAULT_LOG_LEVEL,
     EngineArgs,
     core_config,

@@ -16,15 +16,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
-from protocol.config import ipc_address
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs, core_config, worker_config
+from protocol.config import EngineCoreConfig, WorkerConfig, ipc_address
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -53,30 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     to_core = ctx.socket(zmq.PUSH)  # the client binds both of its sockets
     from_core = ctx.socket(zmq.PULL)
-    inp, out = ipc_address(sockets_dir, "input"), ipc_address(sockets_dir, "output")
-    to_core.bind(inp)
-    from_core.bind(out)
+    core, worker = configs(a.model, sockets_dir)
+    to_core.bind(core.input_address)
+    from_core.bind(core.output_address)
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(CoreMessage).decode
-
-    # The configs have no defaults of their own to fall back on: EngineArgs holds them,
-    # and the launcher's helpers make both configs from it.
-    args = EngineArgs(model=a.model, device="cpu")
-    core = core_config(
-        args,
-        input_address=inp,
-        output_address=out,
-        worker_address=ipc_address(sockets_dir, "workers"),
-        log_level=DEFAULT_LOG_LEVEL,
-    )
-    worker = worker_config(
-        args,
-        model=a.model,
-        rank=0,
-        world_size=1,
-        core_address=core.worker_address,
-        log_level=DEFAULT_LOG_LEVEL,
-    )
     procs = [
         subprocess.Popen([sys.executable, "-m", mod, msgspec.json.encode(cfg).decode()])
         for mod, cfg in (("enginecore.core", core), ("worker.main", worker))
@@ -99,24 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         for msg in send:
             to_core.send(encode(msg))
         to_core.send(encode(AbortRequests(["b"])))
-        deadline = time.monotonic() + 300
-        while len(summary["finish"]) < 2 and time.monotonic() < deadline:
-            if not from_core.poll(1000):
-                continue
-            msg = decode(from_core.recv())
-            if isinstance(msg, EngineDead):
-                raise SystemExit(f"engine died: {msg.reason}")
-            assert isinstance(msg, EngineOutputs)
-            for r in msg.rejected:
-                print(f"rejected {r.request_id}: {r.reason}")
-                summary["rejected"].append(r.request_id)
-            for o in msg.outputs:
-                summary["tokens"].setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    summary["finish"][o.request_id] = o.finish_reason
-                    print(
-                        f"{o.request_id}: {o.finish_reason} after {summary['tokens'][o.request_id]}"
-                    )
+        follow(from_core, decode, summary, num_requests=2)
         to_core.send(encode(ShutdownCore()))
         for proc in procs:
             proc.wait(timeout=60)
@@ -127,6 +93,50 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
     print(json.dumps(summary))
     return 0
+
+
+def configs(model: str, sockets_dir: str) -> tuple[EngineCoreConfig, WorkerConfig]:
+    """The core's and the worker's configs. They have no defaults of their own to fall
+    back on: EngineArgs holds them, and the launcher's helpers make both configs from it."""
+    args = EngineArgs(model=model, device="cpu")
+    core = core_config(
+        args,
+        input_address=ipc_address(sockets_dir, "input"),
+        output_address=ipc_address(sockets_dir, "output"),
+        worker_address=ipc_address(sockets_dir, "workers"),
+        log_level=DEFAULT_LOG_LEVEL,
+    )
+    worker = worker_config(
+        args,
+        model=model,
+        rank=0,
+        world_size=1,
+        core_address=core.worker_address,
+        log_level=DEFAULT_LOG_LEVEL,
+    )
+    return core, worker
+
+
+def follow(
+    from_core: zmq.Socket, decode: Callable[[bytes], Any], summary: dict, num_requests: int
+) -> None:
+    """Read the core's outputs into summary until num_requests have finished."""
+    deadline = time.monotonic() + 300
+    while len(summary["finish"]) < num_requests and time.monotonic() < deadline:
+        if not from_core.poll(1000):
+            continue
+        msg = decode(from_core.recv())
+        if isinstance(msg, EngineDead):
+            raise SystemExit(f"engine died: {msg.reason}")
+        assert isinstance(msg, EngineOutputs)
+        for r in msg.rejected:
+            print(f"rejected {r.request_id}: {r.reason}")
+            summary["rejected"].append(r.request_id)
+        for o in msg.outputs:
+            summary["tokens"].setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                summary["finish"][o.request_id] = o.finish_reason
+                print(f"{o.request_id}: {o.finish_reason} after {summary['tokens'][o.request_id]}")
 
 
 if __name__ == "__main__":

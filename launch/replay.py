@@ -34,7 +34,8 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, core_config, log_level_name, spawn
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs, core_config, log_level_name
+from launch.client.engine_processes import spawn
 from launch.replay_tables import CoreBlockTables, ReplayMismatch
 from protocol.codec import Codec
 from protocol.config import ipc_address, ipc_dir

@@ -35,32 +35,25 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from launch.client.beam_search import BeamSearchOutput, BeamSearchParams, check_room, search
-from launch.client.engine import (
-    CORE_REPORT_TIMEOUT_S,
-    DEFAULT_LOG_LEVEL,
-    EngineArgs,
-    EngineDeadError,
-    EngineProcesses,
+from launch.client.engine_args import DEFAULT_LOG_LEVEL
+from launch.client.engine_client import EngineClient
+from launch.client.engine_processes import CORE_REPORT_TIMEOUT_S, EngineDeadError
+from launch.client.inputs import (
+    PreparedPrompt,
+    Prompt,
+    check_priority,
+    check_stream_interval,
+    to_prompt,
 )
-from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
-from launch.client.output_processor import SequenceOutput, SequenceState, fan_out, merge
-from protocol.engine import (
-    EngineDead,
-    EngineOutputs,
-    Logprobs,
-    RequestOutput,
-    SamplingParams,
-    SchedulerStats,
-)
+from launch.client.request_stream import RequestStream, StreamOutput
+from protocol.engine import EngineDead, EngineOutputs, SamplingParams
 
 log = logging.getLogger("pagedserve.launch")
 T = TypeVar("T")
@@ -70,211 +63,7 @@ T = TypeVar("T")
 WATCH_INTERVAL_MS = 500
 
 
-@dataclass(slots=True)
-class StreamOutput:
-    """What one engine step added to one sequence of a request (index: which of its n).
-    text is the decoded delta (never part of a character, never text a stop string will
-    cut; "" when the model has no tokenizer); finish_reason is set once per sequence, on
-    its last output ("length", "stop", "abort" or "error", with error saying why)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    num_output_tokens: int  # so far, this output's included
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at finish)
-    error: str | None = None
-    index: int = 0
-    logprobs: list[Logprobs] | None = None  # one per new token, when asked for
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    # On a sequence's first output, when asked for: one per prompt token, None first.
-    prompt_logprobs: list[Logprobs | None] | None = None
-    # On a sequence's first output, when asked for (SamplingParams.embedding).
-    embedding: list[float] | None = None
-    # On a sequence's first output: seconds the core queued it before first scheduling it.
-    queued_s: float | None = None
-
-
-class _Prepared(NamedTuple):
-    """One prompt, checked and ready to send."""
-
-    ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    priority: int
-
-
-class _Inbox:
-    """A request's outputs as the reader hands them over. Unlike asyncio.Queue, which
-    wakes its getter once per put, the consumer wakes once however many outputs arrive
-    before it runs, and finds them all (RequestStream merges them into one output).
-
-    With a stream interval N > 1 (vLLM's --stream-interval) a sequence wakes it for its
-    first output, its last, and once N tokens of it wait, not for every token: a server
-    then writes a chunk per N tokens a stream, and its per-token work is shared."""
-
-    __slots__ = ("held", "interval", "items", "ready", "waiter")
-
-    def __init__(self, interval: int = 1) -> None:
-        self.items: deque[RequestOutput | BaseException] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.ready = False  # items worth waking for wait (cleared once they are all taken)
-        self.interval = interval
-        # With an interval: tokens each sequence (core request id) added since the last
-        # wake-up; absent until its first output.
-        self.held: dict[str, int] = {}
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.items.append(item)
-        if self.interval > 1 and self._held_back(item):
-            return
-        if self.held:  # the consumer takes everything waiting: every count starts over
-            self.held = dict.fromkeys(self.held, 0)
-        self.ready = True
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():  # a consumer cancelled while waiting leaves it cancelled
-                waiter.set_result(None)
-
-    def _held_back(self, item: RequestOutput | BaseException) -> bool:
-        """Whether item waits for more of its sequence's tokens (not a first or last
-        output, fewer than interval tokens since the last wake-up)."""
-        if not isinstance(item, RequestOutput) or item.finish_reason is not None:
-            return False
-        count = self.held.get(item.request_id)
-        if count is None:  # its first output
-            self.held[item.request_id] = 0
-            return False
-        count += len(item.new_token_ids)
-        self.held[item.request_id] = count
-        return count < self.interval
-
-    async def wait(self) -> None:
-        while not self.ready:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-
-
-class RequestStream:
-    """An open request: iterate it for StreamOutputs (of its sequences, interleaved; it
-    ends when all have finished). A consumer slower than the engine gets, per sequence,
-    everything that arrived meanwhile as one output (token ids, text, logprobs in order),
-    so falling behind costs one wake-up for several tokens. Closing the stream, or
-    dropping it before the end, aborts the request in the core."""
-
-    def __init__(
-        self,
-        engine: AsyncLLM,
-        request_id: str,
-        prompts: list[list[int]],
-        sequences: dict[str, SequenceState],
-        stream_interval: int = 1,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompts[0]
-        self.prompts = prompts  # each prompt's token ids (several with generate_many)
-        self._engine = engine
-        self._inbox = _Inbox(stream_interval)
-        # Core request id -> its sequence, in index order.
-        self._sequences = sequences
-        self._index = {core_id: i for i, core_id in enumerate(sequences)}
-        self._open = len(sequences)
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamOutput:
-        inbox = self._inbox
-        items = inbox.items
-        while not self.finished:
-            if not inbox.ready:
-                try:
-                    await inbox.wait()
-                except BaseException:
-                    # Cancelled while waiting (a client went away): the core stops at once.
-                    self.close()
-                    raise
-            out = self._next(items)
-            if not items:
-                inbox.ready = False
-            if out is not None:
-                return out
-        raise StopAsyncIteration
-
-    def _next(self, items: deque[RequestOutput | BaseException]) -> StreamOutput | None:
-        """The first queued output merged with its sequence's later ones; None when it
-        belongs to a sequence already ended (the core ran on before it heard of a stop)."""
-        o = items.popleft()
-        if isinstance(o, BaseException):
-            self.finished = True
-            raise o
-        core_id = o.request_id
-        seq = self._sequences[core_id]
-        if seq.finished:
-            return None
-        out = self._process(seq, o)
-        last = o
-        if items and not seq.finished:
-            # Take this sequence's later outputs; keep the others' (and an error) in order.
-            others: list[RequestOutput | BaseException] = []
-            while items:
-                nxt = items.popleft()
-                if isinstance(nxt, RequestOutput) and nxt.request_id == core_id:
-                    if not seq.finished:
-                        merge(out, self._process(seq, nxt))
-                        last = nxt
-                    continue
-                others.append(nxt)
-                if isinstance(nxt, BaseException):
-                    others.extend(items)
-                    items.clear()
-            items.extend(others)
-        return StreamOutput(
-            self.request_id,
-            out.new_token_ids,
-            out.text,
-            out.num_output_tokens,
-            out.finish_reason,
-            last.num_cached_tokens,
-            last.error,
-            self._index[core_id],
-            out.logprobs,
-            out.stop_reason,
-            out.prompt_logprobs,
-            out.embedding,
-            o.queued_s,
-        )
-
-    def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:
-        out = seq.process(o)
-        if seq.stopped:  # a stop string: the core stops now, its later tokens are dropped
-            self._engine._abort([o.request_id])
-        elif seq.finished:
-            self._engine._forget(o.request_id)
-        if seq.finished:
-            self._open -= 1
-            self.finished = self._open == 0
-        return out
-
-    def close(self) -> None:
-        """Abort the request if it is still running (idempotent, never blocks)."""
-        if not self.finished:
-            self.finished = True
-            self._engine._abort([r for r, s in self._sequences.items() if not s.finished])
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # `break` out of `async for` drops the stream: abort now, not at garbage
-        # collection of some async generator later.
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     """An engine (core + workers) for asyncio programs. model: a local checkpoint
     directory or a Hub id (org/name[@revision]); None runs the built-in model.
     chat_template: a Jinja file or template used instead of the model's. stream_interval:
@@ -292,28 +81,11 @@ class AsyncLLM:
         **kwargs: Any,
     ):
         self.stream_interval = check_stream_interval(stream_interval, "stream_interval")
-        self.inputs = InputProcessor.load(model, chat_template)
-        self.model = self.inputs.model_dir
-        self.tokenizer = self.inputs.tokenizer
-        self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)
-        ready = self.engine.ready
-        self.vocab_size = ready.vocab_size
-        self.max_model_len = ready.max_model_len
-        self.eos_token_ids = ready.eos_token_ids
-        self.sampling_defaults = ready.sampling_defaults
-        self.stats: SchedulerStats | None = None  # the latest, after every engine step
-        self.dead_reason: str | None = None  # set once the engine has stopped
-        self.on_stats: Callable[[SchedulerStats], None] | None = None
-        # Open requests' queues, not their streams: a stream the caller drops is collected
-        # at once (its __del__ aborts the request).
-        self._queues: dict[str, _Inbox] = {}
+        super().__init__(model, log_level=log_level, chat_template=chat_template, **kwargs)
         self._ids = itertools.count()
         self._reader: asyncio.Task[None] | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._dead = asyncio.Event()  # binds to a loop only when first awaited
-        # Set before the engine's sockets close (shutdown runs off the loop, in a thread):
-        # from then on nothing on the loop sends.
-        self._closing = False
         self._closed = False
 
     @classmethod
@@ -344,8 +116,8 @@ class AsyncLLM:
         Bad arguments raise TypeError/ValueError here; EngineDeadError once it stopped."""
         self._check_running()
         rid = self._request_id(request_id)
-        one = self._prepare(
-            _as_prompt(prompt), sampling_params, cache_salt, priority, f"request {rid}"
+        one = self.prepare(
+            _as_prompt(prompt), sampling_params, f"request {rid}", cache_salt, priority
         )
         return self._open(rid, [one], text, stream_interval)
 
@@ -376,45 +148,23 @@ class AsyncLLM:
             if len(per_prompt) != len(items):
                 raise ValueError(f"{len(per_prompt)} sampling params for {len(items)} prompts")
         checked = [
-            self._prepare(p, params, cache_salt, priority, f"request {rid} prompt {i}")
+            self.prepare(p, params, f"request {rid} prompt {i}", cache_salt, priority)
             for i, (p, params) in enumerate(zip(items, per_prompt))
         ]
         return self._open(rid, checked, text, stream_interval)
-
-    def _prepare(
-        self,
-        p: Prompt,
-        params: SamplingParams | None,
-        cache_salt: str | None,
-        priority: int | None,
-        what: str,
-    ) -> _Prepared:
-        """A prompt's token ids, checked params (the call's, else the prompt's, else the
-        defaults), cache salt and priority; raises naming `what`."""
-        params = params if params is not None else p.sampling_params
-        params = SamplingParams() if params is None else params
-        params = checked_params(params, what, self.vocab_size, self.inputs)
-        priority = p.priority if priority is None else priority
-        try:
-            self.engine.check_priority(priority)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
-        ids = self.inputs.token_ids(p, self.vocab_size)
-        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
-        return _Prepared(ids, params, cache_salt or p.cache_salt, priority)
 
     def _request_id(self, request_id: str | None) -> str:
         rid = f"req-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(rid, str):
             raise TypeError(f"request_id must be a str, got {type(rid).__name__}")
-        if rid in self._queues:
+        if rid in self._sinks:
             raise ValueError(f"request id {rid!r} is already open")
         return rid
 
     def _open(
         self,
         rid: str,
-        prompts: list[_Prepared],
+        prompts: list[PreparedPrompt],
         text: bool,
         stream_interval: int | None = None,
     ) -> RequestStream:
@@ -424,19 +174,14 @@ class AsyncLLM:
         requests = []
         for k, one in enumerate(prompts):
             base = rid if len(prompts) == 1 else f"{rid}-{k}"
-            for core_id, copy in fan_out(base, one.params):
-                if core_id in self._queues:
-                    raise ValueError(f"request id {core_id!r} is already open")
-                seq = SequenceState(self.tokenizer, one.params, text)
-                requests.append((core_id, one, copy, seq))
-        sequences = {core_id: seq for core_id, _, _, seq in requests}
+            requests.extend((one, *copy) for copy in self.sequences(base, one, text))
+        sequences = {core_id: seq for _, core_id, _, seq in requests}
         interval = self.stream_interval
         if stream_interval is not None:
             interval = max(interval, check_stream_interval(stream_interval, "stream_interval"))
         stream = RequestStream(self, rid, [one.ids for one in prompts], sequences, interval)
-        for core_id, one, copy, _ in requests:
-            self._queues[core_id] = stream._inbox
-            self.engine.add_request(core_id, one.ids, copy, one.cache_salt, one.priority)
+        for one, core_id, copy, _ in requests:
+            self.send(core_id, one, copy, stream.inbox.put)
         return stream
 
     async def beam_search(
@@ -458,7 +203,7 @@ class AsyncLLM:
         params.validate()
         p = _as_prompt(prompt)
         priority = p.priority if priority is None else priority
-        self.engine.check_priority(priority)
+        check_priority(priority, self.limits.scheduling_policy)
         ids = self.prompt_token_ids(p)
         check_room(len(ids), params, self.max_model_len, f"request {rid}")
         salt = cache_salt or p.cache_salt
@@ -471,31 +216,9 @@ class AsyncLLM:
         """The token ids generate() would send for prompt (raises as it would)."""
         return self.inputs.token_ids(_as_prompt(prompt), self.vocab_size)
 
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._queues)
-
-    def abort_all(self) -> None:
-        """Abort every open request; each stream ends with finish_reason "abort"."""
-        if self._queues and self._can_send():
-            self.engine.abort(list(self._queues))
-
     def reset_prefix_cache(self) -> None:
         self._check_running()
         self.engine.reset_prefix_cache()
-
-    def _abort(self, request_ids: list[str]) -> None:
-        """Abort the core requests still open among request_ids (their later outputs are
-        dropped)."""
-        ids = [r for r in request_ids if self._queues.pop(r, None) is not None]
-        if ids and self._can_send():
-            self.engine.abort(ids)
-
-    def _can_send(self) -> bool:
-        return not self._closing and self.dead_reason is None and not self.engine.closed
-
-    def _forget(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
 
     def _check_running(self) -> None:
         if self.dead_reason is not None:
@@ -527,7 +250,7 @@ class AsyncLLM:
             while True:
                 msg = self.engine.decode(await self._next_frame())
                 if isinstance(msg, EngineOutputs):
-                    self._dispatch(msg)
+                    self.dispatch(msg)
                 elif isinstance(msg, EngineDead):
                     raise await self._stop_engine(msg.reason)
                 else:
@@ -560,29 +283,11 @@ class AsyncLLM:
         self._release_socket()
         return await asyncio.to_thread(self.engine.stopped, reason)
 
-    def _dispatch(self, batch: EngineOutputs) -> None:
-        if batch.stats is not None:
-            self.stats = batch.stats
-            if self.on_stats is not None:
-                self.on_stats(batch.stats)
-        queues = self._queues
-        for o in batch.outputs:
-            inbox = queues.get(o.request_id)
-            if inbox is not None:
-                inbox.put(o)
-        for r in batch.rejected:  # generate() refuses open ids, so only a bug gets here
-            log.error("the engine refused request %s: %s", r.request_id, r.reason)
-
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
-        self._end_streams(EngineDeadError(reason))
+        self.fail_open(EngineDeadError(reason))
         self._release_socket()
         self._dead.set()
-
-    def _end_streams(self, error: EngineDeadError) -> None:
-        for inbox in self._queues.values():
-            inbox.put(error)
-        self._queues.clear()
 
     def _release_socket(self) -> None:
         # The event loop watches this socket's descriptor: stop that before the engine's
@@ -600,7 +305,7 @@ class AsyncLLM:
         self.abort_all()
         stopping = self._closing  # the reader is already stopping the engine: let it end
         self._closing = True
-        self._end_streams(EngineDeadError("the engine was shut down"))
+        self.fail_open(EngineDeadError("the engine was shut down"))
         if self._reader is not None:
             if not stopping:
                 self._reader.cancel()
@@ -614,13 +319,6 @@ class AsyncLLM:
         self._closing = True
         self._release_socket()
         self.engine.shutdown()
-
-
-def check_stream_interval(value: object, name: str) -> int:
-    """A stream interval (tokens an output, at least 1); ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def _as_prompt(prompt: object) -> Prompt:

@@ -19,15 +19,15 @@ not among the most likely already; 0 (the default) makes the search deterministi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from launch.client.inputs import Prompt
 from protocol.engine import MAX_LOGPROBS, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
-    from launch.client.async_llm import AsyncLLM
+    from launch.client.request_stream import StreamOutput
     from launch.client.tokenizer import Tokenizer
 
 # Each round asks for 2 * beam_width alternatives, within the engine's logprobs cap.
@@ -235,8 +235,33 @@ def advance_all(searches: Sequence[BeamSearch], found: Sequence[tuple[int, Logpr
         raise ValueError(f"{len(found)} results for {at} beams")
 
 
+class RoundStream(Protocol):
+    """One round's requests as search() reads them (AsyncLLM's RequestStream)."""
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]: ...
+
+    def close(self) -> None: ...
+
+
+class RoundEngine(Protocol):
+    """What search() needs of an engine (AsyncLLM has it): the model's end-of-sequence
+    ids and tokenizer, and one stream for a round's prompts."""
+
+    eos_token_ids: list[int]
+    tokenizer: Tokenizer | None
+
+    def generate_many(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        text: bool,
+    ) -> RoundStream: ...
+
+
 async def search(
-    engine: AsyncLLM,
+    engine: RoundEngine,
     prompts: list[list[int]],
     params: BeamSearchParams,
     request_id: str,

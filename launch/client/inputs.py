@@ -1,20 +1,22 @@
 """What a request is made of, and how it becomes the token ids the engine takes.
 
 Shared by the synchronous `LLM`, the asyncio `AsyncLLM` and the HTTP server, so a prompt
-(text, token ids or a chat conversation) means the same thing through every door.
+(text, token ids or a chat conversation) means the same thing through every door. It is
+the client's one check of a request (sampling params, priority, stream interval,
+truncation): a refusal is a RequestError naming the field, before anything is sent.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from launch.client.chat import ChatTemplate, load_chat_template
 from launch.client.tokenizer import Tokenizer, load_tokenizer
-from protocol.engine import SamplingParams
+from protocol.engine import SamplingParams, priority_error, truncation_error
 from worker.structured_output import grammar_of
 
 
@@ -50,13 +52,41 @@ def to_prompt(item: object) -> Prompt:
     raise TypeError(f"a prompt is a str, a list of token ids or a Prompt, not {item!r}")
 
 
+class RequestError(ValueError):
+    """A request refused at the client boundary, before anything is sent. The message
+    names the request (what) and the fault; reason is the fault alone and param the
+    field at fault, for a caller that reports them apart (the HTTP server's 400)."""
+
+    def __init__(self, what: str | None, reason: str, param: str | None) -> None:
+        super().__init__(f"{what}: {reason}" if what else reason)
+        self.reason = reason
+        self.param = param
+
+
+class RequestLimits(NamedTuple):
+    """What a request is checked against: the running engine's model and policy."""
+
+    vocab_size: int
+    max_model_len: int
+    scheduling_policy: str
+
+
+class PreparedPrompt(NamedTuple):
+    """One prompt, checked and ready to send."""
+
+    ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    priority: int
+
+
 def checked_params(
     params: object, what: str, vocab_size: int, inputs: InputProcessor | None = None
 ) -> SamplingParams:
     """params, if it is a SamplingParams whose fields have the declared types and sane
     values (msgspec does not check types at construction: 8.0 would reach the wire), and
     whose structured output compiles (for inputs' model, which needs a tokenizer for it).
-    what names the request in errors ("prompt 3")."""
+    what names the request in errors ("prompt 3"); a bad value raises RequestError."""
     if not isinstance(params, SamplingParams):
         raise TypeError(
             f"{what}: sampling params must be a SamplingParams, got {type(params).__name__}"
@@ -67,31 +97,65 @@ def checked_params(
         raise TypeError(f"{what}: SamplingParams: {e}") from None
     try:
         params.validate(vocab_size)
-        if params.bad_words:
-            if inputs is None or inputs.tokenizer is None:
-                raise ValueError("bad_words need the model's tokenizer (this model has none)")
-            params = msgspec.structs.replace(
-                params,
-                bad_words_token_ids=bad_word_sequences(
-                    inputs.tokenizer, params.bad_words, params.bad_words_token_ids
-                ),
-            )
-            params.validate(vocab_size)  # the sequences, now that they exist
-        width = None if params.embedding is None else params.embedding.dimensions
-        if width is not None and inputs is not None and width > inputs.hidden_size:
-            raise ValueError(
-                f"dimensions {width} exceeds the model's embedding width {inputs.hidden_size}"
-            )
-        if params.structured_outputs is not None:
-            if inputs is not None and inputs.tokenizer is None:
-                raise ValueError(
-                    f"structured_outputs: model {inputs.model_dir} has no tokenizer "
-                    "(tokenizer.json), which they need"
-                )
-            grammar_of(params.structured_outputs)
     except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
+        raise RequestError(what, str(e), str(e).split()[0]) from None
+    if params.bad_words:
+        params = _with_bad_words(params, what, vocab_size, inputs)
+    width = None if params.embedding is None else params.embedding.dimensions
+    if width is not None and inputs is not None and width > inputs.hidden_size:
+        reason = f"dimensions {width} exceeds the model's embedding width {inputs.hidden_size}"
+        raise RequestError(what, reason, "dimensions")
+    if params.structured_outputs is not None:
+        if inputs is not None and inputs.tokenizer is None:
+            reason = (
+                f"structured_outputs: model {inputs.model_dir} has no tokenizer "
+                "(tokenizer.json), which they need"
+            )
+            raise RequestError(what, reason, "structured_outputs")
+        try:
+            grammar_of(params.structured_outputs)
+        except ValueError as e:
+            raise RequestError(what, str(e), "structured_outputs") from None
     return params
+
+
+def _with_bad_words(
+    params: SamplingParams, what: str, vocab_size: int, inputs: InputProcessor | None
+) -> SamplingParams:
+    """params with its bad words' token sequences, checked now that they exist."""
+    if inputs is None or inputs.tokenizer is None:
+        reason = "bad_words need the model's tokenizer (this model has none)"
+        raise RequestError(what, reason, "bad_words")
+    sequences = bad_word_sequences(inputs.tokenizer, params.bad_words, params.bad_words_token_ids)
+    params = msgspec.structs.replace(params, bad_words_token_ids=sequences)
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise RequestError(what, str(e), str(e).split()[0]) from None
+    return params
+
+
+def check_priority(priority: object, policy: str, what: str | None = None) -> int:
+    """priority, if the engine's scheduling policy can serve it (RequestError otherwise)."""
+    error = priority_error(priority, policy)
+    if error is not None:
+        raise RequestError(what, error, "priority")
+    return priority  # type: ignore[return-value]
+
+
+def check_stream_interval(value: object, name: str) -> int:
+    """A stream interval (tokens an output, at least 1); RequestError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(None, f"{name} must be an integer >= 1, got {value!r}", name)
+    return value
+
+
+def check_truncation(k: int | None) -> int | None:
+    """A truncate_prompt_tokens, checked before any prompt is cut (RequestError)."""
+    error = truncation_error(k)
+    if error is not None:
+        raise RequestError(None, error, "truncate_prompt_tokens")
+    return k
 
 
 def truncated(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
@@ -171,6 +235,32 @@ class InputProcessor:
         if not isinstance(p.prompt, str):
             raise TypeError(f"prompt must be a str, got {type(p.prompt).__name__}")
         return self.encode(p.prompt)
+
+    def prepare(
+        self,
+        p: Prompt,
+        params: SamplingParams | None,
+        limits: RequestLimits,
+        what: str,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        checked: bool = False,
+    ) -> PreparedPrompt:
+        """A prompt's token ids (truncated as asked), its checked params (the call's, else
+        the prompt's, else the defaults; checked: the call's passed checked_params
+        already), cache salt and priority (the call's, else the prompt's): the one
+        client-side check of a request. Raises naming `what`."""
+        if params is None:
+            params, checked = p.sampling_params, False
+        if params is None:
+            params, checked = SamplingParams(), True
+        if not checked:
+            params = checked_params(params, what, limits.vocab_size, self)
+        priority = p.priority if priority is None else priority
+        check_priority(priority, limits.scheduling_policy, what)
+        ids = self.token_ids(p, limits.vocab_size)
+        ids = truncated(ids, params.truncate_prompt_tokens, limits.max_model_len)
+        return PreparedPrompt(ids, params, cache_salt or p.cache_salt, priority)
 
     def chat_text(self, p: Prompt) -> str:
         """p.messages rendered by the chat template (ChatTemplateError, a ValueError, for a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,12 +18,25 @@ from launch.client.beam_search import (
     check_room,
     round_prompts,
 )
-from launch.client.chat import ChatTemplate
-from launch.client.engine import DEFAULT_LOG_LEVEL, EngineArgs, EngineDeadError, EngineProcesses
-from launch.client.inputs import InputProcessor, Prompt, checked_params, to_prompt, truncated
-from launch.client.output_processor import SequenceState, fan_out, text_token_ids
-from launch.client.tokenizer import Tokenizer
-from protocol.engine import EmbeddingParams, Logprobs, SamplingParams, SchedulerStats
+from launch.client.engine_args import DEFAULT_LOG_LEVEL
+from launch.client.engine_client import EngineClient, OutputSink
+from launch.client.engine_processes import EngineDeadError
+from launch.client.inputs import (
+    InputProcessor,
+    PreparedPrompt,
+    Prompt,
+    check_priority,
+    checked_params,
+    to_prompt,
+)
+from launch.client.output_processor import SequenceState, text_token_ids
+from protocol.engine import (
+    EmbeddingParams,
+    Logprobs,
+    RequestOutput,
+    SamplingParams,
+    SchedulerStats,
+)
 
 
 @dataclass
@@ -71,7 +85,7 @@ class RunSummary:
         return s.prefix_cache_hits / s.prefix_cache_queries if s and s.prefix_cache_queries else 0.0
 
 
-class LLM:
+class LLM(EngineClient):
     """An engine (core + workers) for offline generation. model: a local checkpoint
     directory or a Hugging Face Hub id (org/name[@revision]); None runs the built-in
     small random Llama, offline. chat_template: a Jinja file or template used instead of
@@ -85,18 +99,8 @@ class LLM:
         chat_template: str | None = None,
         **kwargs: Any,
     ):
-        self.inputs = InputProcessor.load(model, chat_template)
-        self.model = self.inputs.model_dir
-        self.tokenizer: Tokenizer | None = self.inputs.tokenizer
-        self.chat_template: ChatTemplate | None = self.inputs.chat_template
-        self.engine = EngineProcesses(EngineArgs(model=self.model, **kwargs), log_level=log_level)
-        ready = self.engine.ready
-        self.vocab_size = ready.vocab_size
-        self.max_model_len = ready.max_model_len
-        self.eos_token_ids = ready.eos_token_ids
-        self.sampling_defaults = ready.sampling_defaults
+        super().__init__(model, log_level=log_level, chat_template=chat_template, **kwargs)
         self.last_summary = RunSummary()
-        self.dead_reason: str | None = None  # set once the engine has stopped
         self._next_id = 0
         self._closed = False
 
@@ -127,111 +131,64 @@ class LLM:
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"{len(priority)} priorities for {len(items)} prompts")
         params = _per_prompt_params(sampling_params, len(items), self.vocab_size, self.inputs)
-        results: list[CompletionOutput] = []
-        pending: dict[str, tuple[int, SequenceState]] = {}
-        summary = RunSummary()
-        start = time.perf_counter()
-        finish = on_finish or (lambda _out: None)
-        bar = _progress(len(items), use_tqdm)
+        run = _Generation(self, on_finish, len(items), use_tqdm)
+        self.stats = None
         for index, (item, default) in enumerate(zip(items, params)):
             p = to_prompt(item)
             if priority is not None:
                 p = replace(p, priority=priority[index])
-            try:
-                ids = self.inputs.token_ids(p, self.vocab_size)
-                request_params = default
-                if p.sampling_params is not None:
-                    request_params = checked_params(
-                        p.sampling_params, f"prompt {index}", self.vocab_size, self.inputs
-                    )
-                ids = truncated(ids, request_params.truncate_prompt_tokens, self.max_model_len)
-                self.engine.check_priority(p.priority)
-                # Text only for stop strings: the whole text is decoded once at the end.
-                text = bool(request_params.stop)
-                copies = [
-                    (core_id, copy, SequenceState(self.tokenizer, request_params, text))
-                    for core_id, copy in fan_out(f"req-{self._next_id}", request_params)
-                ]
-            except (TypeError, ValueError) as e:
-                out = CompletionOutput(index=index, prompt_token_ids=[])
-                out.finish_reason, out.error = "error", f"prompt {index}: {e}"
-                results.append(out)
-                finish(out)
-                bar.update(1)
-                continue
-            self._next_id += 1
-            summary.prompt_tokens += len(ids)
-            for j, (core_id, copy, seq) in enumerate(copies):
-                out = CompletionOutput(index=index, prompt_token_ids=ids, seq_index=j)
-                out._skip_special_tokens = request_params.skip_special_tokens
-                out._keep_stop = request_params.include_stop_str_in_output
-                if request_params.logprobs is not None:
-                    out.logprobs = []
-                if request_params.stop:
-                    out._stop_text = []
-                pending[core_id] = (len(results), seq)
-                results.append(out)
-                self.engine.add_request(core_id, ids, copy, p.cache_salt, p.priority)
-        summary.requests = len(results)
-        if len(results) != len(items):
-            bar.total = len(results)
-            bar.refresh()
+            self._submit(run, index, p, default)
+        run.summary.requests = len(run.results)
+        if len(run.results) != len(items):
+            run.bar.total = len(run.results)
+            run.bar.refresh()
         try:
-            while pending:
+            self._collect()
+        finally:
+            run.bar.close()
+            self._sinks.clear()  # after an error: none of this run's requests is waited for
+        summary = run.summary
+        summary.stats = self.stats
+        summary.seconds = time.perf_counter() - run.start
+        summary.failed = sum(1 for r in run.results if r.finish_reason == "error")
+        if summary.failed and self.dead_reason is None and not self.engine.closed:
+            # Failures may be the engine going down: say so rather than look healthy.
+            self.dead_reason = self.engine.dead_reason()
+        self.last_summary = summary
+        return run.results
+
+    def _submit(self, run: _Generation, index: int, p: Prompt, default: SamplingParams) -> None:
+        """Check prompt index and send its core requests; a bad one fails alone, at once."""
+        what = f"prompt {index}"
+        try:
+            # The prompt's own params, else the call's (checked already).
+            own = p.sampling_params
+            one = self.prepare(p, default if own is None else own, what, checked=own is None)
+            # Text only for stop strings: the whole text is decoded once at the end.
+            copies = self.sequences(f"req-{self._next_id}", one, bool(one.params.stop))
+        except (TypeError, ValueError) as e:
+            run.fail(index, e if str(e).startswith(f"{what}: ") else f"{what}: {e}")
+            return
+        self._next_id += 1
+        run.summary.prompt_tokens += len(one.ids)
+        for j, (core_id, copy, seq) in enumerate(copies):
+            self.send(core_id, one, copy, run.sink(index, one, j, seq))
+
+    def _collect(self) -> None:
+        """Wait until every open request has finished (outputs go to their sinks)."""
+        try:
+            while self._sinks:
                 batch = self.engine.get_outputs()
-                if batch is None:
-                    continue
-                if batch.stats is not None:
-                    summary.stats = batch.stats
-                for o in batch.outputs:
-                    entry = pending.get(o.request_id)
-                    if entry is None:
-                        continue
-                    at, seq = entry
-                    out = results[at]
-                    step = seq.process(o)
-                    out.token_ids.extend(o.new_token_ids)
-                    if out.logprobs is not None and o.logprobs:
-                        out.logprobs.extend(o.logprobs)
-                    if step.prompt_logprobs is not None:
-                        out.prompt_logprobs = step.prompt_logprobs
-                    if step.embedding is not None:
-                        out.embedding = step.embedding
-                    if out._stop_text is not None:
-                        out._stop_text.append(step.text)
-                    summary.output_tokens += len(o.new_token_ids)
-                    if seq.stopped:  # by a stop string: the core stops now
-                        self.engine.abort([o.request_id])
-                    if step.finish_reason is not None:
-                        out.finish_reason = step.finish_reason
-                        out.stop_reason = step.stop_reason
-                        out.num_cached_tokens = o.num_cached_tokens
-                        # The core names its request id; the caller knows the prompt index.
-                        out.error = o.error and o.error.replace(
-                            f"request {o.request_id}", f"prompt {out.index}"
-                        )
-                        del pending[o.request_id]
-                        self._finished(out, finish)
-                        bar.update(1)
+                if batch is not None:
+                    self.dispatch(batch)
         except KeyboardInterrupt:
-            self.engine.abort(list(pending))
+            self.abort_requests(list(self._sinks))
             raise
         except EngineDeadError as e:
             # The core fails the requests it knows of before it stops; any it never read
             # fail here with the same reason, so every input still gets its answer.
             self.dead_reason = str(e)
-            for at, _ in pending.values():
-                results[at].finish_reason, results[at].error = "error", str(e)
-                self._finished(results[at], finish)
-        finally:
-            bar.close()
-        summary.seconds = time.perf_counter() - start
-        summary.failed = sum(1 for r in results if r.finish_reason == "error")
-        if summary.failed and self.dead_reason is None and not self.engine.closed:
-            # Failures may be the engine going down: say so rather than look healthy.
-            self.dead_reason = self.engine.dead_reason()
-        self.last_summary = summary
-        return results
+            self.fail_open(e)
 
     def beam_search(
         self,
@@ -251,7 +208,7 @@ class LLM:
             p = to_prompt(item)
             ids = self.inputs.token_ids(p, self.vocab_size)
             check_room(len(ids), params, self.max_model_len, f"prompt {i}")
-            self.engine.check_priority(p.priority)
+            check_priority(p.priority, self.limits.scheduling_policy)
             searches.append(BeamSearch(ids, params, self.eos_token_ids, p.cache_salt, p.priority))
         one = params.round_params()
         while asked := round_prompts(searches):
@@ -323,26 +280,6 @@ class LLM:
             out.token_ids, out.text = [], None
         return outs
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (the engine refuses while requests run)."""
-        self.engine.reset_prefix_cache()
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """The model's sampling defaults (generation_config.json), spelled out; fields a
-        request leaves unset take these anyway."""
-        d = self.sampling_defaults
-        return SamplingParams(
-            temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p
-        )
-
-    def _finished(self, out: CompletionOutput, finish: Callable[[CompletionOutput], None]) -> None:
-        if out._stop_text is not None:
-            out.text = "".join(out._stop_text)
-        elif self.tokenizer is not None:
-            ids = text_token_ids(out.token_ids, out.finish_reason, out._keep_stop)
-            out.text = self.tokenizer.decode(ids, out._skip_special_tokens)
-        finish(out)
-
     def close(self) -> None:
         self._closed = True
         self.engine.shutdown()
@@ -352,6 +289,87 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Generation:
+    """One generate() call: its outputs in input order, filled as the core's arrive."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        on_finish: Callable[[CompletionOutput], None] | None,
+        total: int,
+        use_tqdm: bool,
+    ) -> None:
+        self.llm = llm
+        self.finish = on_finish or (lambda _out: None)
+        self.results: list[CompletionOutput] = []
+        self.summary = RunSummary()
+        self.start = time.perf_counter()
+        self.bar = _progress(total, use_tqdm)
+
+    def fail(self, index: int, error: object) -> None:
+        """Prompt index cannot run: its one output says why."""
+        out = CompletionOutput(index=index, prompt_token_ids=[])
+        out.finish_reason, out.error = "error", str(error)
+        self.results.append(out)
+        self.finish(out)
+        self.bar.update(1)
+
+    def sink(self, index: int, one: PreparedPrompt, j: int, seq: SequenceState) -> OutputSink:
+        """The output of prompt index's copy j, and what fills it."""
+        params = one.params
+        out = CompletionOutput(index=index, prompt_token_ids=one.ids, seq_index=j)
+        out._skip_special_tokens = params.skip_special_tokens
+        out._keep_stop = params.include_stop_str_in_output
+        if params.logprobs is not None:
+            out.logprobs = []
+        if params.stop:
+            out._stop_text = []
+        self.results.append(out)
+        return functools.partial(self.take, out, seq)
+
+    # Per output of every request: kept flat.
+    def take(
+        self, out: CompletionOutput, seq: SequenceState, o: RequestOutput | BaseException
+    ) -> None:
+        if isinstance(o, BaseException):  # the engine died with this request open
+            out.finish_reason, out.error = "error", str(o)
+            self._finished(out)
+            return
+        step = seq.process(o)
+        out.token_ids.extend(o.new_token_ids)
+        if out.logprobs is not None and o.logprobs:
+            out.logprobs.extend(o.logprobs)
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs
+        if step.embedding is not None:
+            out.embedding = step.embedding
+        if out._stop_text is not None:
+            out._stop_text.append(step.text)
+        self.summary.output_tokens += len(o.new_token_ids)
+        if seq.stopped:  # by a stop string: the core stops now
+            self.llm.abort_requests([o.request_id])
+        if step.finish_reason is not None:
+            out.finish_reason = step.finish_reason
+            out.stop_reason = step.stop_reason
+            out.num_cached_tokens = o.num_cached_tokens
+            # The core names its request id; the caller knows the prompt index.
+            out.error = o.error and o.error.replace(
+                f"request {o.request_id}", f"prompt {out.index}"
+            )
+            self.llm.forget(o.request_id)
+            self._finished(out)
+            self.bar.update(1)
+
+    def _finished(self, out: CompletionOutput) -> None:
+        tokenizer = self.llm.tokenizer
+        if out._stop_text is not None:
+            out.text = "".join(out._stop_text)
+        elif tokenizer is not None:
+            ids = text_token_ids(out.token_ids, out.finish_reason, out._keep_stop)
+            out.text = tokenizer.decode(ids, out._skip_special_tokens)
+        self.finish(out)
 
 
 def _as_prompt_list(prompts: object) -> list:

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.client.async_llm import AsyncLLM
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.protocol import APIError

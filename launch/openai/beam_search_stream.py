@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from launch.client.async_llm import AsyncLLM, StreamOutput
+from launch.client.async_llm import AsyncLLM
 from launch.client.beam_search import BeamSearchError, BeamSearchOutput, BeamSearchParams, search
+from launch.client.request_stream import StreamOutput
 from protocol.engine import Logprobs
 
 

@@ -12,8 +12,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from starlette.responses import Response
 
-from launch.client.async_llm import RequestStream, StreamOutput
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
+from launch.client.request_stream import RequestStream, StreamOutput
 from launch.openai.beam_search_stream import BeamSearchStream
 from launch.openai.metrics import RequestTimer
 from launch.openai.protocol import APIError, GenerationRequest

@@ -26,7 +26,7 @@ from typing import Any
 import uvicorn
 
 from launch.client.async_llm import AsyncLLM
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.client.signals import Terminated
 from launch.openai.api_server import CORS, OpenAIServer
 from launch.openai.metrics import STATS_LOGGER, StatsLog

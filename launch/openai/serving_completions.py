@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from launch.client.async_llm import StreamOutput
+from launch.client.request_stream import StreamOutput
 from launch.openai.generation import Choice, ChoicesAnswer, Started
 from launch.openai.protocol import APIError, CompletionRequest, decode_body
 from launch.openai.response_shapes import completion_logprobs, sse_event

@@ -12,7 +12,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from launch.client.inputs import truncated
 from launch.openai.protocol import APIError, EmbeddingRequest, decode_body
 from launch.openai.serving_base import (

@@ -7,9 +7,9 @@ import uuid
 
 import msgspec
 
-from launch.client.async_llm import RequestStream, check_stream_interval
 from launch.client.beam_search import BeamSearchParams
-from launch.client.inputs import truncated
+from launch.client.inputs import check_priority, check_stream_interval, truncated
+from launch.client.request_stream import RequestStream
 from launch.openai.beam_search_stream import BeamSearchStream
 from launch.openai.generation import Started
 from launch.openai.protocol import APIError, GenerationRequest
@@ -46,7 +46,7 @@ class GenerationServing(OpenAIServing):
         admission = self.ctx.admission
         admission.check_open()
         try:
-            self.engine.engine.check_priority(body.priority)
+            check_priority(body.priority, self.engine.limits.scheduling_policy)
         except ValueError as e:
             raise APIError(str(e), 400, param="priority", code="invalid_value") from None
         admission.check_room()

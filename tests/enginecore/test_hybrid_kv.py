@@ -24,7 +24,7 @@ from enginecore.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
-from launch.client.engine import EngineArgs, runner_config
+from launch.client.engine_args import EngineArgs, runner_config
 from protocol.codec import Codec
 from protocol.engine import SamplingParams
 from protocol.worker import CoreToWorker, SchedulerOutput, WorkerConfigure, WorkerToCore

@@ -235,7 +235,7 @@ def test_the_hash_root_is_a_per_deployment_secret() -> None:
     """Without a seed each engine start draws its own root, so block hashes cannot be
     predicted (or collisions crafted) from outside; equal seeds give equal hashes."""
     from enginecore.core import hash_seed
-    from launch.client.engine import EngineArgs, core_config
+    from launch.client.engine_args import EngineArgs, core_config
     from protocol.config import EngineCoreConfig
 
     def config(seed: str | None) -> EngineCoreConfig:

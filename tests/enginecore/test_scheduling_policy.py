@@ -19,7 +19,8 @@ from launch import LLM, Prompt
 from launch.client.async_llm import AsyncLLM
 from launch.client.async_llm import run as run_async
 from launch.client.builtin_model import builtin_model_dir
-from launch.client.engine import EngineArgs, EngineProcesses
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineProcesses
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.worker import ModelRunnerOutput, SchedulerOutput

@@ -8,7 +8,7 @@ from enginecore import KVCacheManager, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens
 from enginecore.core import scheduler_config
 from enginecore.scheduler import SchedulerConfig
-from launch.client.engine import EngineArgs
+from launch.client.engine_args import EngineArgs
 from protocol.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -39,7 +39,7 @@ def test_flags_out_of_range_are_refused_by_name() -> None:
 
 
 def test_byte_counts_take_units_of_1000_and_1024() -> None:
-    from launch.cli import parse_bytes
+    from launch.cli_flags import parse_bytes
 
     parse = parse_bytes("--kv-cache-memory")
     assert parse("268435456") == parse("256MiB") == parse("256 mib") == 256 << 20

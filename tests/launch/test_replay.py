@@ -29,7 +29,8 @@ from enginecore.recording import (
     RecordingError,
 )
 from launch.client.builtin_model import builtin_model_dir
-from launch.client.engine import EngineArgs, EngineProcesses
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineProcesses
 from launch.replay import ReplayMismatch, replay
 from launch.replay_tables import CoreBlockTables
 from protocol.codec import Codec

@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.client.engine import EngineArgs, EngineProcesses
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineProcesses
 from protocol.engine import SamplingParams
 from tests.helpers.cli_helpers import CPU, run_json_script
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from launch import LLM, AsyncLLM, SamplingParams
-from launch.client.engine import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
+from launch.client.engine_args import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
 from protocol.config import EngineCoreConfig, WorkerConfig
 from tests.helpers.cli_helpers import CPU, children_of
 

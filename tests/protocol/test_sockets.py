@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from launch.client.engine import SPIN_ENV, EngineArgs
+from launch.client.engine_args import SPIN_ENV, EngineArgs
 from protocol.sockets import (
     DEFAULT_SPIN_S,
     DueWait,

@@ -14,7 +14,7 @@ import pytest
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
-from launch.client.engine import EngineArgs, runner_config
+from launch.client.engine_args import EngineArgs, runner_config
 from protocol.codec import Codec
 from protocol.engine import SamplingParams
 from protocol.worker import (

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from enginecore.kv_cache_config import make_kv_cache_config
-from launch.client.engine import EngineArgs, runner_config
+from launch.client.engine_args import EngineArgs, runner_config
 from protocol.worker import WorkerConfigure
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import save_checkpoint

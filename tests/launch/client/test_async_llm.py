@@ -1,5 +1,5 @@
-"""AsyncLLM: streams on one event loop, text deltas that never split a character,
-aborts when a consumer leaves, and the engine's death reaching every open stream."""
+"""AsyncLLM: streams on one event loop equal to LLM's outputs, aborts when a consumer
+leaves, and the engine's death reaching every open stream."""
 
 from __future__ import annotations
 
@@ -11,40 +11,14 @@ from pathlib import Path
 import pytest
 
 from launch import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from launch.client.async_llm import RequestStream, run
-from launch.client.detokenizer import IncrementalDetokenizer
-from launch.client.tokenizer import ByteTokenizer, HFTokenizer
+from launch.client.async_llm import run
+from launch.client.request_stream import RequestStream
 from tests.helpers.cli_helpers import CPU
-from tests.helpers.model_files import CONVERSATION, word_tokenizer
+from tests.helpers.model_files import CONVERSATION
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=4000, ignore_eos=True)
-
-
-def test_text_deltas_never_split_a_character() -> None:
-    text = "añ€😀 ok"
-    detok = IncrementalDetokenizer(ByteTokenizer())
-    deltas = [detok.step([b]) for b in text.encode()] + [detok.flush()]
-    # One byte at a time: nothing until a character is whole, then exactly it.
-    assert [d for d in deltas if d] == list(text)
-    assert "\ufffd" not in "".join(deltas)
-
-
-def test_an_unfinished_character_at_the_end_is_flushed_as_the_decode_has_it() -> None:
-    detok = IncrementalDetokenizer(ByteTokenizer())
-    ids = [*"é".encode(), *"€".encode()[:2]]
-    assert "".join(detok.step([t]) for t in ids) == "é"
-    assert detok.flush() == "\ufffd"  # what ByteTokenizer().decode(ids) ends with
-    assert ByteTokenizer().decode(ids) == "é\ufffd"
-
-
-def test_deltas_add_up_to_the_decode_with_word_joins(tmp_path: Path) -> None:
-    word_tokenizer(tmp_path)
-    tok = HFTokenizer(tmp_path / "tokenizer.json")
-    ids = tok.encode("What is 2 + 2 ? You are terse", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok)
-    assert "".join(detok.step([t]) for t in ids) + detok.flush() == tok.decode(ids)
 
 
 def test_streams_equal_llm_and_leaving_early_aborts(chat_model: Path) -> None:
@@ -129,7 +103,7 @@ def test_a_consumer_that_falls_behind_gets_every_token_once_in_fewer_outputs(
 
     async def until_queued_to_the_end(stream: RequestStream) -> None:
         """Wait (for an event, not a time) until the request's last output is queued."""
-        inbox = stream._inbox
+        inbox = stream.inbox
         while not any(getattr(o, "finish_reason", None) for o in inbox.items):
             inbox.waiter = asyncio.get_running_loop().create_future()
             await inbox.waiter  # the reader's next put

@@ -11,7 +11,8 @@ import pytest
 
 from launch import LLM, Prompt, SamplingParams
 from launch.client.builtin_model import builtin_model_dir
-from launch.client.engine import EngineArgs, EngineDeadError, EngineProcesses
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineDeadError, EngineProcesses
 from tests.helpers.cli_helpers import CPU
 
 os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"  # the core checks KV invariants every step

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import LLM, SamplingParams
-from launch.client.engine import EngineDeadError
+from launch.client.engine_processes import EngineDeadError
 from tests.helpers.cli_helpers import (
     CPU,
     ENV,

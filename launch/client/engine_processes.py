@@ -10,31 +10,23 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, cast, get_args
 
 import msgspec
 import zmq
 
-from enginecore.kv_cache_config import check_core_memory
-from protocol.codec import Codec
-from protocol.config import (
-    DType,
-    EngineCoreConfig,
-    GenerationConfigMode,
-    HashAlgo,
-    LogLevel,
-    SchedulingPolicy,
-    WorkerConfig,
-    ipc_address,
-    ipc_dir,
-    worker_sockets,
+from launch.client.engine_args import (
+    DEFAULT_LOG_LEVEL,
+    EngineArgs,
+    core_config,
+    log_level_name,
+    worker_config,
 )
+from protocol.codec import Codec
+from protocol.config import ipc_address, ipc_dir, worker_sockets
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -46,82 +38,14 @@ from protocol.engine import (
     ResetPrefixCache,
     SamplingParams,
     ShutdownCore,
-    priority_error,
 )
 
 log = logging.getLogger("pagedserve.launch")
 
 DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
-# vLLM's default share of a GPU: the rest stays for other processes and the allocator.
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # How long a client waits for the core to report a worker's death before giving up on it
 # (the core reports within its own poll interval; this only bounds a wedged core).
 CORE_REPORT_TIMEOUT_S = 60.0
-
-
-# Worker settings that EngineArgs and `pagedserve worker`'s flags both carry, by name.
-WORKER_SETTINGS = (
-    "block_size",
-    "dtype",
-    "device",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "seed",
-    "generation_config",
-)
-
-
-def worker_config(settings: object, **fields: Any) -> WorkerConfig:
-    """A worker's config: WORKER_SETTINGS read from settings (EngineArgs or parsed flags),
-    plus the fields that differ per rank or launch."""
-    return WorkerConfig(**{name: getattr(settings, name) for name in WORKER_SETTINGS}, **fields)
-
-
-def runner_config(args: EngineArgs, rank: int = 0, world_size: int = 1) -> WorkerConfig:
-    """The config of a ModelRunner made in this process (tests, benchmarks): no core to
-    connect to, and the process's own logging, so the log level given is never read."""
-    return worker_config(
-        args,
-        model=args.model,
-        rank=rank,
-        world_size=world_size,
-        core_address="",
-        log_level=DEFAULT_LOG_LEVEL,
-    )
-
-
-# EngineArgs settings that EngineCoreConfig carries under the same name.
-CORE_SETTINGS = (
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "enable_prefix_caching",
-    "hash_algo",
-    "scheduling_policy",
-    "prefix_cache_hash_seed",
-    "num_gpu_blocks",
-    "step_timeout_s",
-    "block_size",
-    "kv_events_endpoint",
-    "kv_events_replay_endpoint",
-    "log_kv",
-    "async_scheduling",
-    "check_invariants",
-    "spin_us",
-)
-
-
-def core_config(args: EngineArgs, **fields: Any) -> EngineCoreConfig:
-    """The core's config: args' settings, plus the fields that differ per launch (its
-    sockets, log level, parent, recording)."""
-    return EngineCoreConfig(
-        **{name: getattr(args, name) for name in CORE_SETTINGS},
-        world_size=args.tensor_parallel_size,
-        handshake_timeout_s=args.startup_timeout_s,
-        **fields,
-    )
 
 
 def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
@@ -133,148 +57,8 @@ def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
     )
 
 
-def _check_choice(name: str, value: object, choices: object) -> None:
-    """ValueError unless value is one of the Literal type's choices."""
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name} must be {' or '.join(map(str, allowed))}, not {value!r}")
-
-
-# What every launcher logs at unless told otherwise (LLM, AsyncLLM, the CLI, replay).
-DEFAULT_LOG_LEVEL: LogLevel = "WARNING"
-
-
-def log_level_name(level: str) -> LogLevel:
-    """level as the processes' configs spell it (any case in); ValueError naming the
-    choices, before any process starts."""
-    name = level.upper() if isinstance(level, str) else level
-    _check_choice("log_level (any case)", name, LogLevel)
-    return cast(LogLevel, name)
-
-
-# The user's switch for the core's invariant checks (tests set it). Read here only: the
-# core gets it in EngineCoreConfig.check_invariants.
-CHECK_INVARIANTS_ENV = "PAGEDSERVE_CHECK_INVARIANTS"
-
-
-def invariant_checks_requested() -> bool:
-    return os.environ.get(CHECK_INVARIANTS_ENV) == "1"
-
-
-# A machine-tuning override of how long the core and workers poll for a due message
-# before blocking (protocol/sockets.py), in microseconds; 0 turns polling off.
-SPIN_ENV = "PAGEDSERVE_SPIN_US"
-
-
-def spin_requested() -> float | None:
-    """SPIN_ENV as a number (its range is checked with the other args, in validate)."""
-    value = os.environ.get(SPIN_ENV)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {value!r}") from None
-
-
 class EngineDeadError(RuntimeError):
     """The engine stopped; the message says which process and why."""
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    model: str
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    hash_algo: HashAlgo = "xxh3_128"
-    # The waiting queue's order: "fcfs" (arrival) or "priority" (each request's priority,
-    # lower first, ties by arrival; preemption takes the lowest priority first).
-    scheduling_policy: SchedulingPolicy = "fcfs"
-    prefix_cache_hash_seed: str | None = None
-    seed: int = 0
-    dtype: DType = "auto"
-    device: str = "auto"
-    kv_cache_memory: int | None = None
-    # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
-    generation_config: GenerationConfigMode = "auto"
-    startup_timeout_s: float = 300.0
-    step_timeout_s: float = 300.0
-    # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
-    # of being spawned here; dist_init is their torch.distributed rendezvous.
-    external_workers: bool = False
-    worker_address: str | None = None
-    dist_init: str | None = None
-    # KV-cache events for routers (docs/protocol.md): PUB endpoint (tcp://*:PORT binds;
-    # tcp://HOST:0 binds a free port, reported in EngineReady), and the replay ROUTER.
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-    log_kv: bool = False  # one core log line per step with each request's blocks
-    # The core sends step N+1 while the workers run step N (False: one step at a time).
-    async_scheduling: bool = True
-    # Record every frame the core sends its workers, and rank 0's answers, into this new
-    # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
-    record_dir: str | None = None
-    # The core walks the KV invariants after every step (slow; debugging and tests).
-    # Read when the args are made, so a test's environment applies to the engines it starts.
-    check_invariants: bool = field(default_factory=invariant_checks_requested)
-    # Microseconds the processes poll for a due message (None: each machine's default).
-    spin_us: float | None = field(default_factory=spin_requested)
-
-    def validate(self) -> None:
-        for name in (
-            "tensor_parallel_size",
-            "block_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("startup_timeout_s", "step_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_gpu_blocks is not None:
-            if self.num_gpu_blocks < 2:
-                raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
-            check_core_memory(self.num_gpu_blocks)  # before any process starts
-        if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
-            raise ValueError(
-                f"spin_us must be in [0, 1000000] microseconds ({SPIN_ENV}), got {self.spin_us}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        _check_choice("dtype", self.dtype, DType)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            endpoint = getattr(self, name)
-            if endpoint is not None and not re.fullmatch(r"(tcp|ipc)://\S+", endpoint):
-                raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, not {endpoint!r}")
-        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
-            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-        _check_choice("generation_config", self.generation_config, GenerationConfigMode)
-        _check_choice("hash_algo", self.hash_algo, HashAlgo)
-        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
-        if self.record_dir is not None:
-            from enginecore.recording import FRAMES, MANIFEST
-
-            if any(os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)):
-                # Before any process starts; the core's recorder would refuse it too.
-                raise ValueError(
-                    f"{self.record_dir} already holds a recording: record into a new directory"
-                )
 
 
 class EngineProcesses:
@@ -376,13 +160,6 @@ class EngineProcesses:
         msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt, priority)
         self._check_open()
         self.to_core.send(self.from_client.encode(msg), copy=False)
-
-    def check_priority(self, priority: object) -> None:
-        """ValueError unless this engine's scheduling policy can serve the priority: the
-        launchers' check before sending, so that a caller hears it at once."""
-        error = priority_error(priority, self.args.scheduling_policy)
-        if error is not None:
-            raise ValueError(error)
 
     def abort(self, request_ids: list[str]) -> None:
         self._check_open()

@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from launch.client.async_llm import RequestStream, StreamOutput
 from launch.client.output_processor import SequenceState, fan_out
+from launch.client.request_stream import RequestStream, StreamOutput
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from protocol.engine import Logprobs, RequestOutput, SamplingParams
 from tests.helpers.model_files import word_tokenizer
@@ -26,10 +26,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.forgotten: list[str] = []
 
-    def _abort(self, ids: list[str]) -> None:
+    def abort_requests(self, ids: list[str]) -> None:
         self.aborted += ids
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self.forgotten.append(request_id)
 
 
@@ -71,13 +71,13 @@ def test_a_slow_consumer_gets_everything_queued_as_one_output_equal_to_a_fast_on
 
     async def keep_up() -> None:
         for o in outputs("r", IDS, lps=True):
-            fast._inbox.put(o)
+            fast.inbox.put(o)
             fast_outs.append(await fast.__anext__())
 
     asyncio.run(keep_up())
     slow, engine = open_stream(ByteTokenizer(), params)
     for o in outputs("r", IDS, lps=True):
-        slow._inbox.put(o)
+        slow.inbox.put(o)
     (out,) = read_all(slow)
     assert out.new_token_ids == IDS == [t for o in fast_outs for t in o.new_token_ids]
     assert out.text == TEXT == "".join(o.text for o in fast_outs)
@@ -96,7 +96,7 @@ def test_n_sequences_interleaved_are_merged_each_apart_in_order() -> None:
     a, b = outputs("r-0", list(b"abc")), outputs("r-1", list(b"xyz"))
     for pair in zip(a, b):
         for o in pair:
-            stream._inbox.put(o)
+            stream.inbox.put(o)
     outs = read_all(stream)
     assert [(o.index, o.text, o.finish_reason) for o in outs] == [
         (0, "abc", "length"),
@@ -118,8 +118,8 @@ def test_a_stop_string_ends_a_sequence_and_drops_what_the_core_sent_after_it(
     stream, engine = open_stream(words, params)
     # The engine ran on past the stop string in copy 0 before the consumer read.
     for a, b in zip(outputs("r-0", ids), outputs("r-1", ids[:3] + [ids[0]] * (len(ids) - 3))):
-        stream._inbox.put(a)
-        stream._inbox.put(b)
+        stream.inbox.put(a)
+        stream.inbox.put(b)
     outs = read_all(stream)
     by_index = {o.index: o for o in outs}
     assert len(outs) == 2  # one output per sequence: each was all queued
@@ -133,8 +133,8 @@ def test_a_stop_string_ends_a_sequence_and_drops_what_the_core_sent_after_it(
 def test_an_error_after_queued_outputs_comes_after_them() -> None:
     stream, _ = open_stream(ByteTokenizer(), SamplingParams(max_tokens=10))
     for o in outputs("r", list(b"hello"))[:-1]:
-        stream._inbox.put(o)
-    stream._inbox.put(RuntimeError("engine died"))
+        stream.inbox.put(o)
+    stream.inbox.put(RuntimeError("engine died"))
 
     async def main() -> tuple[StreamOutput, BaseException]:
         first = await stream.__anext__()
@@ -153,8 +153,8 @@ def keeping_up(stream: RequestStream, outs: list[RequestOutput]) -> list[StreamO
 
     async def main() -> None:
         for o in outs:
-            stream._inbox.put(o)
-            while stream._inbox.ready:
+            stream.inbox.put(o)
+            while stream.inbox.ready:
                 got.append(await stream.__anext__())
 
     asyncio.run(main())

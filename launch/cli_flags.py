@@ -1,0 +1,529 @@
+"""The `pagedserve` command line's flags: the argparse tables of every command, their
+value parsers, and how the engine's flags become EngineArgs fields."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, get_args
+
+import msgspec
+
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
+from launch.client.version import package_version
+from launch.openai.reasoning import REASONING_PARSERS
+from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
+from launch.openai.tool_parsers import TOOL_CALL_PARSERS
+from protocol.config import (
+    DType,
+    GenerationConfigMode,
+    HashAlgo,
+    LogLevel,
+    SchedulingPolicy,
+    WorkerConfig,
+)
+
+# Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def _string_list(value: str) -> list[str]:
+    """A list flag: a JSON list of strings, or comma-separated values."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            items = msgspec.json.decode(text, type=list[str])
+        except msgspec.DecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {e}") from None
+    else:
+        items = [x.strip() for x in text.split(",")]
+    if not items or not all(items):
+        raise argparse.ArgumentTypeError(f"an empty entry in {value!r}")
+    return items
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def parse_bytes(name: str):
+    """A byte count: an integer, or a number with a unit (KB, MB, GB, TB: powers of 1000;
+    KiB, MiB, GiB, TiB: powers of 1024). A bare K, M, G or T is refused: whether it meant
+    1000s or 1024s is the reader's guess."""
+
+    def parse(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if m is None or m.group(2).upper() not in _BYTE_UNITS:
+            hint = ""
+            if m is not None and m.group(2).upper() in ("K", "M", "G", "T"):
+                number, unit = m.group(1), m.group(2).upper()
+                hint = f" ({number}{unit}iB for powers of 1024, {number}{unit}B for 1000?)"
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a byte count such as 268435456, 256MiB or 4GiB, got {text!r}{hint}"
+            )
+        number, unit = m.group(1), m.group(2).upper()
+        value = float(number) * _BYTE_UNITS[unit]
+        if value < 1 or (_BYTE_UNITS[unit] == 1 and "." in number):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a whole number of bytes >= 1, got {text!r}"
+            )
+        return int(value)
+
+    return parse
+
+
+def _ranged(name: str, kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str):
+    """An argparse type: text read as kind, then checked by ok; errors name the flag."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {text}")
+        return value
+
+    return parse
+
+
+def _positive(name: str):
+    return _ranged(name, int, lambda v: v >= 1, ">= 1")
+
+
+def _fraction(name: str):
+    return _ranged(name, float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+_port = _ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+
+
+# WorkerConfig's few own defaults (settings no launcher but this one sets).
+_WORKER_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(WorkerConfig)}
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The flags both commands pass to their workers (named as WORKER_SETTINGS reads them)."""
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face checkpoint directory, or a Hub id org/name[@revision] "
+        "fetched into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; "
+        "default: the built-in model)",
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=get_args(GenerationConfigMode),
+        default=EngineArgs.generation_config,
+        help="auto: the model's generation_config.json adds its EOS ids and gives the "
+        "defaults of temperature, top-p and top-k; none: ignore that file",
+    )
+    p.add_argument(
+        "--seed", type=int, default=EngineArgs.seed, help="engine seed (unseeded requests)"
+    )
+    p.add_argument("--block-size", type=_positive("--block-size"), default=EngineArgs.block_size)
+    p.add_argument(
+        "--dtype",
+        choices=get_args(DType),
+        default=EngineArgs.dtype,
+    )
+    p.add_argument("--device", default=EngineArgs.device, help="auto, cpu or cuda")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes("--kv-cache-memory"),
+        help="KV cache per worker, in bytes or with a unit (256MiB, 4GiB, 2GB); default: "
+        "256 MiB on the CPU, on a GPU what --gpu-memory-utilization leaves",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction("--gpu-memory-utilization"),
+        default=EngineArgs.gpu_memory_utilization,
+        help="share of each GPU's memory a worker may hold: weights, the peak of the "
+        "largest step, and the KV cache, which gets the rest; other processes' memory is "
+        "not counted against it, so two engines at 0.45 share a GPU (default: %(default)s; "
+        "unused on the CPU and with --kv-cache-memory)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive("--max-num-batched-tokens"),
+        default=EngineArgs.max_num_batched_tokens,
+        help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=_positive("--max-num-seqs"),
+        default=EngineArgs.max_num_seqs,
+        help="requests per step",
+    )
+
+
+def _add_api_flags(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI-compatible routes need to know of the model (serve, run-batch)."""
+    p.add_argument(
+        "--stream-interval",
+        type=_positive("--stream-interval"),
+        default=1,
+        help="tokens per streamed chunk, but a stream's first and last (vLLM's): larger "
+        "values cost the server less per token at many streams; a request's "
+        "stream_interval may ask for more (default: 1, every token as it comes)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model's name in the API, then any other names requests may use for it "
+        "(default: --model as given)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, read out of its answers: lets a chat request "
+        'with tools use tool_choice "auto" (the default with tools); without it, "auto" is '
+        'a 400 and "required", a named function and "none" still work',
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="the model's thinking format: its <think> block is answered apart, as "
+        "`reasoning` in chat completions and a reasoning item in the Responses API, and "
+        "tool calls are read from the rest (default: none, the block stays in the text)",
+    )
+
+
+def _add_log_level(p: argparse.ArgumentParser, processes: str) -> None:
+    # Any case in, as logging spells it out: the process configs take only these names.
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=get_args(LogLevel),
+        default=DEFAULT_LOG_LEVEL,
+        metavar="LEVEL",
+        help=f"log level of {processes}: {', '.join(get_args(LogLevel))} (default: WARNING)",
+    )
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's flags beyond the workers' (generate and serve share them)."""
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=_positive("--num-gpu-blocks"),
+        help="override the KV cache size in blocks (counts the null block)",
+    )
+    p.add_argument("--max-model-len", type=_positive("--max-model-len"))
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--hash", choices=get_args(HashAlgo), default=EngineArgs.hash_algo)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=get_args(SchedulingPolicy),
+        default=EngineArgs.scheduling_policy,
+        help="order of the waiting queue: fcfs (arrival) or priority (each request's "
+        "priority, lower first, ties by arrival; preemption takes the lowest first)",
+    )
+    p.add_argument(
+        "--prefix-cache-hash-seed",
+        help="secret root of the prefix-cache block hashes (default: random at each start; "
+        "replicas behind one KV-aware router need the same)",
+    )
+    _add_distributed_flags(p)
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=EngineArgs.startup_timeout_s,
+        help="seconds to wait for every worker to report at start-up",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=EngineArgs.step_timeout_s,
+        help="seconds a step may take before the run fails naming the rank (a stopped or "
+        "stuck worker)",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV-cache events (vLLM's format, docs/protocol.md) on a ZeroMQ PUB "
+        "socket: tcp://*:PORT binds (tcp://HOST:0 a free port, logged), another address "
+        "is a subscriber to connect to",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        help="ROUTER socket that resends buffered event batches from a sequence number",
+    )
+    p.add_argument(
+        "--log-kv",
+        action="store_true",
+        help="log one line per step: each request's prefix hits, blocks per group, new "
+        "blocks, and the free blocks",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=EngineArgs.async_scheduling,
+        help="overlap scheduling with the model: the core sends each step while the "
+        "previous one runs (default); --no-async-scheduling runs one step at a time",
+    )
+    _add_log_level(p, "engine processes")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) used instead of the "
+        "model's, for chat inputs",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="record every frame the core sends its workers, and their answers, into this "
+        "new directory, for `pagedserve replay DIR`",
+    )
+
+
+def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
+    """Where the workers run and how they meet (tensor parallelism, external workers)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=_positive("--tensor-parallel-size"),
+        default=EngineArgs.tensor_parallel_size,
+    )
+    p.add_argument(
+        "--external-workers",
+        action="store_true",
+        help="wait for N `pagedserve worker` processes instead of spawning them",
+    )
+    p.add_argument(
+        "--worker-address",
+        help="where the core listens for workers "
+        "(tcp://HOST:PORT or ipc://PATH; port 0: the core picks free ports and logs "
+        "the address; default: private ipc, or tcp://127.0.0.1:29550 with --external-workers)",
+    )
+    p.add_argument(
+        "--dist-init",
+        help="torch.distributed rendezvous for TP workers "
+        "(tcp://HOST:PORT, or file://PATH on one machine; default: a file in the "
+        "engine's private directory)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="pagedserve: a CUDA-free EngineCore that owns the KV cache, plus workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_run_batch(sub)
+    _add_worker(sub)
+    _add_replay(sub)
+    return parser
+
+
+def _add_generate(sub: Any) -> None:
+    """`pagedserve generate`: offline generation over a JSON-lines file."""
+    g = sub.add_parser("generate", help="offline generation over a JSON-lines file")
+    _add_worker_flags(g)
+    g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
+    g.add_argument("--output", required=True, type=Path, help="JSON lines, in input order")
+    g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
+    g.add_argument(
+        "--temperature",
+        type=float,
+        help="default for lines that set none (default: the model's generation_config, else "
+        "1.0; below 1e-5 is greedy)",
+    )
+    g.add_argument("--top-p", type=float, help="likewise (else 1.0: off)")
+    g.add_argument("--top-k", type=int, help="likewise (else 0: off)")
+    g.add_argument(
+        "--min-p",
+        type=float,
+        help="likewise (else 0: off): tokens less likely than this times the likeliest one "
+        "are not sampled",
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_engine_flags(g)
+
+
+def _add_serve(sub: Any) -> None:
+    """`pagedserve serve`: the OpenAI-compatible HTTP server."""
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=_port, default=8000, help="port (0: a free one, printed)")
+    v.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM (or SIGINT, SIGHUP), take no new requests (503, /health 503) and "
+        "let open ones finish for up to this many seconds before aborting the rest; a "
+        "second signal stops at once (default: 0, abort open requests at once)",
+    )
+    v.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="answer 503 to new requests while this many wait for their first token "
+        "(default: no limit)",
+    )
+    v.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic log line of throughput, queues, KV usage and prefix-cache hits",
+    )
+    v.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds between those lines (default: %(default)s)",
+    )
+    v.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=DEFAULT_MAX_STORED_RESPONSES,
+        help="Responses API answers kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, the oldest dropped first; 0 keeps none (default: %(default)s)",
+    )
+    v.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
+    )
+    _add_http_flags(v)
+    _add_api_flags(v)
+    _add_worker_flags(v)
+    _add_engine_flags(v)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    """The server's HTTP settings: its key, CORS and TLS, and the path a proxy serves it under."""
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="every route but /health, /metrics and /version wants `Authorization: Bearer "
+        f"KEY` (default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+        "unset: no key)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        help="answer browsers' cross-origin requests (CORS) from these origins: a comma-"
+        'separated list or a JSON list (vLLM\'s form), "*" for any (default: none; vLLM '
+        "allows any origin by default)",
+    )
+    p.add_argument("--allowed-methods", type=_string_list, default=["*"], help="with CORS")
+    p.add_argument("--allowed-headers", type=_string_list, default=["*"], help="with CORS")
+    p.add_argument("--allow-credentials", action="store_true", help="with CORS: allow credentials")
+    p.add_argument("--ssl-keyfile", type=Path, help="serve HTTPS with this private key")
+    p.add_argument("--ssl-certfile", type=Path, help="... and this certificate chain")
+    p.add_argument(
+        "--ssl-ca-certs", type=Path, help="CA certificates to check clients' certificates with"
+    )
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="clients' certificates: 0 not asked, 1 checked if sent, 2 required (mutual TLS)",
+    )
+    p.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves this server under (ASGI root_path)",
+    )
+
+
+def _add_run_batch(sub: Any) -> None:
+    """`pagedserve run-batch`: OpenAI's Batch API file format, offline."""
+    b = sub.add_parser(
+        "run-batch",
+        help="OpenAI's Batch API file format, run offline (launch/openai/run_batch.py)",
+    )
+    b.add_argument("-i", "--input", required=True, type=Path, help="JSON lines of batch requests")
+    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines, in input order")
+    b.add_argument("--no-progress", action="store_true", help="no progress lines")
+    _add_api_flags(b)
+    _add_worker_flags(b)
+    _add_engine_flags(b)
+
+
+def _add_worker(sub: Any) -> None:
+    """`pagedserve worker`: one worker rank that connects to a core."""
+    w = sub.add_parser("worker", help="run one worker rank that connects to a core")
+    w.add_argument("--core", required=True, help="the core's worker address, tcp://HOST:PORT")
+    w.add_argument("--rank", type=int, required=True)
+    w.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=_positive("--tp"),
+        default=EngineArgs.tensor_parallel_size,
+    )
+    w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
+    w.add_argument(
+        "--core-timeout",
+        type=float,
+        default=_WORKER_DEFAULTS["core_timeout_s"],
+        help="seconds to wait for the core to answer before giving up",
+    )
+    _add_worker_flags(w)
+    _add_log_level(w, "this worker")
+
+
+def _add_replay(sub: Any) -> None:
+    """`pagedserve replay`: a recording replayed into fresh workers."""
+    r = sub.add_parser(
+        "replay",
+        help="replay a recording (generate --record) into fresh workers and check that "
+        "outputs and block tables equal it, bit for bit",
+    )
+    r.add_argument("dir", type=Path, metavar="DIR", help="the recording's directory")
+    r.add_argument("--model", help="the checkpoint to load instead of the recorded path")
+    r.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the workers to start, and for each step",
+    )
+    _add_log_level(r, "workers")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineArgs fields the engine's flags set (generate, serve, run-batch)."""
+    return dict(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        hash_algo=args.hash,
+        scheduling_policy=args.scheduling_policy,
+        prefix_cache_hash_seed=args.prefix_cache_hash_seed,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        generation_config=args.generation_config,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        log_kv=args.log_kv,
+        async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        external_workers=args.external_workers,
+        worker_address=args.worker_address,
+        dist_init=args.dist_init,
+        startup_timeout_s=args.worker_timeout,
+        step_timeout_s=args.step_timeout,
+        record_dir=args.record,
+    )
