@@ -7,7 +7,7 @@ from pathlib import Path
 
 from launch.client.detokenizer import IncrementalDetokenizer
 from launch.client.tokenizer import ByteTokenizer, HFTokenizer
-from tests.worker.test_model_files import word_tokenizer
+from tests.helpers.model_files import word_tokenizer
 
 
 def test_text_deltas_never_split_a_character() -> None:
