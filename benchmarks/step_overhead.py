@@ -430,10 +430,13 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
     With attention "skip" the layer's paged attention returns zeros, so the model is
     embedding, MLP and LM head (what the issue's no-layer model costs). Pure decode
     steps after the first `profile_after` are cProfiled, the model's calls excluded."""
+    import msgspec
+    from bench_clock import HOOKS, SKIP_ENV
+
     import worker.main as worker_main
     import worker.model_runner as mr
     import worker.models.llama as llama
-    from worker.bench_clock import SKIP_ENV
+    from protocol.config import WorkerConfig
     from worker.block_table import MultiGroupBlockTable
     from worker.input_batch import InputBatch
 
@@ -462,8 +465,8 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
 
         return wrapper
 
-    # The worker's own benchmark setting (worker/bench_clock.py), read when the runner is
-    # built below: it replaces whatever kernels the layers were given. (Replacing only
+    # The benchmarks' forward skip (benchmarks/bench_clock.py), installed on the runner
+    # the worker builds below: it replaces whatever kernels the layers were given. (Replacing only
     # the reference kernel once left the batched CPU one running, ~5 ms a step at
     # 256 x 1100 tokens, which evicted the host path's data and put the core's CPU to
     # sleep.)
@@ -508,7 +511,9 @@ def worker_entry(config_json: str, out_path: str, options_json: str) -> int:
 
     mr.ModelRunner.plan = timed_plan  # type: ignore[method-assign]
     mr.ModelRunner.collect = timed_collect  # type: ignore[method-assign]
-    code = worker_main.main([config_json])
+    config = msgspec.json.decode(config_json, type=WorkerConfig)
+    config = msgspec.structs.replace(config, step_hooks=HOOKS)
+    code = worker_main.main([msgspec.json.encode(config).decode()])
     top = top_functions(prof, options["profile_top"]) if state["profiling"] else []
     with open(out_path, "w") as f:
         json.dump({"steps": [r for r in steps if "step_id" in r], "profile_top": top}, f)
