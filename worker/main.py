@@ -50,7 +50,8 @@ from protocol.worker import (
 from worker.generation_config import load_generation_config
 
 if TYPE_CHECKING:
-    from worker.model_runner import InFlight, ModelRunner
+    from worker.model_runner import ModelRunner
+    from worker.step_state import InFlight
 
 log = logging.getLogger("pagedserve.worker")
 

@@ -50,11 +50,7 @@ from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
-from worker.sampler import (
-    SamplingTensors,
-    compute_logprobs,
-    sample,
-)
+from worker.sampler import SamplingTensors, compute_logprobs, sample
 from worker.sampling_extras import SamplingExtras
 from worker.staging import StepBuffers
 from worker.step_hooks import StepHooks
