@@ -64,7 +64,7 @@ def _cpu(native: bool) -> AttentionKernels:
 
     name = "torch cpu (batched)"
     if not native:
-        attention = functools.partial(cpu.paged_attention, native=False)
+        attention = functools.partial(cpu.paged_attention, allow_native=False)
         return AttentionKernels(name, cpu.write_kv_cache, attention)
     # Builds the C kernel here, at start-up (once per machine), not in the first step.
     if cpu_native.library() is not None:
