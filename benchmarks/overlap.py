@@ -7,7 +7,7 @@
 The whole engine as users run it (`LLM`: a core process and a worker process) steps
 --requests decode requests (short random prompts, greedy, ignore_eos, --tokens each) on
 a Llama with one tiny layer, so the worker's own step costs little, and the model step's
-length is set by the worker's benchmark delay (worker/bench_clock.py: a modelled device
+length is set by the worker's benchmark delay (benchmarks/bench_clock.py: a modelled device
 busy from each launch, the CPU left free as while a GPU runs). --delay-ms auto measures
 the serial host path first (a serial step with a delay less that delay: the core's
 schedule and update, both IPC hops, the worker's bookkeeping) and takes it as the delay,
@@ -24,7 +24,7 @@ On the CPU the worker's thread runs the model itself (milliseconds a step at 256
 requests even for the tiny layer, mostly the attention plan and kernels), work that a
 GPU's host thread only queues; under async scheduling that thread must also plan the next step, so
 the forward's CPU time, which the delay already models as device time, would count twice.
---skip (a benchmark-only worker setting, worker/bench_clock.py) cuts it short: attention
+--skip (a benchmark-only worker setting, benchmarks/bench_clock.py) cuts it short: attention
 makes every attention layer return zeros (the rest of the layer left); layers passes every
 decoder layer's input through (embedding, norm, LM head and sampling left, as cheap as
 queueing a small model's kernels), so the overlap measured is the host path's against
@@ -53,10 +53,12 @@ sys.path.insert(0, str(ROOT))
 
 from launch.client.builtin_model import builtin_model_dir  # noqa: E402
 from launch.client.llm import LLM  # noqa: E402
+from protocol import envs  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
-from worker.bench_clock import DELAY_ENV, SKIP_ENV, SKIPS, TIMING_ENV  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_clock import DELAY_ENV, HOOKS, SKIP_ENV, SKIPS, TIMING_ENV  # noqa: E402
+
 # The one-tiny-layer Llama of the step-overhead benchmark: the worker's compute stays
 # far below the host path.
 from step_overhead import write_model_dir  # noqa: E402
@@ -129,7 +131,7 @@ def parse_args() -> argparse.Namespace:
         "--skip",
         choices=("none", *SKIPS),
         default="none",
-        help="what of the worker's CPU forward to skip (worker/bench_clock.py), so that it "
+        help="what of the worker's CPU forward to skip (benchmarks/bench_clock.py), so that it "
         "shrinks toward what a GPU launch costs its thread and the delay is the device; "
         "tokens are meaningless but still compared between the modes",
     )
@@ -219,6 +221,8 @@ def report(a: argparse.Namespace, delay: float, runs: list[dict[str, Any]]) -> d
 def main() -> None:
     a = parse_args()
     os.environ[SKIP_ENV] = "" if a.skip == "none" else a.skip
+    # The workers load the clock and skips from benchmarks/bench_clock.py.
+    os.environ[envs.WORKER_HOOKS] = HOOKS
     rng = random.Random(0)
     prompts = [
         # Byte ids: valid in both vocabularies.

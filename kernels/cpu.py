@@ -154,14 +154,17 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    *,
+    allow_native: bool = True,
 ) -> torch.Tensor:
-    """kernels.reference.paged_attention, batched (see the module docstring)."""
+    """kernels.reference.paged_attention, batched (see the module docstring); allow_native
+    False never calls the C kernel (the worker's config turned it off)."""
     _, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
     chunk_tokens = max(1, CHUNK_BYTES // (num_kv_heads * head_dim * key_cache.element_size()))
-    lib = cpu_native.library()
+    lib = cpu_native.library() if allow_native else None
     native = lib is not None and cpu_native.supports(query, key_cache, value_cache)
     plan = _plan_for(
         query_start_loc,

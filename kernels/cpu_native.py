@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from protocol import envs
+
 log = logging.getLogger("pagedserve.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.c"
-NATIVE_ENV = "PAGEDSERVE_NATIVE_KERNELS"  # 0: never build or load the library
-CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
+NATIVE_ENV = envs.NATIVE_KERNELS  # 0: never build or load the library
+CACHE_ENV = envs.CACHE_DIR
 # -march=native: the library is built on the machine that runs it. -fno-math-errno lets
 # expf/tanhf become libmvec's vector calls; nothing else of -ffast-math is wanted (NaN and
 # inf must behave as in the reference).
@@ -51,7 +53,7 @@ _SIGNATURE = (
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV)
+    root = envs.cache_dir()
     if root:
         return Path(root) / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -59,10 +61,7 @@ def cache_dir() -> Path:
 
 
 def enabled() -> bool:
-    value = os.environ.get(NATIVE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{NATIVE_ENV} must be 0 or 1, not {value!r}")
-    return value == "1"
+    return envs.native_kernels()
 
 
 def library() -> ctypes.CDLL | None:

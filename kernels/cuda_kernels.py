@@ -427,29 +427,9 @@ def paged_attention_with(
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
+    _check_attention_args(query, key_cache, value_cache, sliding_window, soft_cap)
     num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
-    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape:
-        raise ValueError(
-            f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / "
-            f"{tuple(value_cache.shape)}"
-        )
-    if not (query.dtype == key_cache.dtype == value_cache.dtype):
-        raise ValueError(
-            f"query, key_cache, value_cache dtypes differ: {query.dtype}, {key_cache.dtype}, "
-            f"{value_cache.dtype}"
-        )
-    if not supports(query.dtype, head_dim):
-        raise NotImplementedError(
-            f"no CUDA paged_attention for {query.dtype} with head_dim {head_dim}; "
-            "use kernels.reference"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -475,12 +455,7 @@ def paged_attention_with(
     build = attention_build(_DTYPE_NAMES[query.dtype], head_dim)
     smem = attention_smem_bytes(head_dim)
     plan = plan_for(backend, query, key_cache, block_table, seq_lens, sliding_window, num_splits)
-    part_o: torch.Tensor | None = None
-    part_lse: torch.Tensor | None = None
-    if plan.num_splits > 1:
-        shape = (plan.num_splits, num_tokens, num_q_heads)
-        part_o = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(shape, dtype=torch.float32, device=query.device)
+    part_o, part_lse = _split_partials(plan.num_splits, query)
 
     cap_scale = 0.0 if soft_cap is None else scale / soft_cap
     cap_log2 = 0.0 if soft_cap is None else soft_cap * LOG2E
@@ -512,17 +487,57 @@ def paged_attention_with(
             part_o, part_lse, out, query_start_loc,
             num_reqs, num_tokens, num_q_heads, plan.num_splits,
         )  # fmt: skip
-        backend.launch(
-            build,
-            "paged_attention_reduce",
-            (num_tokens * num_q_heads, 1, 1),
-            head_dim,
-            0,
-            REDUCE_SIGNATURE,
-            reduce_values,
-            query.device,
-        )
+        grid = (num_tokens * num_q_heads, 1, 1)
+        args = (build, "paged_attention_reduce", grid, head_dim, 0, REDUCE_SIGNATURE)
+        backend.launch(*args, reduce_values, query.device)
     return out
+
+
+def _split_partials(
+    num_splits: int, query: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Split-K partial outputs [splits, T, H, D] and log-sum-exps [splits, T, H], float32;
+    none without splits."""
+    if num_splits <= 1:
+        return None, None
+    num_tokens, num_q_heads, head_dim = query.shape
+    shape = (num_splits, num_tokens, num_q_heads)
+    part_o = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
+    return part_o, torch.empty(shape, dtype=torch.float32, device=query.device)
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
+    """ValueError (NotImplementedError for what no kernel covers) unless the shapes,
+    dtypes and options fit the CUDA kernel."""
+    _, num_q_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = key_cache.shape
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
+    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit caches {tuple(key_cache.shape)} / "
+            f"{tuple(value_cache.shape)}"
+        )
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(
+            f"query, key_cache, value_cache dtypes differ: {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}"
+        )
+    if not supports(query.dtype, head_dim):
+        raise NotImplementedError(
+            f"no CUDA paged_attention for {query.dtype} with head_dim {head_dim}; "
+            "use kernels.reference"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ from typing import Literal
 
 import msgspec
 
+from protocol import envs
+from protocol.envs import AttentionChoice, CpuGemmChoice
+
 # The choices of the start-up settings, checked when a process decodes its config.
 HashAlgo = Literal["xxh3_128", "sha256"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -27,7 +30,9 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 # where it means "this launch has none" (no parent to watch, no rendezvous, no recording,
 # no events socket, no spin override), never a tuned value; and the few settings that
 # EngineArgs lacks, whose only copy is this one (kv_events_buffer_steps, kv_events_topic;
-# core_timeout_s, which `pagedserve worker --core-timeout` takes as its default).
+# core_timeout_s, which `pagedserve worker --core-timeout` takes as its default). A third
+# kind: the process-wide switches of protocol/envs.py, whose one reader is their default,
+# so that the launcher's environment decides them and the worker obeys its config.
 # kw_only: a required field can stay next to the fields it belongs with.
 class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     input_address: str  # client -> core (the client binds)
@@ -110,6 +115,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Microseconds to poll for the next step before blocking (protocol/sockets.py);
     # None: the default for the machine the worker runs on.
     spin_us: float | None = None
+    # Attention kernel family and the CPU C kernel (kernels/selection.py), and the CPU
+    # dense products (worker/gemm.py).
+    attention: AttentionChoice = msgspec.field(default_factory=envs.attention)
+    native_kernels: bool = msgspec.field(default_factory=envs.native_kernels)
+    cpu_gemm: CpuGemmChoice = msgspec.field(default_factory=envs.cpu_gemm)
+    # FILE.py:FUNCTION that a benchmark installs on the runner (worker/step_hooks.py);
+    # None: the worker runs as it is.
+    step_hooks: str | None = msgspec.field(default_factory=envs.worker_hooks)
 
 
 def ipc_dir() -> str:

@@ -1,29 +1,20 @@
 """The CPU worker's torch thread count, chosen by timing steps while the engine runs.
 
-Every core but one leaves a core to the engine core process; every core is faster when
-nothing else wants the CPU, because the core process sleeps while a step computes. On two
-cores (SmolLM2-135M, a decode step of 64 requests x ~200 keys, ms): idle, 167 on one
-thread and 112 on two; beside a process that spins on one core, 174-181 on one and
-413-705 on two (OpenMP threads spin at their barriers, and one of them waits for the
-other, descheduled; sleeping instead of spinning, OMP_WAIT_POLICY=passive, makes two
-threads no faster than one here, since wake-ups are slow). Neither count is right on
-every machine at every moment, so the worker tries both: at start-up it times a matrix
-product of a decode step's size on each (a prompt's first step can take seconds, and
-must not wait for evidence from steps), and while it runs it now and then times a few
-steps on the other count against as many before, and switches when that is clearly
-faster. A probe that loses doubles the wait before the next one, so a busy machine pays
-little for the check.
+Neither one thread less than the cores nor all of them is right on every machine at
+every moment: OpenMP threads spin at their barriers, so a thread descheduled beside a busy
+process stalls the others, while on an idle machine every core helps. So the worker tries
+both: at start-up it times a matrix product of a decode step's size on each (a prompt's
+first step can take seconds, and must not wait for evidence from steps), and while it runs
+it now and then times a few steps on the other count against as many before, and switches
+when that is clearly faster. A probe that loses doubles the wait before the next one, so
+a busy machine pays little for the check.
 
 Prefills are tuned apart from decode steps (LARGE_STEP_TOKENS): they are products big
 enough for a second thread to pay where a decode step's are not.
 
 Counts are compared by their steps' mean time, which is what throughput sees, not by the
-fastest step: contention that follows the count (the server and its clients waking beside
-a step, preempting one of two threads) scatters two-thread steps, a few fast among many
-slow. Behind `pagedserve serve` at 64 streams on two cores (built-in model, 64-token
-decode steps, us per token): one thread p10/p50/p90 104/117/145, fastest 97; two threads
-125/173/220, fastest 80. The fastest step picked two threads and held them there (server
-4400-5500 tok/s against 6100 on one thread).
+fastest step: contention that follows the count scatters two-thread steps, a few fast
+among many slow, and the fastest step would pick the slower count.
 """
 
 from __future__ import annotations

@@ -8,27 +8,29 @@ reordered once into its blocked layout (T = 1: 29 / 30; 8: 68 / 154; 32: 94 / 21
 request) gain the most. Results differ from F.linear only by summation order (max abs
 difference ~1e-4 on sums of 576 N(0, 1) products, ~5e-6 relative).
 
-`PAGEDSERVE_CPU_GEMM=torch` keeps F.linear (to compare, or where oneDNN is missing); the
-default `auto` packs float32 weights (and bfloat16 ones where the CPU has bf16 support).
+WorkerConfig.cpu_gemm (PAGEDSERVE_CPU_GEMM) `torch` keeps F.linear (to compare, or where
+oneDNN is missing); the default `auto` packs float32 weights (and bfloat16 ones where the
+CPU has bf16 support).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-CPU_GEMM_ENV = "PAGEDSERVE_CPU_GEMM"
-CHOICES = ("auto", "onednn", "torch")
+from protocol import envs
+from protocol.envs import CpuGemmChoice
+
+CPU_GEMM_ENV = envs.CPU_GEMM
 # The row count oneDNN tunes the packed layout for; measured flat from 8 to 2048 rows.
 _PACK_FOR_ROWS = 128
 
 
-def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether CPU products of this dtype go through prepacked oneDNN weights."""
-    choice = os.environ.get(CPU_GEMM_ENV, "auto")
-    if choice not in CHOICES:
-        raise ValueError(f"{CPU_GEMM_ENV} must be one of {', '.join(CHOICES)}, not {choice!r}")
+def use_onednn(
+    device: torch.device, dtype: torch.dtype, choice: CpuGemmChoice | None = None
+) -> bool:
+    """Whether CPU products of this dtype go through prepacked oneDNN weights; choice is
+    the worker's config (None: read from the environment, protocol/envs.py)."""
+    choice = envs.cpu_gemm() if choice is None else choice
     if device.type != "cpu" or choice == "torch":
         return False
     supported = torch.backends.mkldnn.is_available() and (

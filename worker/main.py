@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -49,23 +50,45 @@ from protocol.worker import (
 from worker.generation_config import load_generation_config
 
 if TYPE_CHECKING:
-    from worker.model_runner import InFlight, ModelRunner
+    from worker.model_runner import ModelRunner
+    from worker.step_state import InFlight
 
 log = logging.getLogger("pagedserve.worker")
 
 
 def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
+    to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
+    from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
+    runner = _start_runner(config, push, to_core)
+    # A worker started on its own (no parent to watch) leaves when the core goes away.
+    monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        _serve_messages(config, runner, pull, push, monitor, to_core, from_core)
+    finally:
+        if runner.hooks is not None:
+            runner.hooks.close()
+        # An open monitor socket would keep the context from terminating.
+        pull.disable_monitor()
+        monitor.close(linger=0)
+
+
+def _start_runner(
+    config: WorkerConfig, push: zmq.Socket, to_core: Codec[WorkerToCore]
+) -> ModelRunner:
+    """Load the model, install the config's step hooks, tell the core what this rank
+    holds (WorkerHello) and settle the CPU threads; the ModelRunner."""
     # torch imports: after the sockets exist
     from worker.cpu_threads import CpuThreadTuner
     from worker.host_memory import keep_freed_memory
     from worker.model_runner import ModelRunner
+    from worker.step_hooks import load_step_hooks
 
-    to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
-    from_core: Codec[CoreToWorker] = Codec(CoreToWorker, "core->worker")
     log.info("worker rank %d: loading %s", config.rank, config.model)
     # Before the weights: a malformed file fails in a moment, not after the load.
     extra_eos, sampling_defaults = load_generation_config(config.model, config.generation_config)
     runner = ModelRunner(config)
+    if config.step_hooks is not None:
+        runner.hooks = load_step_hooks(config.step_hooks, runner)
     mc = runner.model_config
     push.send(
         to_core.encode(
@@ -89,9 +112,19 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
         runner.cpu_threads.calibrate()
     if runner.device.type == "cpu":
         keep_freed_memory()  # before the KV cache and the first step allocate
-    answers = config.rank == 0
-    # A worker started on its own (no parent to watch) leaves when the core goes away.
-    monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    return runner
+
+
+def _serve_messages(
+    config: WorkerConfig,
+    runner: ModelRunner,
+    pull: zmq.Socket,
+    push: zmq.Socket,
+    monitor: zmq.Socket,
+    to_core: Codec[WorkerToCore],
+    from_core: Codec[CoreToWorker],
+) -> None:
+    """Handle the core's messages until it says stop or goes away."""
     core_is_alive = functools.partial(core_alive, config, monitor)  # once, not per step
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
@@ -101,66 +134,79 @@ def serve(config: WorkerConfig, pull: zmq.Socket, push: zmq.Socket) -> None:
     waited = False  # blocked for a due step: its arrival time tells DueWait
     ready = {pull: zmq.POLLIN}
     held: CoreToWorker | None = None  # arrived while a step ran; handled after its answer
-    try:
-        while True:
-            if held is None:
-                # Right after a step, its successor is due: catch it without a wake-up.
-                if answered and due.ready(pull):
-                    events = ready
-                else:
-                    waited = waited or answered
-                    events = dict(poller.poll(500))
-                answered = False
-                if monitor in events and pull not in events and not pull.poll(100):
-                    # The core closed its end (its shutdown message, if any, came first).
-                    log.warning("worker rank %d: the engine core went away; exiting", config.rank)
-                    return
-                # Busy or idle (one getppid per step): a vanished launcher ends the group.
-                if not parent_alive(config.parent_pid):
-                    return
-                if pull not in events:
-                    continue
-                if waited:
-                    due.arrived()
-                    waited = False
-                msg = from_core.decode(pull.recv(copy=False).buffer)
+    while True:
+        if held is None:
+            # Right after a step, its successor is due: catch it without a wake-up.
+            if answered and due.ready(pull):
+                events = ready
             else:
-                msg, held = held, None
-            if isinstance(msg, SchedulerOutput):
-                step = runner.plan(msg)
-                answered = step is not None
-                while step is not None:
-                    flight = runner.launch(step)
-                    step = None
-                    if wait_for_next(pull, runner, flight):
-                        # Async scheduling sent the next step already: plan it while this
-                        # one runs on the device.
-                        held = from_core.decode(pull.recv(copy=False).buffer)
-                        if isinstance(held, SchedulerOutput) and runner.can_plan_ahead(held):
-                            step = runner.plan(held)
-                            held = None
-                    out = runner.collect(flight)
-                    if answers and not send_or_drop(push, to_core.encode(out), core_is_alive):
-                        log.warning("worker rank %d: the engine core went away", config.rank)
-                        return
-                    if runner.clock is not None:
-                        runner.clock.answered(step is not None)
-                    # Steps planned back to back skip the wait above: check here too.
-                    if step is not None and not parent_alive(config.parent_pid):
-                        return
-            elif isinstance(msg, WorkerConfigure):
-                runner.initialize(msg)
-                push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
-            elif isinstance(msg, ShutdownWorker):
+                waited = waited or answered
+                events = dict(poller.poll(500))
+            answered = False
+            if monitor in events and pull not in events and not pull.poll(100):
+                # The core closed its end (its shutdown message, if any, came first).
+                log.warning("worker rank %d: the engine core went away; exiting", config.rank)
                 return
-            elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
-                push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))
-    finally:
-        if runner.clock is not None:
-            runner.clock.write()
-        # An open monitor socket would keep the context from terminating.
-        pull.disable_monitor()
-        monitor.close(linger=0)
+            # Busy or idle (one getppid per step): a vanished launcher ends the group.
+            if not parent_alive(config.parent_pid):
+                return
+            if pull not in events:
+                continue
+            if waited:
+                due.arrived()
+                waited = False
+            msg = from_core.decode(pull.recv(copy=False).buffer)
+        else:
+            msg, held = held, None
+        if isinstance(msg, SchedulerOutput):
+            ran = _run_steps(msg, config, runner, pull, push, to_core, from_core, core_is_alive)
+            if ran is None:
+                return
+            answered, held = ran
+        elif isinstance(msg, WorkerConfigure):
+            runner.initialize(msg)
+            push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
+        elif isinstance(msg, ShutdownWorker):
+            return
+        elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
+            push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))
+
+
+def _run_steps(
+    so: SchedulerOutput,
+    config: WorkerConfig,
+    runner: ModelRunner,
+    pull: zmq.Socket,
+    push: zmq.Socket,
+    to_core: Codec[WorkerToCore],
+    from_core: Codec[CoreToWorker],
+    core_is_alive: Callable[[], bool],
+) -> tuple[bool, CoreToWorker | None] | None:
+    """Run so's step, and each step planned while its predecessor ran; (whether a step
+    was answered, a message that arrived meanwhile), or None: the worker must stop."""
+    step = runner.plan(so)
+    answered = step is not None
+    held: CoreToWorker | None = None
+    while step is not None:
+        flight = runner.launch(step)
+        step = None
+        if wait_for_next(pull, runner, flight):
+            # Async scheduling sent the next step already: plan it while this one runs
+            # on the device.
+            held = from_core.decode(pull.recv(copy=False).buffer)
+            if isinstance(held, SchedulerOutput) and runner.can_plan_ahead(held):
+                step = runner.plan(held)
+                held = None
+        out = runner.collect(flight)
+        if config.rank == 0 and not send_or_drop(push, to_core.encode(out), core_is_alive):
+            log.warning("worker rank %d: the engine core went away", config.rank)
+            return None
+        if runner.hooks is not None:
+            runner.hooks.answered(step is not None)
+        # Steps planned back to back skip the wait for messages: check here too.
+        if step is not None and not parent_alive(config.parent_pid):
+            return None
+    return answered, held
 
 
 def wait_for_next(pull: zmq.Socket, runner: ModelRunner, flight: InFlight) -> bool:

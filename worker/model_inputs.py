@@ -73,48 +73,15 @@ def prepare_inputs(
             f"entries for {num_reqs} scheduled requests"
         )
     rows = batch.scheduled_rows(so, req_ids)
-    num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int32).reshape(num_reqs)
-    if num_reqs and int(num_scheduled.min()) < 0:
-        raise ValueError(f"step {so.step_id}: negative num_scheduled_tokens")
-    total = int(num_scheduled.sum())
-    if total != so.total_num_scheduled_tokens:
-        raise ValueError(
-            f"step {so.step_id}: num_scheduled_tokens sum to {total}, but "
-            f"total_num_scheduled_tokens={so.total_num_scheduled_tokens}"
-        )
-    padded = total if pad_to is None else pad_to
-    if padded < total:
-        raise ValueError(f"step {so.step_id}: pad_to={pad_to} is below the {total} tokens")
-
+    num_scheduled, total, padded = _scheduled_counts(so, num_reqs, pad_to)
     num_computed = batch.num_computed_tokens[rows]
     seq_lens = num_computed + num_scheduled
     known = batch.num_tokens[rows]
-    unknown = seq_lens > known
-    if unknown.any():
-        i = int(np.flatnonzero(unknown)[0])
-        raise ValueError(
-            f"step {so.step_id}: request {req_ids[i]!r} is scheduled up to position "
-            f"{int(seq_lens[i]) - 1} but the worker knows only {int(known[i])} tokens"
-        )
-
+    _check_known(so, req_ids, seq_lens, known)
     max_query_len = int(num_scheduled.max(initial=0))
-    if max_query_len == 1 and total == num_reqs and padded == total:
-        # A decode step: each request's one token at its next position. A third of the
-        # general case's numpy calls.
-        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
-        req_rows = rows
-        positions = num_computed.astype(np.int64)
-    else:
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        # Token i belongs to scheduled request req_index[i] and sits at offset
-        # i - query_start_loc[req_index[i]] within that request's chunk.
-        req_index = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)
-        offsets = np.arange(total, dtype=np.int64) - query_start_loc[req_index]
-        req_rows = np.full(padded, -1, dtype=np.int32)
-        req_rows[:total] = rows[req_index]
-        positions = np.zeros(padded, dtype=np.int64)
-        positions[:total] = num_computed[req_index] + offsets
+    query_start_loc, req_rows, positions = _token_layout(
+        rows, num_computed, num_scheduled, total, padded, max_query_len
+    )
     input_ids = np.zeros(padded, dtype=np.int32)
 
     slot_mappings = [np.empty(padded, dtype=np.int64) for _ in range(len(batch.block_table))]
@@ -150,3 +117,64 @@ def prepare_inputs(
     if token_ids:
         inputs.gather_token_ids(batch)
     return inputs
+
+
+def _scheduled_counts(
+    so: SchedulerOutput, num_reqs: int, pad_to: int | None
+) -> tuple[np.ndarray, int, int]:
+    """(tokens per scheduled request, their total, the padded total), checked against
+    the step's own counts."""
+    num_scheduled = np.asarray(so.num_scheduled_tokens, dtype=np.int32).reshape(num_reqs)
+    if num_reqs and int(num_scheduled.min()) < 0:
+        raise ValueError(f"step {so.step_id}: negative num_scheduled_tokens")
+    total = int(num_scheduled.sum())
+    if total != so.total_num_scheduled_tokens:
+        raise ValueError(
+            f"step {so.step_id}: num_scheduled_tokens sum to {total}, but "
+            f"total_num_scheduled_tokens={so.total_num_scheduled_tokens}"
+        )
+    padded = total if pad_to is None else pad_to
+    if padded < total:
+        raise ValueError(f"step {so.step_id}: pad_to={pad_to} is below the {total} tokens")
+    return num_scheduled, total, padded
+
+
+def _check_known(
+    so: SchedulerOutput, req_ids: list[str], seq_lens: np.ndarray, known: np.ndarray
+) -> None:
+    """ValueError unless every scheduled position holds a token the batch knows."""
+    unknown = seq_lens > known
+    if unknown.any():
+        i = int(np.flatnonzero(unknown)[0])
+        raise ValueError(
+            f"step {so.step_id}: request {req_ids[i]!r} is scheduled up to position "
+            f"{int(seq_lens[i]) - 1} but the worker knows only {int(known[i])} tokens"
+        )
+
+
+def _token_layout(
+    rows: np.ndarray,
+    num_computed: np.ndarray,
+    num_scheduled: np.ndarray,
+    total: int,
+    padded: int,
+    max_query_len: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(query_start_loc, each token's batch row, each token's position); padding tokens
+    have row -1 and position 0."""
+    num_reqs = len(rows)
+    if max_query_len == 1 and total == num_reqs and padded == total:
+        # A decode step: each request's one token at its next position. A third of the
+        # general case's numpy calls.
+        return np.arange(num_reqs + 1, dtype=np.int32), rows, num_computed.astype(np.int64)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    # Token i belongs to scheduled request req_index[i] and sits at offset
+    # i - query_start_loc[req_index[i]] within that request's chunk.
+    req_index = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)
+    offsets = np.arange(total, dtype=np.int64) - query_start_loc[req_index]
+    req_rows = np.full(padded, -1, dtype=np.int32)
+    req_rows[:total] = rows[req_index]
+    positions = np.zeros(padded, dtype=np.int64)
+    positions[:total] = num_computed[req_index] + offsets
+    return query_start_loc, req_rows, positions

@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from protocol.config import WorkerConfig, available_host_memory
+from kernels.selection import select_kernels
+from protocol.config import WorkerConfig
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
-from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
+from protocol.kv_cache import KVCacheSpec
 from protocol.worker import (
     ModelRunnerOutput,
     PromptEmbedding,
@@ -32,40 +32,37 @@ from protocol.worker import (
     SchedulerOutput,
     WorkerConfigure,
 )
-from worker import bench_clock
 from worker.attention import AttentionMetadata
-from worker.bench_clock import DeviceClock
 from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
+from worker.kv_cache_memory import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    allocate_kv_caches,
+    check_fits,
+    gpu_kv_budget,
+    kv_cache_storage_bytes,
+    profile_step,
+)
 from worker.layers import Linear, ParallelLMHead
 from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
 from worker.models import get_model_class
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
-from worker.sampler import (
-    PenaltyTensors,
-    SamplingTensors,
-    compute_logprobs,
-    logit_bias_tensors,
-    sample,
-    token_bans,
-)
+from worker.sampler import SamplingTensors, compute_logprobs, sample
+from worker.sampling_extras import SamplingExtras
 from worker.staging import StepBuffers
+from worker.step_hooks import StepHooks
+from worker.step_state import InFlight, PromptPlan, StepInputs
 from worker.structured_output import GrammarMatchers
 from worker.weights import iterate_weights
 
 log = logging.getLogger("pagedserve.worker")
 
-# CPU workers get an explicit KV budget (there is no device memory to profile).
-DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
 # Prompt positions whose logits are taken at once for prompt_logprobs: a chunk of a long
 # prompt would otherwise hold [chunk, vocab] float32 logits (8192 x 150k: 4.9 GB).
 PROMPT_LOGPROBS_SLICE = 512
-# Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
-# allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
-GPU_STEP_MARGIN_BYTES = 768 << 20
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -85,113 +82,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _TORCH_DTYPES[name]
 
 
-@dataclass
-class StepInputs:
-    """Everything a step needs on the device, prepared on the host."""
-
-    step_id: int
-    # None until every token is known (a step planned while its predecessor ran).
-    input_ids: torch.Tensor | None
-    positions: torch.Tensor
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_req_ids: list[str]
-    sampling_rows: np.ndarray
-    sampling: SamplingTensors
-    generators: list[torch.Generator | None]
-    # The host inputs, kept until the token ids are gathered and uploaded.
-    inputs: ModelInputs | None = None
-    # Sampler positions of the requests that asked for logprobs (rank 0 only; None when
-    # none did) and how many top alternatives each wants.
-    logprob_rows: torch.Tensor | None = None
-    logprob_counts: list[int] = field(default_factory=list)
-    # Filled by collect: parallel to sampling_req_ids, or empty when nobody asked.
-    logprobs: list[Logprobs | None] = field(default_factory=list)
-    # Requests that asked for prompt_logprobs and prefill prompt tokens in this step;
-    # their logprobs are computed at launch (rank 0 keeps them).
-    prompt_plan: list[PromptPlan] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    # Sampler positions of the requests whose embedding this step yields (their prompt
-    # ends here; rank 0 only), else None.
-    embed_rows: np.ndarray | None = None
-
-
-@dataclass
-class PromptPlan:
-    """One request's prompt tokens whose logprobs this step's chunk yields: tokens
-    start .. start + count - 1, each predicted by the hidden state before it, which sits
-    at flat_start + j in the step's tokens."""
-
-    req_id: str
-    start: int
-    flat_start: int
-    targets: np.ndarray  # [count] the prompt tokens themselves
-    num_top: int
-
-
-@dataclass
-class InFlight:
-    """A launched step whose tokens the device is still producing."""
-
-    step: StepInputs
-    tokens: torch.Tensor | None  # [K] on the device; None when no request samples
-    logits: torch.Tensor | None  # kept for the logprobs, when some request asked
-    done: torch.cuda.Event | None  # recorded after the step's work on a GPU
-    # The batch's row_changes at launch: while equal, the sampling rows are where they were.
-    rows_at_launch: int = 0
-    # The final hidden states of step.embed_rows, when some request asked.
-    embed_hidden: torch.Tensor | None = None
-
-
-def gpu_kv_budget(
-    *,
-    total: int,
-    free_at_start: int,
-    free_now: int,
-    step_peak: int,
-    utilization: float,
-    where: str,
-    margin: int = GPU_STEP_MARGIN_BYTES,
-) -> tuple[int, str]:
-    """A GPU worker's KV-cache bytes, and how they were found (for the log).
-
-    The worker may hold `utilization` of the device's memory (vLLM's per-instance rule: two
-    engines at 0.45 share a GPU). What it took since it started (weights, buffers) and the
-    peak of the largest step come out of that share, and a margin is kept; what other
-    processes hold is not charged to it, but the budget must also fit in what is free
-    now. ValueError, with the numbers, when nothing is left.
-    """
-    gib = 1 << 30
-    taken = max(free_at_start - free_now, 0)
-    share = int(utilization * total)
-    budget = share - taken - step_peak - margin
-    summary = (
-        f"{utilization:.0%} of {total / gib:.1f} GiB is {share / gib:.2f} GiB; the model "
-        f"and buffers take {taken / gib:.2f} GiB, a step of the largest size peaks at "
-        f"{step_peak / gib:.2f} GiB, {margin / gib:.2f} GiB margin"
-    )
-    if budget <= 0:
-        raise ValueError(
-            f"{where}: no memory left for a KV cache ({summary}); raise "
-            "--gpu-memory-utilization, lower --max-num-batched-tokens, raise "
-            "--tensor-parallel-size or use a smaller model"
-        )
-    fits = free_now - step_peak - margin
-    if budget > fits:
-        others = max(total - free_at_start, 0)
-        raise ValueError(
-            f"{where}: a KV cache of {budget / gib:.2f} GiB ({summary}) does not fit in the "
-            f"{max(fits, 0) / gib:.2f} GiB free beside the step's peak and margin: other "
-            f"processes held {others / gib:.2f} GiB when this worker started; lower "
-            "--gpu-memory-utilization or free the device"
-        )
-    return budget, summary
-
-
 class ModelRunner:
     # Built by initialize() (WorkerConfigure): the persistent batch and step buffers.
     batch: InputBatch
     buffers: StepBuffers
+    extras: SamplingExtras
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -228,10 +123,16 @@ class ModelRunner:
                 self.device,
             )
         cls = get_model_class(self.model_config.architecture)
-        self.model = cls(self.model_config, self.dtype, self.device, self.tp)
+        head_dim = self.model_config.head_dim
+        kernels = select_kernels(
+            self.device, self.dtype, head_dim, config.attention, config.native_kernels
+        )
+        self.model = cls(self.model_config, self.dtype, self.device, self.tp, kernels)
         self.model.load_weights(iterate_weights(config.model))
         self.model.eval()
-        self.cpu_gemm = "onednn" if use_onednn(self.device, self.dtype) else "torch"
+        self.cpu_gemm = (
+            "onednn" if use_onednn(self.device, self.dtype, config.cpu_gemm) else "torch"
+        )
         if self.cpu_gemm == "onednn":
             for module in self.model.modules():
                 if isinstance(module, (Linear, ParallelLMHead)):
@@ -242,10 +143,8 @@ class ModelRunner:
         self.grammars = GrammarMatchers(config.model, self.eos_token_ids)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._in_flight: InFlight | None = None  # launched, not yet collected
-        self.clock = DeviceClock.from_env()  # benchmarks only
-        skipped = bench_clock.skip_requested()  # benchmarks only
-        if skipped is not None:
-            bench_clock.skip(skipped, self.model.model.layers)
+        # Installed by the worker process when its config names some (benchmarks).
+        self.hooks: StepHooks | None = None
         kernels = {layer.kernels.name for layer in self.model.attention_layers().values()}
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
@@ -268,149 +167,45 @@ class ModelRunner:
         """Bytes this worker can give its KV cache: --kv-cache-memory when set; on a GPU,
         what its --gpu-memory-utilization share of the device leaves after the memory it
         took (weights, buffers) and the peak of the largest step (gpu_kv_budget)."""
-        if self.config.kv_cache_memory is not None:
-            self._check_fits(self.config.kv_cache_memory, "--kv-cache-memory")
-            return self.config.kv_cache_memory
+        config = self.config
+        if config.kv_cache_memory is not None:
+            check_fits(config.kv_cache_memory, "--kv-cache-memory", self.device, config.rank)
+            return config.kv_cache_memory
         if self.device.type == "cpu":
-            self._check_fits(DEFAULT_CPU_KV_CACHE_MEMORY, "the default CPU KV cache")
+            what = "the default CPU KV cache"
+            check_fits(DEFAULT_CPU_KV_CACHE_MEMORY, what, self.device, config.rank)
             return DEFAULT_CPU_KV_CACHE_MEMORY
-        step_peak = self.profile_step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step_peak = self.profile_step(config.max_num_batched_tokens, config.max_num_seqs)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        where = f"rank {self.config.rank} on {self.device}"
+        where = f"rank {config.rank} on {self.device}"
         budget, summary = gpu_kv_budget(
             total=total,
             free_at_start=self._free_at_start,
             free_now=free,
             step_peak=step_peak,
-            utilization=self.config.gpu_memory_utilization,
+            utilization=config.gpu_memory_utilization,
             where=where,
         )
         log.info("%s: KV cache budget %.2f GiB (%s)", where, budget / (1 << 30), summary)
         return budget
 
-    def _allocate_kv_caches(
-        self, config: KVCacheConfig, specs: dict[str, KVCacheSpec]
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """One buffer per KVCacheTensor, exactly its size: what the core budgeted. Every
-        layer sharing a buffer views all of it as [2, num_blocks, block_size, heads,
-        head_dim] (K then V, each contiguous); a block id belongs to one group at a time,
-        so layers of different groups never touch the same block."""
-        total = sum(t.size for t in config.kv_cache_tensors)
-        self._check_fits(total, f"a KV cache of {config.num_blocks} blocks")
-        caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for tensor in config.kv_cache_tensors:
-            buffer = torch.zeros(tensor.size, dtype=torch.uint8, device=self.device)
-            for name in tensor.shared_by:
-                spec = specs.get(name)
-                if spec is None or name in caches:
-                    raise ValueError(f"KV cache tensor names layer {name!r} twice or not at all")
-                if tensor.size != spec.page_size_bytes * config.num_blocks:
-                    raise ValueError(
-                        f"KV cache tensor of {tensor.size} bytes for layer {name!r}: its spec "
-                        f"needs {spec.page_size_bytes} x {config.num_blocks} blocks"
-                    )
-                shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-                kv = buffer.view(self.dtype).view(shape)
-                caches[name] = (kv[0], kv[1])
-        # The null block stands in for positions a sliding window has left; no kernel may
-        # read it. NaN there turns a kernel that does (even under a mask: 0 * NaN is NaN)
-        # into garbage tokens that every equality test sees, instead of a silent read.
-        for key_cache, value_cache in caches.values():
-            key_cache[NULL_BLOCK_ID].fill_(float("nan"))
-            value_cache[NULL_BLOCK_ID].fill_(float("nan"))
-        return caches
+    def profile_step(self, num_tokens: int, num_seqs: int) -> int:
+        """The peak allocation of the largest step (kv_cache_memory.profile_step)."""
+        max_len = self.model_config.max_position_embeddings
+        return profile_step(
+            self.model,
+            max_len,
+            self.config.block_size,
+            self.dtype,
+            self.device,
+            num_tokens,
+            num_seqs,
+        )
 
     def kv_cache_storage_bytes(self) -> tuple[int, int]:
-        """(bytes, buffers) of KV storage really allocated: distinct storages behind every
-        layer's K and V views, counted from the tensors themselves."""
-        storages: dict[int, int] = {}
-        for pair in self.kv_caches:
-            for cache in pair:
-                storage = cache.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values()), len(storages)
-
-    def _check_fits(self, nbytes: int, what: str) -> None:
-        """ValueError with numbers if nbytes cannot be allocated here now: better than an
-        out-of-memory kill a minute into start-up."""
-        if self.device.type == "cuda":
-            available, where = torch.cuda.mem_get_info(self.device)[0], f"free on {self.device}"
-        else:
-            available, where = available_host_memory(), "available host memory"
-        if available is not None and nbytes > available:
-            gib = 1 << 30
-            raise ValueError(
-                f"rank {self.config.rank}: {what} needs {nbytes / gib:.2f} GiB but only "
-                f"{available / gib:.2f} GiB is {where}: lower --kv-cache-memory or "
-                "--num-gpu-blocks"
-            )
-
-    @torch.inference_mode()
-    def profile_step(self, num_tokens: int, num_seqs: int) -> int:
-        """Run the largest step the core may schedule and return its peak allocation on a
-        GPU (0 on the CPU, where the run only proves the path): num_tokens tokens of
-        prefill (requests no longer than the model's context) into a scratch KV cache,
-        then top-k/top-p sampling of num_seqs rows. All ranks run it together (TP
-        layers all-reduce)."""
-        max_len = self.model_config.max_position_embeddings
-        lens = np.full(num_tokens // max_len, max_len, dtype=np.int64)
-        if num_tokens % max_len:
-            lens = np.append(lens, num_tokens % max_len)
-        bs = self.config.block_size
-        blocks = -(-lens // bs)
-        first_block = 1 + np.concatenate(([0], np.cumsum(blocks)[:-1]))  # 0: the null block
-        table = np.zeros((len(lens), int(blocks.max())), dtype=np.int32)
-        for i, (start, n) in enumerate(zip(first_block, blocks)):
-            table[i, :n] = np.arange(start, start + n)
-        req = np.repeat(np.arange(len(lens)), lens)
-        pos = np.arange(num_tokens) - np.repeat(np.cumsum(lens) - lens, lens)
-        slots = first_block[req] * bs + pos
-        layers = self.model.attention_layers().values()
-        num_blocks = int(first_block[-1] + blocks[-1])
-        scratch = [
-            tuple(
-                torch.zeros(
-                    (num_blocks, bs, layer.num_kv_heads, layer.head_dim),
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                for _ in range(2)
-            )
-            for layer in layers
-        ]
-        device = self.device
-        groups = 1 + max(layer.kv_group for layer in layers)
-        attn = AttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(lens)))).to(
-                device, torch.int32
-            ),
-            seq_lens=torch.from_numpy(lens).to(device, torch.int32),
-            block_tables=[torch.from_numpy(table).to(device)] * groups,
-            slot_mappings=[torch.from_numpy(slots).to(device)] * groups,
-        )
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        positions = torch.from_numpy(pos).to(device)
-        rows = torch.arange(num_seqs, device=device) % num_tokens
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        hidden = self.model(input_ids, positions, attn, scratch)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        sampling = SamplingTensors.from_arrays(
-            np.ones(num_seqs, dtype=np.float32),
-            np.full(num_seqs, 50, dtype=np.int64),
-            np.full(num_seqs, 0.9, dtype=np.float32),
-            device,
-        )
-        generator = torch.Generator(device=device).manual_seed(0)  # leaves the seeds alone
-        sample(logits, sampling, [None] * num_seqs, generator)
-        if not cuda:
-            return 0
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        """(bytes, buffers) of KV storage really allocated."""
+        return kv_cache_storage_bytes(self.kv_caches)
 
     def _configured(self, what: str) -> InputBatch:
         """The batch; ValueError (the worker reports it) if the core skipped configure."""
@@ -431,7 +226,7 @@ class ModelRunner:
                     raise ValueError(f"KV cache config names unknown layer {name!r}")
                 layers[name].kv_group = group_id
                 specs[name] = group.kv_cache_spec
-        caches = self._allocate_kv_caches(config, specs)
+        caches = allocate_kv_caches(config, specs, self.dtype, self.device, self.config.rank)
         missing = sorted(set(layers) - set(caches))
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
@@ -440,6 +235,14 @@ class ModelRunner:
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
         self.buffers = StepBuffers(
             msg.max_num_batched_tokens, msg.max_num_reqs, len(block_sizes), self.device
+        )
+        self.extras = SamplingExtras(
+            self.batch,
+            self.grammars,
+            self.eos_token_ids,
+            self.model_config.vocab_size,
+            self.device,
+            answers=self.config.rank == 0,
         )
 
     def block_tables(self) -> dict[str, list[list[int]]]:
@@ -472,8 +275,8 @@ class ModelRunner:
                 grammars.add(r.req_id, r.sampling_params.structured_outputs)
         if so.total_num_scheduled_tokens == 0:
             return None
-        if self.clock is not None:
-            self.clock.planning()
+        if self.hooks is not None:
+            self.hooks.planning()
         return self.prepare_step(so)
 
     @staticmethod
@@ -601,7 +404,7 @@ class ModelRunner:
         inputs.gather_token_ids(batch)
         step.input_ids = self.buffers.input_ids.upload(inputs.input_ids)
         if batch.num_extras and batch.extras[step.sampling_rows].any():
-            step.logprob_rows, step.logprob_counts = self._sampling_extras(
+            step.logprob_rows, step.logprob_counts = self.extras.fill(
                 step.sampling, step.sampling_rows, step.sampling_req_ids
             )
         step.inputs = None
@@ -614,9 +417,9 @@ class ModelRunner:
             raise RuntimeError("launch: the previous step has not been collected")
         if step.input_ids is None:
             self._finish_prepare(step)
-        clock = self.clock
-        if clock is not None:
-            clock.launch_begin()
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.launch_begin()
         tuner = self.cpu_threads
         if tuner is not None:
             tuner.before_step(len(step.positions), len(step.attn.query_start_loc) - 1)
@@ -640,8 +443,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        if clock is not None:
-            clock.launch_end()
+        if hooks is not None:
+            hooks.launch_end()
         flight = InFlight(
             step,
             tokens,
@@ -656,8 +459,10 @@ class ModelRunner:
     def time_left(self, flight: InFlight) -> float:
         """Seconds until the launched step's tokens are ready: 0 when they are (on the
         CPU, as soon as launch returns); a short guess while a GPU still works."""
-        if self.clock is not None and self.clock.delay_s:
-            return self.clock.time_left()
+        if self.hooks is not None:
+            left = self.hooks.time_left()
+            if left is not None:
+                return left
         if flight.done is None or flight.done.query():
             return 0.0
         return 1e-4
@@ -668,8 +473,8 @@ class ModelRunner:
         if flight is not self._in_flight:
             raise RuntimeError("collect: not the step in flight")
         step = flight.step
-        if self.clock is not None:
-            self.clock.sync()
+        if self.hooks is not None:
+            self.hooks.sync()
         tokens: list[int] = [] if flight.tokens is None else flight.tokens.tolist()
         if flight.logits is not None:
             assert step.logprob_rows is not None and flight.tokens is not None
@@ -690,8 +495,8 @@ class ModelRunner:
             # steady decode) left the rows in place: one indexed write, no lookups.
             step.sampling_rows if self.batch.row_changes == flight.rows_at_launch else None,
         )
-        if self.clock is not None:
-            self.clock.collected()
+        if self.hooks is not None:
+            self.hooks.collected()
         embeddings = []
         if flight.embed_hidden is not None:
             assert step.embed_rows is not None
@@ -723,112 +528,6 @@ class ModelRunner:
                 vector = torch.nn.functional.normalize(vector, dim=0)
             out.append(PromptEmbedding(req_id, vector.numpy().astype("<f4").tobytes()))
         return out
-
-    def _sampling_extras(
-        self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
-    ) -> tuple[torch.Tensor | None, list[int]]:
-        """Logit biases, penalties, token masks (structured outputs, allowed_token_ids) and
-        bans (bad words, min_tokens) into sampling; the logprob rows and counts. Only for
-        a step in which some row uses one of them."""
-        batch = self.batch
-        device = self.device
-        vocab = self.model_config.vocab_size
-        presence = batch.presence_penalty[rows]
-        frequency = batch.frequency_penalty[rows]
-        repetition = batch.repetition_penalty[rows]
-        num_tokens = batch.num_tokens[rows]
-        num_prompt = batch.num_prompt_tokens[rows]
-        if presence.any() or frequency.any() or (repetition != 1.0).any():
-            sampling.penalties = PenaltyTensors.build(
-                batch.token_ids[rows, : int(num_tokens.max())],
-                num_prompt,
-                num_tokens,
-                presence,
-                frequency,
-                repetition,
-                vocab,
-                device,
-            )
-        biased = np.flatnonzero(batch.logit_biased[rows])
-        if biased.size:
-            sampling.bias = logit_bias_tensors(
-                [
-                    (i, batch.requests[req_ids[i]].sampling_params.logit_bias or {})
-                    for i in biased.tolist()
-                ],
-                device,
-            )
-        limited = np.flatnonzero(batch.token_limited[rows]).tolist()
-        sampling.token_masks = self._token_masks(req_ids, limited)
-        ban_rows: list[int] = []
-        ban_tokens: list[int] = []
-        for i in limited:
-            # A bad word's last token, wherever the output ends with the rest of it.
-            params = batch.requests[req_ids[i]].sampling_params
-            row, end = int(rows[i]), int(num_tokens[i])
-            output = batch.token_ids[row, int(num_prompt[i]) : end]
-            for seq in params.bad_words_token_ids:
-                k = len(seq) - 1
-                if k <= len(output) and (k == 0 or output[len(output) - k :].tolist() == seq[:k]):
-                    ban_rows.append(i)
-                    ban_tokens.append(seq[-1])
-        early = np.flatnonzero(batch.min_tokens[rows] > num_tokens - num_prompt)
-        if early.size:
-            # Below min_tokens nothing that would stop the request may be sampled.
-            for i in early.tolist():
-                params = batch.requests[req_ids[i]].sampling_params
-                stops = list(params.stop_token_ids)
-                if not params.ignore_eos:
-                    stops += self.eos_token_ids
-                stops = [t for t in stops if t < vocab]
-                ban_rows += [i] * len(stops)
-                ban_tokens += stops
-        if ban_rows:
-            sampling.banned = (
-                torch.tensor(ban_rows, dtype=torch.int64, device=device),
-                torch.tensor(ban_tokens, dtype=torch.int64, device=device),
-            )
-        if self.config.rank != 0:
-            return None, []  # only rank 0 answers the core
-        wanted = batch.num_logprobs[rows]
-        asking = np.flatnonzero(wanted >= 0)
-        if not asking.size:
-            return None, []
-        return torch.from_numpy(asking).to(device), wanted[asking].tolist()
-
-    def _token_masks(
-        self, req_ids: list[str], limited: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """SamplingTensors.token_masks: the tokens the step's constrained rows (structured
-        outputs) and allowed_token_ids rows may not sample; a row with both, the union."""
-        device, vocab = self.device, self.model_config.vocab_size
-        parts: list[tuple[list[int], torch.Tensor]] = []
-        if self.grammars:
-            found = self.grammars.fill_bitmask(req_ids)
-            if found is not None:
-                parts.append((found[0], token_bans(found[1], vocab, device)))
-        requests = self.batch.requests
-        allowed = [
-            (i, ids)
-            for i in limited
-            if (ids := requests[req_ids[i]].sampling_params.allowed_token_ids) is not None
-        ]
-        if allowed:
-            bans = torch.ones((len(allowed), vocab), dtype=torch.bool, device=device)
-            for k, (_, ids) in enumerate(allowed):
-                bans[k, torch.tensor(ids, dtype=torch.int64, device=device)] = False
-            parts.append(([i for i, _ in allowed], bans))
-        if not parts:
-            return None
-        if len(parts) == 1:
-            rows, bans = parts[0]
-            return torch.tensor(rows, dtype=torch.int64, device=device), bans
-        every = sorted({i for rows, _ in parts for i in rows})
-        at = {i: k for k, i in enumerate(every)}
-        union = torch.zeros((len(every), vocab), dtype=torch.bool, device=device)
-        for rows, bans in parts:
-            union[[at[i] for i in rows]] |= bans
-        return torch.tensor(every, dtype=torch.int64, device=device), union
 
     def _generator(self, req_id: str) -> torch.Generator | None:
         """A seeded request draws from its own generator, so its tokens do not depend on

@@ -31,14 +31,15 @@ persistent batch without any extra communication; only rank 0 returns ModelRunne
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-DIST_INIT_ENV = "PAGEDSERVE_DIST_INIT"
+from protocol import envs
+
+DIST_INIT_ENV = envs.DIST_INIT
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -73,7 +74,7 @@ class TPContext:
 
 
 def dist_init_method_from_env() -> str:
-    method = os.environ.get(DIST_INIT_ENV)
+    method = envs.dist_init()
     if not method:
         raise ValueError(
             f"tensor parallelism needs a rendezvous address: the launcher must set "

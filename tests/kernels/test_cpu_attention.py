@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import KERNELS_ENV, cpu, cpu_native, reference, select_kernels
+from kernels import cpu, cpu_native, reference
+from kernels.selection import KERNELS_ENV, select_kernels
 from kernels.testing import random_paged_batch
 
 BLOCK_SIZES = (1, 8, 16, 32)

@@ -171,7 +171,7 @@ def test_cupy_argument_conversion() -> None:
 
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import KERNELS_ENV, select_kernels
+    from kernels.selection import KERNELS_ENV, select_kernels
 
     cpu = torch.device("cpu")
     assert select_kernels(cpu, torch.bfloat16, 128).name.startswith("torch cpu (batched)")

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from worker.bench_clock import SPIN_S, DeviceClock
+from benchmarks.bench_clock import SPIN_S, DeviceClock
 from worker.main import wait_for_next
 
 
 class Step:
     """The one thing wait_for_next asks a runner: how long the launched step has left,
-    here from the worker's own modelled device (worker/bench_clock.py)."""
+    here from the benchmarks' modelled device (benchmarks/bench_clock.py)."""
 
     def __init__(self, seconds: float) -> None:
         self.clock = DeviceClock(seconds, None)
@@ -27,7 +27,9 @@ class Step:
         self.clock.launch_end()
 
     def time_left(self, _flight: object) -> float:
-        return self.clock.time_left()
+        left = self.clock.time_left()
+        assert left is not None
+        return left
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.selection import AttentionKernels
 from worker.attention import AttentionMetadata
 from worker.layers import GatedMLP, GemmaRMSNorm
 from worker.model_config import ModelConfig
@@ -35,6 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext,
+        kernels: AttentionKernels | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -46,6 +48,7 @@ class Gemma3DecoderLayer(nn.Module):
             device=device,
             tp=tp,
             qk_norm=GemmaRMSNorm,
+            kernels=kernels,
         )
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype, device)
@@ -78,8 +81,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext | None = None,
+        kernels: AttentionKernels | None = None,
     ) -> None:
-        super().__init__(config, dtype, device, tp)
+        super().__init__(config, dtype, device, tp, kernels)
         # A buffer in the model's dtype, not a Python float: the scale is rounded to the
         # dtype before the product, which is what the checkpoint was trained with.
         self.register_buffer(

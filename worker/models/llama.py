@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kernels import select_kernels
+from kernels.selection import AttentionKernels, select_kernels
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
 from worker.layers import (
@@ -54,8 +54,10 @@ class LlamaAttention(nn.Module):
         device: torch.device,
         tp: TPContext,
         qk_norm: type[RMSNorm] | None = None,
+        kernels: AttentionKernels | None = None,
     ) -> None:
-        """qk_norm: the norm applied to each q and k head before RoPE, if any."""
+        """qk_norm: the norm applied to each q and k head before RoPE, if any; kernels: the
+        worker's choice (None: select_kernels' default)."""
         super().__init__()
         heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
         # Local counts: this rank's query heads and the KV heads they read, which is also
@@ -68,7 +70,7 @@ class LlamaAttention(nn.Module):
         # Which KV cache group's block table and slot mapping this layer reads; the
         # runner sets it from the KVCacheConfig the core sends.
         self.kv_group = 0
-        self.kernels = select_kernels(device, dtype, self.head_dim)
+        self.kernels = kernels or select_kernels(device, dtype, self.head_dim)
         hidden, bias = config.hidden_size, config.qkv_bias
         q_rows = heads.q_heads.scaled(self.head_dim)
         kv_rows = heads.kv_heads.scaled(self.head_dim)
@@ -122,6 +124,7 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext,
+        kernels: AttentionKernels | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -133,6 +136,7 @@ class LlamaDecoderLayer(nn.Module):
             device=device,
             tp=tp,
             qk_norm=RMSNorm if config.qk_norm else None,
+            kernels=kernels,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.mlp = GatedMLP(
@@ -157,7 +161,9 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-DecoderLayer = Callable[[ModelConfig, int, torch.dtype, torch.device, TPContext], nn.Module]
+DecoderLayer = Callable[
+    [ModelConfig, int, torch.dtype, torch.device, TPContext, AttentionKernels | None], nn.Module
+]
 
 
 class LlamaModel(nn.Module):
@@ -169,12 +175,14 @@ class LlamaModel(nn.Module):
         tp: TPContext,
         decoder_layer: DecoderLayer,
         norm: type[RMSNorm],
+        kernels: AttentionKernels | None = None,
     ) -> None:
         super().__init__()
         vocab = shard_vocab(config.vocab_size, tp)
         self.embed_tokens = VocabParallelEmbedding(vocab, config.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(
-            decoder_layer(config, i, dtype, device, tp) for i in range(config.num_hidden_layers)
+            decoder_layer(config, i, dtype, device, tp, kernels)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
@@ -191,8 +199,10 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tp: TPContext | None = None,
+        kernels: AttentionKernels | None = None,
     ) -> None:
-        """tp: this rank's tensor-parallel context; None builds the whole model."""
+        """tp: this rank's tensor-parallel context; None builds the whole model. kernels:
+        the attention kernels every layer runs (None: select_kernels' default)."""
         super().__init__()
         tp = tp or TPContext()
         if len(config.sliding_windows) != config.num_hidden_layers:
@@ -203,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.tp = tp
-        self.model = LlamaModel(config, dtype, device, tp, self.decoder_layer, self.final_norm)
+        self.model = LlamaModel(
+            config, dtype, device, tp, self.decoder_layer, self.final_norm, kernels
+        )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, device
         )

@@ -1,4 +1,5 @@
-"""Benchmark-only instruments of the worker, off unless their variables are set.
+"""Benchmark-only instruments of the worker, installed on it through WorkerConfig.step_hooks
+(HOOKS; worker/step_hooks.py) and off unless their variables are set.
 
 PAGEDSERVE_BENCH_STEP_DELAY_MS: every step that runs tokens keeps a modelled device busy
   this much longer, as a GPU would: the device starts on a step when its launch begins
@@ -24,29 +25,41 @@ PAGEDSERVE_BENCH_WORKER_TIMING: a file the worker writes at exit, as JSON: the s
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 
-DELAY_ENV = "PAGEDSERVE_BENCH_STEP_DELAY_MS"
-TIMING_ENV = "PAGEDSERVE_BENCH_WORKER_TIMING"
-SKIP_ENV = "PAGEDSERVE_BENCH_SKIP"
+from protocol import envs
+from worker.step_hooks import StepHooks
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner
+
+DELAY_ENV = envs.BENCH_STEP_DELAY_MS
+TIMING_ENV = envs.BENCH_WORKER_TIMING
+SKIP_ENV = envs.BENCH_SKIP
+# What a benchmark puts in PAGEDSERVE_WORKER_HOOKS (WorkerConfig.step_hooks).
+HOOKS = f"{Path(__file__).resolve()}:install"
 SPIN_S = 2e-4  # the modelled device's end is waited for spinning this long
-SKIPS = ("attention", "layers")
+SKIPS: tuple[str, ...] = get_args(envs.BenchSkip)
+
+
+def install(runner: ModelRunner) -> DeviceClock | None:
+    """The worker's hook: skip what PAGEDSERVE_BENCH_SKIP names, and model the device
+    when a delay or a timing file is asked for."""
+    skipped = skip_requested()
+    if skipped is not None:
+        skip(skipped, runner.model.model.layers)
+    return DeviceClock.from_env()
 
 
 def skip_requested() -> str | None:
     """What of the forward the worker skips: None, "attention" or "layers"."""
-    value = os.environ.get(SKIP_ENV, "")
-    if value == "":
-        return None
-    if value not in SKIPS:
-        raise ValueError(f"{SKIP_ENV} must be one of {', '.join(SKIPS)} or empty, got {value!r}")
-    return value
+    return envs.bench_skip()
 
 
 def _no_attention(query: torch.Tensor, *_args: object, **_kwargs: object) -> torch.Tensor:
@@ -75,7 +88,7 @@ def skip(what: str, decoder_layers: Iterable[Any]) -> None:
             layer.forward = _pass_through
 
 
-class DeviceClock:
+class DeviceClock(StepHooks):
     def __init__(self, delay_s: float, path: str | None) -> None:
         self.delay_s = delay_s
         self.path = path
@@ -93,18 +106,10 @@ class DeviceClock:
 
     @classmethod
     def from_env(cls) -> DeviceClock | None:
-        delay, path = os.environ.get(DELAY_ENV), os.environ.get(TIMING_ENV)
-        if delay is None and path is None:
+        delay_ms, path = envs.bench_step_delay_ms(), envs.bench_worker_timing()
+        if delay_ms is None and path is None:
             return None
-        try:
-            delay_ms = float(delay or 0)
-        except ValueError:
-            raise ValueError(
-                f"{DELAY_ENV} must be a number of milliseconds, got {delay!r}"
-            ) from None
-        if not delay_ms >= 0:
-            raise ValueError(f"{DELAY_ENV} must be >= 0, got {delay!r}")
-        return cls(delay_ms / 1000, path)
+        return cls((delay_ms or 0) / 1000, path)
 
     def planning(self) -> None:
         """The host starts on a step (planning it), unless already busy with one."""
@@ -128,15 +133,18 @@ class DeviceClock:
         self.device_busy_s += end - start
         self._device_end = end
 
-    def time_left(self) -> float:
-        """Seconds the host may block before the device's step ends (less the spin)."""
+    def time_left(self) -> float | None:
+        """Seconds the host may block before the device's step ends (less the spin); None
+        without a delay (the real device answers)."""
+        if not self.delay_s:
+            return None
         return self._device_end - SPIN_S - time.perf_counter()
 
     def sync(self) -> None:
         """Wait for the device to finish the launched step: asleep, then spinning for its
         last SPIN_S, as a GPU's synchronize spins, so the tokens are taken when the
-        device finishes. A sleep alone overshot by 70-180 us on this 2-core VM (30-80 us
-        when idle), which the modelled device idled for, every step."""
+        device finishes: a sleep alone overshoots, and the modelled device would idle for
+        the overshoot every step."""
         end = self._device_end
         wait = end - SPIN_S - time.perf_counter()
         if wait > 0:
@@ -158,6 +166,9 @@ class DeviceClock:
         self.busy_s += now - self._busy_since
         self._busy_since = None
         self._idle_since = now
+
+    def close(self) -> None:
+        self.write()
 
     def write(self) -> None:
         if self.path is None:

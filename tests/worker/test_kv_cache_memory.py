@@ -1,5 +1,5 @@
 """How a worker sizes its KV cache: an explicit budget, or on a GPU what is left after the
-largest step the core may schedule (ModelRunner.profile_step).
+largest step the core may schedule (worker/kv_cache_memory.py).
 
 The profile's forward is the real model on scratch KV caches; on the CPU it returns no
 peak (there is no device memory to read) but runs the same code a GPU worker runs, so a
@@ -18,12 +18,8 @@ from launch.client.engine_args import EngineArgs, runner_config
 from protocol.worker import WorkerConfigure
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import save_checkpoint
-from worker.model_runner import (
-    DEFAULT_CPU_KV_CACHE_MEMORY,
-    GPU_STEP_MARGIN_BYTES,
-    ModelRunner,
-    gpu_kv_budget,
-)
+from worker.kv_cache_memory import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_STEP_MARGIN_BYTES, gpu_kv_budget
+from worker.model_runner import ModelRunner
 
 GIB = 1 << 30
 

@@ -1,6 +1,6 @@
-"""The worker's benchmark-only forward skips: skipped attention answers zeros and keeps
-the cache writer; skipped layers pass their input through; both say so in the kernels'
-name; a bad setting is refused."""
+"""The benchmarks' forward skips for the worker (benchmarks/bench_clock.py): skipped
+attention answers zeros and keeps the cache writer; skipped layers pass their input
+through; both say so in the kernels' name; a bad setting is refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import AttentionKernels, reference
-from worker import bench_clock
+from benchmarks import bench_clock
+from kernels import reference
+from kernels.selection import AttentionKernels
 
 
 class Attention:
