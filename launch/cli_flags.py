@@ -4,7 +4,6 @@ value parsers, and how the engine's flags become EngineArgs fields."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from launch.client.version import package_version
 from launch.openai.reasoning import REASONING_PARSERS
 from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
+from protocol import envs
 from protocol.config import (
     DType,
     GenerationConfigMode,
@@ -27,7 +27,6 @@ from protocol.config import (
 )
 
 # Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def _string_list(value: str) -> list[str]:
@@ -408,9 +407,9 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     """The server's HTTP settings: its key, CORS and TLS, and the path a proxy serves it under."""
     p.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        default=envs.api_key(),
         help="every route but /health, /metrics and /version wants `Authorization: Bearer "
-        f"KEY` (default: ${API_KEY_ENV}, which keeps the key out of the process list; "
+        f"KEY` (default: ${envs.API_KEY}, which keeps the key out of the process list; "
         "unset: no key)",
     )
     p.add_argument(

@@ -8,11 +8,11 @@ any real checkpoint, and runs offline.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from protocol import envs
 from worker.structured_output import BYTE_TOKENIZER_FILE
 
 NAME = "builtin-tiny-llama-v1"
@@ -38,7 +38,7 @@ CONFIG = {
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    return envs.cache_root()
 
 
 def builtin_model_dir() -> Path:

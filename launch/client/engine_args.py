@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast, get_args
 
 from enginecore.kv_cache_config import check_core_memory
+from protocol import envs
 from protocol.config import (
     DType,
     EngineCoreConfig,
@@ -106,31 +107,6 @@ def log_level_name(level: str) -> LogLevel:
     return cast(LogLevel, name)
 
 
-# The user's switch for the core's invariant checks (tests set it). Read here only: the
-# core gets it in EngineCoreConfig.check_invariants.
-CHECK_INVARIANTS_ENV = "PAGEDSERVE_CHECK_INVARIANTS"
-
-
-def invariant_checks_requested() -> bool:
-    return os.environ.get(CHECK_INVARIANTS_ENV) == "1"
-
-
-# A machine-tuning override of how long the core and workers poll for a due message
-# before blocking (protocol/sockets.py), in microseconds; 0 turns polling off.
-SPIN_ENV = "PAGEDSERVE_SPIN_US"
-
-
-def spin_requested() -> float | None:
-    """SPIN_ENV as a number (its range is checked with the other args, in validate)."""
-    value = os.environ.get(SPIN_ENV)
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{SPIN_ENV} must be a number of microseconds, got {value!r}") from None
-
-
 @dataclass(frozen=True)
 class EngineArgs:
     model: str
@@ -173,9 +149,9 @@ class EngineArgs:
     record_dir: str | None = None
     # The core walks the KV invariants after every step (slow; debugging and tests).
     # Read when the args are made, so a test's environment applies to the engines it starts.
-    check_invariants: bool = field(default_factory=invariant_checks_requested)
+    check_invariants: bool = field(default_factory=envs.check_invariants)
     # Microseconds the processes poll for a due message (None: each machine's default).
-    spin_us: float | None = field(default_factory=spin_requested)
+    spin_us: float | None = field(default_factory=envs.spin_us)
 
     def validate(self) -> None:
         for name in (
@@ -195,7 +171,7 @@ class EngineArgs:
             check_core_memory(self.num_gpu_blocks)  # before any process starts
         if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
             raise ValueError(
-                f"spin_us must be in [0, 1000000] microseconds ({SPIN_ENV}), got {self.spin_us}"
+                f"spin_us must be in [0, 1000000] microseconds ({envs.SPIN_US}), got {self.spin_us}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

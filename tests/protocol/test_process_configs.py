@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 from launch import LLM, AsyncLLM, SamplingParams
-from launch.client.engine_args import CHECK_INVARIANTS_ENV, EngineArgs, core_config, worker_config
+from launch.client.engine_args import EngineArgs, core_config, worker_config
 from protocol.config import EngineCoreConfig, WorkerConfig
+from protocol.envs import CHECK_INVARIANTS as CHECK_INVARIANTS_ENV
 from tests.helpers.cli_helpers import CPU, children_of
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

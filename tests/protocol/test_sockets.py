@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from launch.client.engine_args import SPIN_ENV, EngineArgs
+from launch.client.engine_args import EngineArgs
+from protocol.envs import SPIN_US as SPIN_ENV
 from protocol.sockets import (
     DEFAULT_SPIN_S,
     DueWait,
