@@ -34,7 +34,7 @@ timed steps:
    whole wall time in the core (schedule to encoded client outputs) less the worker's
    model time (forward, logits, sample).
 
-When vLLM's peer venv is present (../shared/peers/vllm) its bench_sched.py decode256
+When vLLM's peer is present (benchmarks/peer.py) its bench_sched.py decode256
 variant runs in the same run (schedule() + update_from_output() with a fake model, in
 one process, like our run 1), then run 1 is repeated and both runs' steps are pooled,
 so a load change on a shared machine weighs on both sides alike. Reported:
