@@ -33,12 +33,11 @@ class KVCacheCoordinator:
             (g, m) for g, m in enumerate(self.managers) if isinstance(m, SlidingWindowManager)
         ]
         self.has_sliding_window = bool(self._sliding)
-        # The common single full-attention group: the manager a flat decode path may
-        # drive directly (KVCacheManager.allocate_slots); None otherwise.
-        only = self.managers[0]
-        self.sole_full_manager: FullAttentionManager | None = (
-            only if len(self.managers) == 1 and isinstance(only, FullAttentionManager) else None
-        )
+        # Whether allocate_running_slots may serve a running request's next tokens.
+        self.has_running_fast_path = False
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self.managers[0].req_to_blocks
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
@@ -132,7 +131,41 @@ class KVCacheCoordinator:
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """One group: its hit is the hit."""
+    """One group: its hit is the hit. A full-attention group also serves running requests'
+    next tokens on a short path (allocate_running_slots)."""
+
+    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
+        super().__init__(config, block_pool, hash_block_size)
+        manager = self.managers[0]
+        self._manager = manager
+        self._req_to_blocks = manager.req_to_blocks
+        self._block_size = manager.block_size
+        self.has_running_fast_path = isinstance(manager, FullAttentionManager)
+
+    def allocate_running_slots(
+        self, request: Request, num_tokens: int, cache: bool
+    ) -> KVCacheBlocks | None:
+        """Slots up to num_tokens for a request that holds blocks, when full attention
+        frees nothing and has no hits to touch: the new blocks, or None (nothing changed)
+        when the pool is short. The caller has checked num_tokens. Publishes a block that
+        filled when cache is set.
+
+        Per running request per step: a lookup and a few comparisons, a manager call
+        only when a block starts or fills."""
+        blocks = self._req_to_blocks[request.request_id]
+        bs = self._block_size
+        needed = -(-num_tokens // bs) - len(blocks)
+        if needed > 0:
+            if needed > self.block_pool.get_num_free_blocks():
+                return None
+            allocated: KVCacheBlocks = (
+                self._manager.allocate_new_blocks(request.request_id, num_tokens),
+            )
+        else:
+            allocated = self.empty_blocks
+        if cache and num_tokens // bs != request.num_computed_tokens // bs:
+            self._manager.cache_blocks(request, num_tokens)
+        return allocated
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int

@@ -48,6 +48,7 @@ class Request:
         "finish_reason",
         "has_extra_keys",
         "hash_at",
+        "holds_kv_blocks",
         "known_to_worker",
         "lora_id",
         "max_num_tokens",
@@ -109,6 +110,9 @@ class Request:
         self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
         # Once a worker holds its state, finishing it must be announced to the worker.
         self.known_to_worker = False
+        # While a KVCacheManager holds blocks for it: tells this request apart from
+        # another that reuses its id.
+        self.holds_kv_blocks = False
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)

@@ -316,7 +316,7 @@ class Scheduler:
         """Debugging and tests: every KV invariant, and with no request open, every
         block back in the pool."""
         kv = self.kv_cache_manager
-        kv.check_invariants()
+        kv.check_invariants(self.requests)
         if not self.has_unfinished_requests():
             free, usable = kv.num_free_blocks, kv.num_usable_blocks
             if free != usable:

@@ -216,7 +216,6 @@ class KVStateMachine(RuleBasedStateMachine):
                 for mgr in m.coordinator.managers
             ],
             "num_cached": [dict(mgr.num_cached_block) for mgr in m.coordinator.managers],
-            "requests": sorted(m.requests),
             "stats": dataclasses.astuple(m.prefix_cache_stats),
             "evictions": pool.num_evictions,
         }
@@ -663,8 +662,8 @@ class KVStateMachine(RuleBasedStateMachine):
             return
         m = self.m
         pool = m.block_pool
-        m.check_invariants()
-        assert set(m.requests) == set(self.running)
+        m.check_invariants(self.running)
+        assert all(set(g.req_to_blocks) == set(self.running) for g in m.coordinator.managers)
         for rid in self.waiting:
             assert self.waiting[rid].num_computed_tokens == 0
             assert not any(self.tables(rid))
@@ -714,12 +713,12 @@ class KVStateMachine(RuleBasedStateMachine):
             return
         for r in list(self.running.values()):
             self.free(r)
-        self.m.check_invariants()
+        self.m.check_invariants(self.running)
         pool = self.m.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
         assert self.m.usage == 0.0
         assert self.m.reset_prefix_cache()
-        self.m.check_invariants()
+        self.m.check_invariants(self.running)
 
 
 KVStateMachine.TestCase.settings = settings(
