@@ -21,7 +21,6 @@ from typing import Any, cast, get_args
 import msgspec
 import zmq
 
-from enginecore.kv_cache_config import check_core_memory
 from protocol.codec import Codec
 from protocol.config import (
     DType,
@@ -48,6 +47,8 @@ from protocol.engine import (
     ShutdownCore,
     priority_error,
 )
+from protocol.kv_memory import core_memory_error
+from protocol.recording import FRAMES, MANIFEST
 
 log = logging.getLogger("pagedserve.launch")
 
@@ -242,7 +243,9 @@ class EngineArgs:
         if self.num_gpu_blocks is not None:
             if self.num_gpu_blocks < 2:
                 raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
-            check_core_memory(self.num_gpu_blocks)  # before any process starts
+            error = core_memory_error(self.num_gpu_blocks)  # before any process starts
+            if error is not None:
+                raise ValueError(error)
         if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
             raise ValueError(
                 f"spin_us must be in [0, 1000000] microseconds ({SPIN_ENV}), got {self.spin_us}"
@@ -267,14 +270,13 @@ class EngineArgs:
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
         _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
-        if self.record_dir is not None:
-            from enginecore.recording import FRAMES, MANIFEST
-
-            if any(os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)):
-                # Before any process starts; the core's recorder would refuse it too.
-                raise ValueError(
-                    f"{self.record_dir} already holds a recording: record into a new directory"
-                )
+        if self.record_dir is not None and any(
+            os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)
+        ):
+            # Before any process starts; the core's recorder would refuse it too.
+            raise ValueError(
+                f"{self.record_dir} already holds a recording: record into a new directory"
+            )
 
 
 class EngineProcesses:

@@ -19,7 +19,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from enginecore.recording import (
+from launch.client.builtin_model import builtin_model_dir
+from launch.client.engine import EngineArgs, EngineProcesses
+from launch.replay import ReplayMismatch, replay
+from launch.replay_tables import CoreBlockTables
+from protocol.codec import Codec
+from protocol.engine import SamplingParams
+from protocol.recording import (
     FRAMES,
     MANIFEST,
     OUTPUT,
@@ -28,12 +34,6 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.client.builtin_model import builtin_model_dir
-from launch.client.engine import EngineArgs, EngineProcesses
-from launch.replay import ReplayMismatch, replay
-from launch.replay_tables import CoreBlockTables
-from protocol.codec import Codec
-from protocol.engine import SamplingParams
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,
