@@ -22,8 +22,15 @@ KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
 
 
 class KVCacheCoordinator:
-    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
         self.block_pool = block_pool
+        self.enable_caching = enable_caching
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(group.kv_cache_spec, block_pool, i, hash_block_size)
             for i, group in enumerate(config.kv_cache_groups)
@@ -134,8 +141,14 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """One group: its hit is the hit. A full-attention group also serves running requests'
     next tokens on a short path (allocate_running_slots)."""
 
-    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
-        super().__init__(config, block_pool, hash_block_size)
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
+        super().__init__(config, block_pool, hash_block_size, enable_caching)
         manager = self.managers[0]
         self._manager = manager
         self._req_to_blocks = manager.req_to_blocks
@@ -143,12 +156,12 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self.has_running_fast_path = isinstance(manager, FullAttentionManager)
 
     def allocate_running_slots(
-        self, request: Request, num_tokens: int, cache: bool
+        self, request: Request, num_tokens: int, delay_cache_blocks: bool
     ) -> KVCacheBlocks | None:
         """Slots up to num_tokens for a request that holds blocks, when full attention
         frees nothing and has no hits to touch: the new blocks, or None (nothing changed)
         when the pool is short. The caller has checked num_tokens. Publishes a block that
-        filled when cache is set.
+        filled, unless caching is off or delayed.
 
         Per running request per step: a lookup and a few comparisons, a manager call
         only when a block starts or fills."""
@@ -163,7 +176,11 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             )
         else:
             allocated = self.empty_blocks
-        if cache and num_tokens // bs != request.num_computed_tokens // bs:
+        if (
+            num_tokens // bs != request.num_computed_tokens // bs
+            and self.enable_caching
+            and not delay_cache_blocks
+        ):
             self._manager.cache_blocks(request, num_tokens)
         return allocated
 
@@ -182,8 +199,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     its window), so each group is asked again under the shrunken bound until all agree.
     """
 
-    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
-        super().__init__(config, block_pool, hash_block_size)
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
+        super().__init__(config, block_pool, hash_block_size, enable_caching)
         # Full attention first: its answer is the cheapest tight bound for the others.
         self._lookup_order = sorted(
             range(len(self.managers)),
@@ -208,9 +231,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 
 def make_kv_cache_coordinator(
-    config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int
+    config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int, enable_caching: bool
 ) -> KVCacheCoordinator:
     cls = (
         UnitaryKVCacheCoordinator if len(config.kv_cache_groups) == 1 else HybridKVCacheCoordinator
     )
-    return cls(config, block_pool, hash_block_size)
+    return cls(config, block_pool, hash_block_size, enable_caching)

@@ -65,7 +65,7 @@ class KVCacheManager:
             BlockHasher(hash_block_size, hash_algo, hash_seed) if enable_caching else None
         )
         self.coordinator = make_kv_cache_coordinator(
-            kv_cache_config, self.block_pool, hash_block_size
+            kv_cache_config, self.block_pool, hash_block_size, enable_caching
         )
         self.empty_blocks = self.coordinator.empty_blocks
         self.prefix_cache_stats = PrefixCacheStats()
@@ -127,9 +127,7 @@ class KVCacheManager:
                 total <= len(request.all_token_ids) + request.num_pending_tokens
                 and total <= self.max_model_len
             ):
-                return self.coordinator.allocate_running_slots(
-                    request, total, self.enable_caching and not delay_cache_blocks
-                )
+                return self.coordinator.allocate_running_slots(request, total, delay_cache_blocks)
         return self._allocate_slots(
             request,
             num_new_tokens,

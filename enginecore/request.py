@@ -65,6 +65,7 @@ class Request:
         "sampling_params",
         "skip_reading_prefix_cache",
         "status",
+        "stop_token_set",
     )
 
     def __init__(
@@ -108,6 +109,8 @@ class Request:
         self.num_cached_tokens = -1
         # Where it stops by length; Scheduler.add_request caps it at max_model_len.
         self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
+        # Token ids that may end it (stop_conditions.stop_token_set), set by the scheduler.
+        self.stop_token_set: frozenset[int] = frozenset()
         # Once a worker holds its state, finishing it must be announced to the worker.
         self.known_to_worker = False
         # While a KVCacheManager holds blocks for it: tells this request apart from

@@ -32,7 +32,7 @@ from enginecore.runner_output import (
     check_runner_output,
     take_prompt_logprobs,
 )
-from enginecore.stop_conditions import stop_reason
+from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.config import SchedulingPolicy
 from protocol.engine import (
     BUILTIN_SAMPLING_DEFAULTS,
@@ -165,6 +165,7 @@ class Scheduler:
         request.max_num_tokens = min(
             request.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
+        request.stop_token_set = stop_token_set(params, self.eos_token_ids)
         request.arrival = self._arrivals
         request.arrived_at = time.monotonic()
         self._arrivals += 1
@@ -350,7 +351,8 @@ class Scheduler:
         max_len = self.config.max_model_len
         empty = kv.empty_blocks
         running = self.running
-        # Local appends: this loop runs once per running request.
+        # Local appends and allocate: this loop runs once per running request.
+        allocate = kv.allocate_slots
         ids, blocks, computeds = plan.cached_ids, plan.cached_blocks, plan.cached_computed
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
@@ -372,7 +374,7 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
                 victim = running.pop()
@@ -536,7 +538,11 @@ class Scheduler:
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
-            reason = stop_reason(request, token, num_tokens, eos)
+            reason = (
+                stop_reason(request, token, num_tokens, eos)
+                if token in request.stop_token_set or num_tokens >= request.max_num_tokens
+                else None
+            )
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)

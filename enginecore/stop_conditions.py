@@ -4,6 +4,7 @@ or the request's length limit."""
 from __future__ import annotations
 
 from enginecore.request import Request
+from protocol.engine import SamplingParams
 
 
 def stop_reason(
@@ -21,3 +22,13 @@ def stop_reason(
     if num_tokens >= request.max_num_tokens:
         return "length"
     return None
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The token ids that may end a request with these parameters (EOS unless ignored,
+    its stop token ids), min_tokens aside: most sampled tokens are checked against this
+    set alone, and only a hit or the length limit asks stop_reason."""
+    eos = frozenset() if params.ignore_eos else eos_token_ids
+    if not params.stop_token_ids:
+        return eos
+    return eos | frozenset(params.stop_token_ids)
