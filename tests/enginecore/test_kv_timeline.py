@@ -28,7 +28,8 @@ def chain(text: str, algo: str = "xxh3_128") -> list[bytes]:
 
 
 def index_of(manager: KVCacheManager) -> dict[bytes, int]:
-    return {h: e.block_id for h, e in manager.block_pool.cached_block_hash_to_block[0].items()}
+    """Hash -> the one block cached under it (a hash with several blocks fails here)."""
+    return {h: b.block_id for h, (b,) in manager.block_pool.cached_entries(0)}
 
 
 def queue(manager: KVCacheManager) -> list[int]:

@@ -88,8 +88,8 @@ def test_full_hit_still_recomputes_the_last_token() -> None:
     assert len(new[0]) == 1
     r.num_computed_tokens = 32
     # The recomputed block duplicates a cached one; both stay findable, no table rewritten.
-    index = m.block_pool.cached_block_hash_to_block[0]
-    assert isinstance(index[r.block_hashes[7]], dict) and len(index[r.block_hashes[7]]) == 2
+    index = dict(m.block_pool.cached_entries(0))
+    assert len(index[r.block_hashes[7]]) == 2
     check(m, r)
     m.free(r)
     check(m, r)
