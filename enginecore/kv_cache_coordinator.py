@@ -167,9 +167,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         only when a block starts or fills."""
         blocks = self._req_to_blocks[request.request_id]
         bs = self._block_size
-        needed = -(-num_tokens // bs) - len(blocks)
-        if needed > 0:
-            if needed > self.block_pool.get_num_free_blocks():
+        if len(blocks) * bs < num_tokens:
+            if -(-num_tokens // bs) - len(blocks) > self.block_pool.get_num_free_blocks():
                 return None
             allocated: KVCacheBlocks = (
                 self._manager.allocate_new_blocks(request.request_id, num_tokens),

@@ -38,7 +38,7 @@ def check_invariants(
     for m in managers:
         for rid, blocks in m.req_to_blocks.items():
             request = requests.get(rid)
-            if request is None:
+            if request is None or not request.holds_kv_blocks:
                 _fail(3, f"group {m.group_id} holds blocks of unknown request {rid}")
             _check_table(m, request, blocks, null)
 
