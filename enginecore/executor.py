@@ -3,7 +3,7 @@
 One PUSH socket per rank (the core binds, so each socket has exactly one peer and a
 disconnect names the rank), one PULL socket for all answers. Every rank receives the
 same encoded bytes. With record_dir set, those bytes and rank 0's answers are also
-written to a recording (enginecore/recording.py); launch/replay.py drives an Executor
+written to a recording (protocol/recording.py); launch/replay.py drives an Executor
 of its own to play a recording back.
 """
 

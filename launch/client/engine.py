@@ -220,7 +220,7 @@ class EngineArgs:
     # The core sends step N+1 while the workers run step N (False: one step at a time).
     async_scheduling: bool = True
     # Record every frame the core sends its workers, and rank 0's answers, into this new
-    # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
+    # directory (`pagedserve replay DIR` plays it back; protocol/recording.py).
     record_dir: str | None = None
     # The core walks the KV invariants after every step (slow; debugging and tests).
     # Read when the args are made, so a test's environment applies to the engines it starts.
