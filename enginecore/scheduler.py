@@ -538,6 +538,7 @@ class Scheduler:
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
+            # Most tokens end nothing: a set test, and the whole check only for a candidate.
             reason = (
                 stop_reason(request, token, num_tokens, eos)
                 if token in request.stop_token_set or num_tokens >= request.max_num_tokens
