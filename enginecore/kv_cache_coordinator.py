@@ -44,7 +44,14 @@ class KVCacheCoordinator:
         self.has_running_fast_path = False
 
     def holds_blocks(self, request_id: str) -> bool:
+        """Whether the id has a table (every group's tables come and go together)."""
         return request_id in self.managers[0].req_to_blocks
+
+    def allocate_running_slots(
+        self, request: Request, num_tokens: int, delay_cache_blocks: bool
+    ) -> KVCacheBlocks | None:
+        """Only where has_running_fast_path is set (UnitaryKVCacheCoordinator)."""
+        raise NotImplementedError
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
