@@ -250,7 +250,7 @@ class Replayer:
         if self.publisher is not None:
             self.publish()
         mgr, pool, ns, calls = self.mgr, self.pool, self.ns, self.calls
-        mgr.check_invariants()
+        mgr.check_invariants({r.request_id: r for r in self.reqs.values()})
         if pool.get_num_free_blocks() != pool.num_usable_blocks:
             raise SystemExit("blocks leaked: not every block is free after the trace")
         manager_ns = sum(ns.values())

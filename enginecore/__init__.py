@@ -5,6 +5,7 @@ Nothing in this package may import torch or cupy (tests/enginecore/test_engineco
 
 from enginecore.block_hash import BlockHasher
 from enginecore.block_pool import BlockPool
+from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 from enginecore.kv_cache_config import (
     group_layers_by_spec,
@@ -13,12 +14,13 @@ from enginecore.kv_cache_config import (
 )
 from enginecore.kv_cache_coordinator import KVCacheBlocks
 from enginecore.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from enginecore.kv_invariants import InvariantViolation
+from enginecore.kv_invariants import BrokenInvariant
 from enginecore.request import MultiModalPlaceholder, Request
 
 __all__ = [
     "BlockHasher",
     "BlockPool",
+    "BrokenInvariant",
     "FreeKVCacheBlockQueue",
     "InvariantViolation",
     "KVCacheBlock",

@@ -277,7 +277,7 @@ class BlockPool:
         if removed and not removed.keys().isdisjoint(block_hashes):
             # Content evicted earlier in this step and stored again: subscribers must see
             # the removal first. Checked per event, in C, not per block in the store loop
-            # (a hash is rarely both; the loop's per-block test cost 1-2% of a replay).
+            # (a hash is rarely both, and a per-block test slows every store).
             self._flush_removed()
         kind, window = self._event_group_info[group_id]
         self._events.append(

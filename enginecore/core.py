@@ -45,7 +45,7 @@ from protocol.engine import (
 )
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
-from protocol.worker import SchedulerOutput, WorkerConfigure
+from protocol.worker import SchedulerOutput, WorkerConfigure, WorkerHello
 
 log = logging.getLogger("pagedserve.core")
 
@@ -113,20 +113,7 @@ class EngineCore:
         )
         hellos = self.executor.handshake()
         first = hellos[0]
-        for hello in hellos[1:]:
-            diff = describe_spec_difference(first.kv_cache_specs, hello.kv_cache_specs)
-            if diff is not None:
-                raise WorkerDied(
-                    f"worker rank {hello.rank} reports KV cache specs that differ from "
-                    f"rank 0 ({diff}): start every rank with the same model and flags"
-                )
-        model_len = first.max_model_len
-        max_model_len = self.config.max_model_len or model_len
-        if max_model_len > model_len:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's limit of {model_len} "
-                f"positions (max_position_embeddings)"
-            )
+        max_model_len = self._check_hellos(hellos)
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
         sched_config = scheduler_config(
             self.config,
@@ -144,17 +131,7 @@ class EngineCore:
         )
         self.scheduler.check_capacity()
         if self.config.kv_events_endpoint is not None:
-            try:
-                self.kv_events = KVEventPublisher(
-                    self.ctx,
-                    self.config.kv_events_endpoint,
-                    self.config.kv_events_replay_endpoint,
-                    self.config.kv_events_buffer_steps,
-                    self.config.kv_events_topic,
-                )
-            except zmq.ZMQError as e:
-                raise ConfigError(f"KV events endpoint: {e}") from None
-            self._take_kv_events = self.scheduler.take_kv_events
+            self._start_kv_events(self.config.kv_events_endpoint)
         self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,
@@ -186,6 +163,38 @@ class EngineCore:
                 kv_events_replay_endpoint=self.kv_events and self.kv_events.replay_endpoint,
             )
         )
+
+    def _check_hellos(self, hellos: list[WorkerHello]) -> int:
+        """Every rank runs the same model: the max_model_len to serve, within its limit."""
+        first = hellos[0]
+        for hello in hellos[1:]:
+            diff = describe_spec_difference(first.kv_cache_specs, hello.kv_cache_specs)
+            if diff is not None:
+                raise WorkerDied(
+                    f"worker rank {hello.rank} reports KV cache specs that differ from "
+                    f"rank 0 ({diff}): start every rank with the same model and flags"
+                )
+        model_len = first.max_model_len
+        max_model_len = self.config.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's limit of {model_len} "
+                f"positions (max_position_embeddings)"
+            )
+        return max_model_len
+
+    def _start_kv_events(self, endpoint: str) -> None:
+        try:
+            self.kv_events = KVEventPublisher(
+                self.ctx,
+                endpoint,
+                self.config.kv_events_replay_endpoint,
+                self.config.kv_events_buffer_steps,
+                self.config.kv_events_topic,
+            )
+        except zmq.ZMQError as e:
+            raise ConfigError(f"KV events endpoint: {e}") from None
+        self._take_kv_events = self.scheduler.take_kv_events
 
     # -- loop -------------------------------------------------------------------------
     def run(self) -> None:

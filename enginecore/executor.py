@@ -3,7 +3,7 @@
 One PUSH socket per rank (the core binds, so each socket has exactly one peer and a
 disconnect names the rank), one PULL socket for all answers. Every rank receives the
 same encoded bytes. With record_dir set, those bytes and rank 0's answers are also
-written to a recording (enginecore/recording.py); launch/replay.py drives an Executor
+written to a recording (protocol/recording.py); launch/replay.py drives an Executor
 of its own to play a recording back.
 """
 
@@ -19,15 +19,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_config import (
-    check_core_memory,
     make_kv_cache_config,
     unify_kv_cache_configs,
     with_num_blocks,
 )
-from enginecore.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, RecordingError
 from protocol.codec import Codec, ProtocolError
 from protocol.config import EngineCoreConfig, any_port, parent_alive, worker_sockets
 from protocol.kv_cache import KVCacheConfig
+from protocol.kv_memory import core_memory_error
+from protocol.recording import CONFIGURE, HELLO, OUTPUT, STEP, Recorder, RecordingError
 from protocol.sockets import DueWait, send_or_drop, spin_budget
 from protocol.worker import (
     PROTOCOL_VERSION,
@@ -405,7 +405,9 @@ def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheC
     if num_gpu_blocks is not None:
         if num_gpu_blocks < 2:
             raise ConfigError(f"num_gpu_blocks must be >= 2, got {num_gpu_blocks}")
-        check_core_memory(num_gpu_blocks)
+        error = core_memory_error(num_gpu_blocks)
+        if error is not None:
+            raise ConfigError(error)
         return with_num_blocks(config.kv_cache_groups, num_gpu_blocks)
     if config.num_blocks > MAX_AUTO_NUM_BLOCKS:
         log.warning(

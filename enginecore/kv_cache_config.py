@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from enginecore.errors import ConfigError
-from protocol.config import available_host_memory
 from protocol.kv_cache import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor
 
 
@@ -132,25 +130,3 @@ def describe_spec_difference(
         return None
     more = f" (and {len(diffs) - limit} more)" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more
-
-
-# Host memory the core spends per KV block (the block object and its free-queue links;
-# measured with tracemalloc: ~120 bytes), rounded up.
-CORE_BYTES_PER_BLOCK = 128
-# The share of available host memory the core's block bookkeeping may take.
-CORE_MEMORY_SHARE = 0.5
-
-
-def check_core_memory(num_blocks: int) -> None:
-    """ConfigError, with numbers, if managing num_blocks would take more than
-    CORE_MEMORY_SHARE of the host's available memory (it would otherwise spend minutes
-    building block objects before failing, or be killed)."""
-    needed = num_blocks * CORE_BYTES_PER_BLOCK
-    available = available_host_memory()
-    if available is not None and needed > CORE_MEMORY_SHARE * available:
-        gib = 1 << 30
-        raise ConfigError(
-            f"{num_blocks} KV cache blocks need ~{needed / gib:.1f} GiB of the engine core's "
-            f"memory for their bookkeeping, more than {CORE_MEMORY_SHARE:.0%} of the "
-            f"{available / gib:.1f} GiB this machine has available: lower --num-gpu-blocks"
-        )

@@ -22,8 +22,15 @@ KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
 
 
 class KVCacheCoordinator:
-    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
         self.block_pool = block_pool
+        self.enable_caching = enable_caching
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(group.kv_cache_spec, block_pool, i, hash_block_size)
             for i, group in enumerate(config.kv_cache_groups)
@@ -33,12 +40,18 @@ class KVCacheCoordinator:
             (g, m) for g, m in enumerate(self.managers) if isinstance(m, SlidingWindowManager)
         ]
         self.has_sliding_window = bool(self._sliding)
-        # The common single full-attention group: the manager a flat decode path may
-        # drive directly (KVCacheManager.allocate_slots); None otherwise.
-        only = self.managers[0]
-        self.sole_full_manager: FullAttentionManager | None = (
-            only if len(self.managers) == 1 and isinstance(only, FullAttentionManager) else None
-        )
+        # Whether allocate_running_slots may serve a running request's next tokens.
+        self.has_running_fast_path = False
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether the id has a table (every group's tables come and go together)."""
+        return request_id in self.managers[0].req_to_blocks
+
+    def allocate_running_slots(
+        self, request: Request, num_tokens: int, delay_cache_blocks: bool
+    ) -> KVCacheBlocks | None:
+        """Only where has_running_fast_path is set (UnitaryKVCacheCoordinator)."""
+        raise NotImplementedError
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
@@ -132,7 +145,50 @@ class KVCacheCoordinator:
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    """One group: its hit is the hit."""
+    """One group: its hit is the hit. A full-attention group also serves running requests'
+    next tokens on a short path (allocate_running_slots)."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
+        super().__init__(config, block_pool, hash_block_size, enable_caching)
+        manager = self.managers[0]
+        self._manager = manager
+        self._req_to_blocks = manager.req_to_blocks
+        self._block_size = manager.block_size
+        self.has_running_fast_path = isinstance(manager, FullAttentionManager)
+
+    def allocate_running_slots(
+        self, request: Request, num_tokens: int, delay_cache_blocks: bool
+    ) -> KVCacheBlocks | None:
+        """Slots up to num_tokens for a request that holds blocks, when full attention
+        frees nothing and has no hits to touch: the new blocks, or None (nothing changed)
+        when the pool is short. The caller has checked num_tokens. Publishes a block that
+        filled, unless caching is off or delayed.
+
+        Per running request per step: a lookup and a few comparisons, a manager call
+        only when a block starts or fills."""
+        blocks = self._req_to_blocks[request.request_id]
+        bs = self._block_size
+        if len(blocks) * bs < num_tokens:
+            if -(-num_tokens // bs) - len(blocks) > self.block_pool.get_num_free_blocks():
+                return None
+            allocated: KVCacheBlocks = (
+                self._manager.allocate_new_blocks(request.request_id, num_tokens),
+            )
+        else:
+            allocated = self.empty_blocks
+        if (
+            num_tokens // bs != request.num_computed_tokens // bs
+            and self.enable_caching
+            and not delay_cache_blocks
+        ):
+            self._manager.cache_blocks(request, num_tokens)
+        return allocated
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], hash_inputs: Sequence[bytes], max_length: int
@@ -149,8 +205,14 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     its window), so each group is asked again under the shrunken bound until all agree.
     """
 
-    def __init__(self, config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int) -> None:
-        super().__init__(config, block_pool, hash_block_size)
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        block_pool: BlockPool,
+        hash_block_size: int,
+        enable_caching: bool,
+    ) -> None:
+        super().__init__(config, block_pool, hash_block_size, enable_caching)
         # Full attention first: its answer is the cheapest tight bound for the others.
         self._lookup_order = sorted(
             range(len(self.managers)),
@@ -175,9 +237,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 
 def make_kv_cache_coordinator(
-    config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int
+    config: KVCacheConfig, block_pool: BlockPool, hash_block_size: int, enable_caching: bool
 ) -> KVCacheCoordinator:
     cls = (
         UnitaryKVCacheCoordinator if len(config.kv_cache_groups) == 1 else HybridKVCacheCoordinator
     )
-    return cls(config, block_pool, hash_block_size)
+    return cls(config, block_pool, hash_block_size, enable_caching)

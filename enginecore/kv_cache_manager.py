@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import gcd
 
@@ -9,6 +10,7 @@ from enginecore.block_hash import BlockHasher, HashAlgo
 from enginecore.block_pool import BlockPool
 from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
+from enginecore.kv_invariants import check_invariants
 from enginecore.request import Request
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
@@ -63,21 +65,12 @@ class KVCacheManager:
             BlockHasher(hash_block_size, hash_algo, hash_seed) if enable_caching else None
         )
         self.coordinator = make_kv_cache_coordinator(
-            kv_cache_config, self.block_pool, hash_block_size
+            kv_cache_config, self.block_pool, hash_block_size, enable_caching
         )
         self.empty_blocks = self.coordinator.empty_blocks
         self.prefix_cache_stats = PrefixCacheStats()
-        # Requests holding blocks, by id: duplicate ids are refused, not merged.
-        self.requests: dict[str, Request] = {}
         self.has_sliding_window = self.coordinator.has_sliding_window
-        # The common single full-attention group gets a flat decode path (see allocate_slots).
-        flat = self.coordinator.sole_full_manager
-        self._flat = flat is not None
-        self._flat_manager = flat
-        # The same block lists keyed by the Request object itself (identity hash): one
-        # lookup finds the table and proves the id is not a duplicate.
-        self._flat_tables: dict[Request, list] = {}
-        self._flat_block_size = flat.block_size if flat is not None else 0
+        self._running_fast_path = self.coordinator.has_running_fast_path
 
     # -- lookup -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -118,44 +111,23 @@ class KVCacheManager:
         num_in_flight_tokens are computed tokens a step still in flight may be reading:
         sliding-window blocks are freed only behind the committed ones.
         """
-        # A running request's next tokens in the single full-attention group: a lookup
-        # and a few comparisons, and a pop from the pool when they start a block.
-        # Everything else (hits, lookahead, external KV, hybrid groups, new requests, bad
-        # arguments) takes the general path below.
+        # A running request's next tokens, no hits, lookahead or external KV: the
+        # coordinator's short path when it has one. Everything else (new requests, bad
+        # arguments, sliding windows, hybrid groups) takes the general path below.
         if (
-            self._flat
+            self._running_fast_path
+            and request.holds_kv_blocks
             and num_new_tokens > 0
             and not (
                 num_new_computed_tokens or num_lookahead_tokens or num_external_computed_tokens
             )
         ):
-            blocks = self._flat_tables.get(request)
-            if blocks is not None:
-                computed = request.num_computed_tokens
-                total = computed + num_new_tokens
-                bs = self._flat_block_size
-                if (
-                    total <= len(request.all_token_ids) + request.num_pending_tokens
-                    and total <= self.max_model_len
-                ):
-                    needed = -(-total // bs) - len(blocks)
-                    if needed > 0:
-                        pool = self.block_pool
-                        if needed > pool.get_num_free_blocks():
-                            return None
-                        new_blocks = pool.get_new_blocks(needed)
-                        blocks.extend(new_blocks)
-                        allocated: KVCacheBlocks = (new_blocks,)
-                    else:
-                        allocated = self.empty_blocks
-                    # A block filled: publish it (unless its KV is still arriving).
-                    if (
-                        total // bs != computed // bs
-                        and self.enable_caching
-                        and not delay_cache_blocks
-                    ):
-                        self._flat_manager.cache_blocks(request, total)
-                    return allocated
+            total = request.num_computed_tokens + num_new_tokens
+            if (
+                total <= len(request.all_token_ids) + request.num_pending_tokens
+                and total <= self.max_model_len
+            ):
+                return self.coordinator.allocate_running_slots(request, total, delay_cache_blocks)
         return self._allocate_slots(
             request,
             num_new_tokens,
@@ -179,12 +151,16 @@ class KVCacheManager:
         num_in_flight_tokens: int,
     ) -> KVCacheBlocks | None:
         rid = request.request_id
-        known = self.requests.get(rid)
-        if known is not None and known is not request:
-            raise InvariantViolation(f"duplicate request id {rid!r}: another request holds blocks")
+        is_new = not request.holds_kv_blocks
+        if self.coordinator.holds_blocks(rid) == is_new:
+            if is_new:
+                raise InvariantViolation(
+                    f"duplicate request id {rid!r}: another request holds blocks"
+                )
+            raise InvariantViolation(f"request {rid!r} holds blocks of another KV cache")
         self._check_allocation(
             request,
-            known is None,
+            is_new,
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks,
@@ -195,7 +171,7 @@ class KVCacheManager:
         if new_computed_blocks is None:
             new_computed_blocks = self.empty_blocks
         coordinator = self.coordinator
-        if known is not None:
+        if not is_new:
             # Frees only what is unreadable whatever this step does (committed tokens).
             # The scheduler's async mode passes no in-flight tokens: a step still in
             # flight may read blocks freed here, but workers run steps in order, so a
@@ -215,11 +191,9 @@ class KVCacheManager:
             return None
         # Commit: every group's hits are owned before any group takes new blocks, so no
         # allocation can evict a hit of another group.
-        if known is None:
-            self.requests[rid] = request
+        if is_new:
+            request.holds_kv_blocks = True
             coordinator.save_new_computed_blocks(rid, new_computed_blocks)
-            if self._flat:
-                self._flat_tables[request] = self._flat_manager.req_to_blocks[rid]
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_needing_slots)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) slots are never published: cap at the real tokens.
@@ -291,16 +265,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of the request, each group's in reverse order."""
         self._known(request)
-        del self.requests[request.request_id]
-        self._flat_tables.pop(request, None)
+        request.holds_kv_blocks = False
         self.coordinator.free(request.request_id)
 
     def _known(self, request: Request) -> None:
         rid = request.request_id
-        known = self.requests.get(rid)
-        if known is None:
+        if not self.coordinator.holds_blocks(rid):
             raise KeyError(f"unknown request id {rid!r}: it holds no KV cache blocks")
-        if known is not request:
+        if not request.holds_kv_blocks:
             raise InvariantViolation(f"request id {rid!r} belongs to another request object")
 
     # -- whole cache ------------------------------------------------------------------
@@ -339,15 +311,13 @@ class KVCacheManager:
         """Fraction of usable blocks held by requests."""
         return self.block_pool.get_usage()
 
-    @property
-    def token_usage(self) -> float:
+    def token_usage(self, requests: Mapping[str, Request]) -> float:
         """Like usage, but counting only slots holding tokens (partial tail blocks count by
-        their filled part; skipped sliding-window positions hold none)."""
+        their filled part; skipped sliding-window positions hold none). requests: every
+        request holding blocks, by id."""
         pool = self.block_pool
         used = pool.num_usable_blocks - pool.get_num_free_blocks()
-        empty = self.coordinator.num_empty_slots(
-            {rid: r.num_tokens for rid, r in self.requests.items()}
-        )
+        empty = self.coordinator.num_empty_slots({rid: r.num_tokens for rid, r in requests.items()})
         return max(0.0, used - empty) / pool.num_usable_blocks
 
     def num_live_blocks_per_group(self) -> list[int]:
@@ -363,7 +333,7 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
-    def check_invariants(self) -> None:
-        from enginecore.kv_invariants import check_invariants
-
-        check_invariants(self)
+    def check_invariants(self, requests: Mapping[str, Request]) -> None:
+        """Debugging and tests: every KV rule (kv_invariants). requests: every request
+        holding blocks, by id (more may be listed)."""
+        check_invariants(self.block_pool, self.coordinator.managers, requests)

@@ -48,6 +48,7 @@ class Request:
         "finish_reason",
         "has_extra_keys",
         "hash_at",
+        "holds_kv_blocks",
         "known_to_worker",
         "lora_id",
         "max_num_tokens",
@@ -64,6 +65,7 @@ class Request:
         "sampling_params",
         "skip_reading_prefix_cache",
         "status",
+        "stop_token_set",
     )
 
     def __init__(
@@ -107,8 +109,13 @@ class Request:
         self.num_cached_tokens = -1
         # Where it stops by length; Scheduler.add_request caps it at max_model_len.
         self.max_num_tokens = self.num_prompt_tokens + self.sampling_params.max_tokens
+        # Token ids that may end it (stop_conditions.stop_token_set), set by the scheduler.
+        self.stop_token_set: frozenset[int] = frozenset()
         # Once a worker holds its state, finishing it must be announced to the worker.
         self.known_to_worker = False
+        # While a KVCacheManager holds blocks for it: tells this request apart from
+        # another that reuses its id.
+        self.holds_kv_blocks = False
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)

@@ -22,17 +22,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 
-from msgspec.structs import replace
-
 from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
 from enginecore.request_queue import make_request_queue
+from enginecore.runner_output import (
+    attach_first_token_extras,
+    check_runner_output,
+    take_prompt_logprobs,
+)
+from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.config import SchedulingPolicy
 from protocol.engine import (
     BUILTIN_SAMPLING_DEFAULTS,
-    Logprobs,
     RequestOutput,
     SamplingDefaults,
     SamplingParams,
@@ -45,7 +48,6 @@ from protocol.worker import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -163,6 +165,7 @@ class Scheduler:
         request.max_num_tokens = min(
             request.num_prompt_tokens + params.max_tokens, self.config.max_model_len
         )
+        request.stop_token_set = stop_token_set(params, self.eos_token_ids)
         request.arrival = self._arrivals
         request.arrived_at = time.monotonic()
         self._arrivals += 1
@@ -316,7 +319,7 @@ class Scheduler:
         """Debugging and tests: every KV invariant, and with no request open, every
         block back in the pool."""
         kv = self.kv_cache_manager
-        kv.check_invariants()
+        kv.check_invariants(self.requests)
         if not self.has_unfinished_requests():
             free, usable = kv.num_free_blocks, kv.num_usable_blocks
             if free != usable:
@@ -348,7 +351,8 @@ class Scheduler:
         max_len = self.config.max_model_len
         empty = kv.empty_blocks
         running = self.running
-        # Local appends: this loop runs once per running request.
+        # Local appends and allocate: this loop runs once per running request.
+        allocate = kv.allocate_slots
         ids, blocks, computeds = plan.cached_ids, plan.cached_blocks, plan.cached_computed
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
@@ -370,7 +374,7 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
                 victim = running.pop()
@@ -503,10 +507,12 @@ class Scheduler:
         ValueError if the output does not answer the oldest step in flight exactly (the
         wire is not trusted: a wrong answer must stop the engine with a reason, not leave
         a request waiting forever)."""
-        self._check_output(scheduler_output, output)
+        check_runner_output(scheduler_output, output, self._due, self.vocab_size)
         # Before the tokens: a request may finish at its first token, and still gets these.
         answered = (
-            self._take_prompt_logprobs(output.prompt_logprobs) if output.prompt_logprobs else None
+            take_prompt_logprobs(self.requests, output.prompt_logprobs)
+            if output.prompt_logprobs
+            else None
         )
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
@@ -532,16 +538,12 @@ class Scheduler:
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
-            params = request.sampling_params
-            reason = None
-            if (
-                (token in eos and not params.ignore_eos)
-                or (params.stop_token_ids and token in params.stop_token_ids)
-            ) and num_tokens - request.num_prompt_tokens > params.min_tokens:
-                # Not below min_tokens (where the worker does not sample them either).
-                reason = "stop"
-            elif num_tokens >= request.max_num_tokens:
-                reason = "length"
+            # Most tokens end nothing: a set test, and the whole check only for a candidate.
+            reason = (
+                stop_reason(request, token, num_tokens, eos)
+                if token in request.stop_token_set or num_tokens >= request.max_num_tokens
+                else None
+            )
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
@@ -557,72 +559,7 @@ class Scheduler:
                 )
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
-        queue_times = self._queue_times
-        if queue_times:  # some request scheduled for the first time waits for its token
-            for k, o in enumerate(outputs):
-                queued = queue_times.pop(o.request_id, None)
-                if queued is not None:
-                    outputs[k] = replace(o, queued_s=queued)
-        if answered:
-            outputs = [
-                replace(o, prompt_logprobs=answered[o.request_id])
-                if o.request_id in answered
-                else o
-                for o in outputs
-            ]
-        if output.embeddings:
-            # With the request's first token (the step that finished its prompt).
-            vectors = {e.req_id: e.vector for e in output.embeddings}
-            outputs = [
-                replace(o, embedding=vectors[o.request_id]) if o.request_id in vectors else o
-                for o in outputs
-            ]
-        return outputs
-
-    def _take_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> dict[str, list[Logprobs]]:
-        """Add each chunk to its request's prompt logprobs; those now complete, by request
-        (sent with its first token, which this step samples). A chunk that repeats what
-        arrived (the prompt recomputed after a preemption) adds nothing; one that skips
-        tokens stops the engine (the wire is not trusted)."""
-        complete: dict[str, list[Logprobs]] = {}
-        for chunk in chunks:
-            request = self.requests.get(chunk.req_id)
-            if request is None or request.prompt_logprobs is None:
-                continue  # finished, aborted, or answered already
-            have = request.prompt_logprobs
-            due = len(have) + 1  # the next prompt token without a logprob
-            end = chunk.start + len(chunk.logprobs)
-            if chunk.start > due or end > request.num_prompt_tokens:
-                raise ValueError(
-                    f"prompt logprobs of request {chunk.req_id} for tokens {chunk.start} to "
-                    f"{end - 1}, but token {due} is due and the prompt has "
-                    f"{request.num_prompt_tokens}"
-                )
-            have += chunk.logprobs[due - chunk.start :]
-            if len(have) == request.num_prompt_tokens - 1:
-                complete[chunk.req_id] = have
-                request.prompt_logprobs = None
-        return complete
-
-    def _check_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        """The cheap whole-output checks: step, counts, token range (C loops)."""
-        due = self._due
-        if output.step_id != so.step_id or not due or due[0][0] != so.step_id:
-            raise ValueError(
-                f"model output of step {output.step_id} does not answer step {so.step_id}"
-            )
-        num_due = due.popleft()[1]
-        tokens = output.sampled_token_ids
-        if len(output.req_ids) != num_due or len(tokens) != num_due:
-            raise ValueError(
-                f"{len(output.req_ids)} requests and {len(tokens)} tokens in the output of "
-                f"step {so.step_id}, but {num_due} requests were due to sample"
-            )
-        if output.logprobs and len(output.logprobs) != num_due:
-            raise ValueError(f"logprobs for {len(output.logprobs)} of {num_due} requests")
-        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
-            bad = next(t for t in tokens if not 0 <= t < self.vocab_size)
-            raise ValueError(f"sampled token id {bad} is outside the vocabulary")
+        return attach_first_token_extras(outputs, self._queue_times, answered, output)
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

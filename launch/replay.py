@@ -25,7 +25,12 @@ import zmq
 
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
-from enginecore.recording import (
+from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs, core_config, log_level_name
+from launch.client.engine_processes import spawn
+from launch.replay_tables import CoreBlockTables, ReplayMismatch
+from protocol.codec import Codec
+from protocol.config import ipc_address, ipc_dir
+from protocol.recording import (
     CONFIGURE,
     HELLO,
     KIND_NAMES,
@@ -34,11 +39,6 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs, core_config, log_level_name
-from launch.client.engine_processes import spawn
-from launch.replay_tables import CoreBlockTables, ReplayMismatch
-from protocol.codec import Codec
-from protocol.config import ipc_address, ipc_dir
 from protocol.worker import (
     CoreToWorker,
     ModelRunnerOutput,

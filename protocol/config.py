@@ -70,7 +70,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # Send step N+1 before step N's answer arrives, so the workers never wait for the
     # core's host path (False: strictly one step at a time).
     async_scheduling: bool
-    # Record every core<->worker frame here (enginecore/recording.py); None: off.
+    # Record every core<->worker frame here (protocol/recording.py); None: off.
     record_dir: str | None = None
     # The settings the workers were started with (rank 0's), kept in the recording's
     # header so that replay starts equal workers.

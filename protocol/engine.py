@@ -191,6 +191,19 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
+        self._check_sampling()
+        # Unbounded ints would not even encode (msgpack stops at 2**64).
+        limit = 2**63 if vocab_size is None else vocab_size
+        self._check_stopping(limit)
+        self._check_penalties()
+        self._check_logprobs()
+        self._check_logit_bias(limit)
+        self._check_pooling()
+        self._check_token_lists(limit)
+        self._check_structured_outputs(limit)
+
+    def _check_sampling(self) -> None:
+        """Length, temperature, the top-p/top-k/min-p filters, seed."""
         if not 1 <= self.max_tokens < 2**63:
             raise ValueError(f"max_tokens must be in [1, 2**63), got {self.max_tokens}")
         if self.temperature is not None and not (self.temperature >= 0.0):  # NaN too
@@ -203,8 +216,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        # Unbounded ints would not even encode (msgpack stops at 2**64).
-        limit = 2**63 if vocab_size is None else vocab_size
+
+    def _check_stopping(self, limit: int) -> None:
+        """Stop token ids (below limit), the number of outputs, stop strings, min_tokens."""
         for t in self.stop_token_ids:
             if not 0 <= t < limit:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {limit})")
@@ -218,6 +232,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+
+    def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN too
@@ -225,25 +241,31 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         r = self.repetition_penalty
         if not (r > 0.0 and math.isfinite(r)):
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {r}")
+
+    def _check_logprobs(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
-        if self.logit_bias is not None:
-            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-                raise ValueError(
-                    f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
-                    f"got {len(self.logit_bias)}"
-                )
-            for t, bias in self.logit_bias.items():
-                if not 0 <= t < limit:
-                    raise ValueError(
-                        f"logit_bias token id {t} is outside the vocabulary [0, {limit})"
-                    )
-                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
-                    raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+
+    def _check_logit_bias(self, limit: int) -> None:
+        if self.logit_bias is None:
+            return
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                f"got {len(self.logit_bias)}"
+            )
+        for t, bias in self.logit_bias.items():
+            if not 0 <= t < limit:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {limit})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+                raise ValueError(f"logit_bias for token {t} must be in [-100, 100], got {bias}")
+
+    def _check_pooling(self) -> None:
+        """Embedding dimensions and prompt truncation."""
         if self.embedding is not None:
             d = self.embedding.dimensions
             if d is not None and not 1 <= d <= MAX_EMBEDDING_DIMENSIONS:
@@ -251,6 +273,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
         error = truncation_error(self.truncate_prompt_tokens)
         if error is not None:
             raise ValueError(error)
+
+    def _check_token_lists(self, limit: int) -> None:
+        """allowed_token_ids and bad words: bounded, non-empty, ids below limit."""
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (null allows every token)")
@@ -273,25 +298,27 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                     raise ValueError(
                         f"bad_words_token_ids holds {t}, outside the vocabulary [0, {limit})"
                     )
-        if self.structured_outputs is not None:
-            self.structured_outputs.validate()
-            for t in self.structured_outputs.start_after or ():
-                if not 0 <= t < limit:
-                    raise ValueError(
-                        f"structured_outputs start_after holds {t}, outside the vocabulary "
-                        f"[0, {limit})"
-                    )
-            # The language decides where the output ends (EOS, once it is complete).
-            if self.min_tokens:
+
+    def _check_structured_outputs(self, limit: int) -> None:
+        if self.structured_outputs is None:
+            return
+        self.structured_outputs.validate()
+        for t in self.structured_outputs.start_after or ():
+            if not 0 <= t < limit:
                 raise ValueError(
-                    "min_tokens cannot be combined with structured_outputs: the output "
-                    "ends when its language is complete"
+                    f"structured_outputs start_after holds {t}, outside the vocabulary [0, {limit})"
                 )
-            if self.ignore_eos:
-                raise ValueError(
-                    "ignore_eos cannot be combined with structured_outputs: the output "
-                    "ends with EOS when its language is complete"
-                )
+        # The language decides where the output ends (EOS, once it is complete).
+        if self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the output "
+                "ends when its language is complete"
+            )
+        if self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with structured_outputs: the output "
+                "ends with EOS when its language is complete"
+            )
 
     def resolve(self, defaults: SamplingDefaults = BUILTIN_SAMPLING_DEFAULTS) -> SamplingParams:
         """Every field set: unset ones from defaults, a temperature below

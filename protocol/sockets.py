@@ -20,27 +20,20 @@ import zmq
 # How long one wait for room lasts before the caller's liveness check runs again.
 SEND_RETRY_MS = 200
 
-# Waking a process blocked in poll() costs from ~20 us to over 1 ms depending on the
-# machine (a virtual CPU that halted must be woken by the host), and the woken process
-# then runs on cold caches. The core waiting for a step's answer and a worker waiting for
-# its next step can therefore poll without blocking first, when the answer is due soon:
-# never when idle, and only while the last such wait was short (a long model step is not
-# worth a CPU spinning beside it). Every frame also crosses each process's ZeroMQ I/O
-# thread, which needs a CPU to move it, so a process spins only when the group leaves it
-# a CPU of its own. On a 2-core machine (benchmarks/step_overhead.py --requests 256,
-# serial steps of ~1.3 ms, 500 steps each, alternating): IPC round trip 145-146 us
-# blocking, 93-100 us polling up to 200 us, 87-88 us up to 1 ms, 82-91 us up to 3 ms.
-# The launcher's PAGEDSERVE_SPIN_US overrides the budget (0: off) through the configs.
+# Waking a blocked process is slow (a halted virtual CPU waits for the host) and it then
+# runs on cold caches, so a process polls first for a message due soon, only while short
+# waits last and only with a CPU of its own (its ZeroMQ I/O thread needs one too).
+# benchmarks/step_overhead.py measures the effect; PAGEDSERVE_SPIN_US overrides (0: off).
 DEFAULT_SPIN_S = 0.001
 # A napping due wait sleeps until this long before the message is expected (the previous
-# wait's length), then spins: the wake-up latency above, on a loaded 2-core VM, with margin.
+# wait's length), then spins: a loaded VM's wake-up latency, with margin.
 SPIN_BEFORE_S = 2e-4
 # A due wait longer than this blocks from the start: its wake-up costs under 10% of it,
 # and a spin at its end would take a CPU from the worker's second thread (worker/
 # cpu_threads.py runs steps under 5 ms on one) or from a server and its clients.
 NAP_MAX_S = 0.005
 # Timed waits of the core and the workers (DueWait, a worker's wait for its device) are
-# sub-millisecond; Linux's default timer slack of 50 us ends them up to 80 us late here.
+# sub-millisecond; Linux's default timer slack would end them late by more than that.
 TIMER_SLACK_NS = 1000
 PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 
@@ -65,11 +58,9 @@ class DueWait:
     its spin stays bounded. ready(sock, nap=True) sleeps first on a shorter wait too,
     until SPIN_BEFORE_S before the time the previous wait took: for a wait that a step
     queued behind it makes long and regular, the core's wait for an answer under async
-    scheduling. Spun through (~0.85 ms of a 1.2 ms step) it took a CPU from the worker
-    and both processes' I/O threads; blocked through, the core woke 0.4 ms after the
-    answer came (benchmarks/overlap.py, 2-core VM). A serial step's short waits are less
-    regular: napping there cost the IPC round trip 68-88 -> 114-126 us
-    (benchmarks/step_overhead.py)."""
+    scheduling: spinning through it takes a CPU from the worker and the I/O threads,
+    blocking through it wakes the core late (benchmarks/overlap.py). A serial step's
+    short waits are less regular: napping there slows the round trip."""
 
     __slots__ = ("_start", "budget", "last", "longest")
 
@@ -87,9 +78,7 @@ class DueWait:
             return False
         if last > self.budget:
             # Longer than a spin may last: sleep through it, then spin from one budget
-            # before it is due for up to two. Blocked through (a 1.4 ms step), a VM whose
-            # halted CPUs wake in ~0.35 ms made each answer that much later; a margin of
-            # 0.2 ms was too tight for its wake-up jitter (benchmarks/step_overhead.py).
+            # before it is due for up to two, a margin wide enough for wake-up jitter.
             asleep, spin = last - self.budget, 2.0 * self.budget
         elif nap:
             asleep = last - SPIN_BEFORE_S

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, cast, get_args
 
-from enginecore.kv_cache_config import check_core_memory
 from protocol import envs
 from protocol.config import (
     DType,
@@ -20,6 +19,8 @@ from protocol.config import (
     SchedulingPolicy,
     WorkerConfig,
 )
+from protocol.kv_memory import core_memory_error
+from protocol.recording import FRAMES, MANIFEST
 
 # vLLM's default share of a GPU: the rest stays for other processes and the allocator.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -145,7 +146,7 @@ class EngineArgs:
     # The core sends step N+1 while the workers run step N (False: one step at a time).
     async_scheduling: bool = True
     # Record every frame the core sends its workers, and rank 0's answers, into this new
-    # directory (`pagedserve replay DIR` plays it back; enginecore/recording.py).
+    # directory (`pagedserve replay DIR` plays it back; protocol/recording.py).
     record_dir: str | None = None
     # The core walks the KV invariants after every step (slow; debugging and tests).
     # Read when the args are made, so a test's environment applies to the engines it starts.
@@ -168,7 +169,9 @@ class EngineArgs:
         if self.num_gpu_blocks is not None:
             if self.num_gpu_blocks < 2:
                 raise ValueError(f"num_gpu_blocks must be >= 2, got {self.num_gpu_blocks}")
-            check_core_memory(self.num_gpu_blocks)  # before any process starts
+            error = core_memory_error(self.num_gpu_blocks)  # before any process starts
+            if error is not None:
+                raise ValueError(error)
         if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
             raise ValueError(
                 f"spin_us must be in [0, 1000000] microseconds ({envs.SPIN_US}), got {self.spin_us}"
@@ -193,11 +196,10 @@ class EngineArgs:
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
         _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
-        if self.record_dir is not None:
-            from enginecore.recording import FRAMES, MANIFEST
-
-            if any(os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)):
-                # Before any process starts; the core's recorder would refuse it too.
-                raise ValueError(
-                    f"{self.record_dir} already holds a recording: record into a new directory"
-                )
+        if self.record_dir is not None and any(
+            os.path.exists(os.path.join(self.record_dir, f)) for f in (MANIFEST, FRAMES)
+        ):
+            # Before any process starts; the core's recorder would refuse it too.
+            raise ValueError(
+                f"{self.record_dir} already holds a recording: record into a new directory"
+            )

@@ -166,11 +166,9 @@ class Subscriber:
 
 
 def core_view(manager: KVCacheManager) -> dict[int, set[bytes]]:
-    return {
-        g: set(index)
-        for g, index in enumerate(manager.block_pool.cached_block_hash_to_block)
-        if index
-    }
+    pool = manager.block_pool
+    cached = {g: {h for h, _ in pool.cached_entries(g)} for g in range(pool.num_groups)}
+    return {g: hashes for g, hashes in cached.items() if hashes}
 
 
 def churn(manager: KVCacheManager, publisher: KVEventPublisher, steps: int, seed: int) -> None:
@@ -356,7 +354,7 @@ def test_content_evicted_and_stored_again_in_one_step_is_removed_first() -> None
             cached.update(e.block_hashes)
         elif isinstance(e, BlockRemoved):
             cached.difference_update(e.block_hashes)
-    assert cached == set(m.block_pool.cached_block_hash_to_block[0])
+    assert cached == {h for h, _ in m.block_pool.cached_entries(0)}
 
 
 def test_a_step_announces_its_evictions_once_after_its_stores() -> None:
@@ -384,7 +382,7 @@ def test_a_step_announces_its_evictions_once_after_its_stores() -> None:
             cached.update(e.block_hashes)
         else:
             cached.difference_update(e.block_hashes)  # type: ignore[union-attr]
-    assert cached == set(m.block_pool.cached_block_hash_to_block[0])
+    assert cached == {h for h, _ in m.block_pool.cached_entries(0)}
 
 
 def test_a_batch_on_the_wire_is_vllm_s_array_of_tagged_maps() -> None:

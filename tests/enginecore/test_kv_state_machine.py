@@ -199,13 +199,10 @@ class KVStateMachine(RuleBasedStateMachine):
     def snapshot(self) -> dict[str, Any]:
         m = self.mgr
         pool = m.block_pool
-        index = []
-        for group_index in pool.cached_block_hash_to_block:
-            entries = {}
-            for h, entry in group_index.items():
-                blocks = entry.values() if isinstance(entry, dict) else [entry]
-                entries[h] = sorted(b.block_id for b in blocks)
-            index.append(entries)
+        index = [
+            {h: sorted(b.block_id for b in blocks) for h, blocks in pool.cached_entries(g)}
+            for g in range(pool.num_groups)
+        ]
         return {
             "queue": pool.free_block_queue.block_ids(),
             "num_free": pool.get_num_free_blocks(),
@@ -216,7 +213,6 @@ class KVStateMachine(RuleBasedStateMachine):
                 for mgr in m.coordinator.managers
             ],
             "num_cached": [dict(mgr.num_cached_block) for mgr in m.coordinator.managers],
-            "requests": sorted(m.requests),
             "stats": dataclasses.astuple(m.prefix_cache_stats),
             "evictions": pool.num_evictions,
         }
@@ -663,8 +659,8 @@ class KVStateMachine(RuleBasedStateMachine):
             return
         m = self.m
         pool = m.block_pool
-        m.check_invariants()
-        assert set(m.requests) == set(self.running)
+        m.check_invariants(self.running)
+        assert all(set(g.req_to_blocks) == set(self.running) for g in m.coordinator.managers)
         for rid in self.waiting:
             assert self.waiting[rid].num_computed_tokens == 0
             assert not any(self.tables(rid))
@@ -682,10 +678,9 @@ class KVStateMachine(RuleBasedStateMachine):
         assert hashed == sorted(hashed), "an unhashed free block sits behind a cached one"
         # Blocks share a hash exactly when the reference says they share a token prefix.
         assert set(self.ref.key_of) == {b.block_id for b in pool.blocks if b.block_hash}
-        for g, index in enumerate(pool.cached_block_hash_to_block):
+        for g in range(pool.num_groups):
             actual = set()
-            for entry in index.values():
-                blocks = list(entry.values()) if isinstance(entry, dict) else [entry]
+            for _, blocks in pool.cached_entries(g):
                 assert all(b.group_id == g for b in blocks)
                 actual.add(frozenset(b.block_id for b in blocks))
             assert actual == self.ref.partition(g)
@@ -706,20 +701,20 @@ class KVStateMachine(RuleBasedStateMachine):
                 for hashes in self.event_hashes:
                     hashes.clear()
         if self.kv_events:
-            for g, index in enumerate(pool.cached_block_hash_to_block):
-                assert self.event_hashes[g] == set(index)
+            for g in range(pool.num_groups):
+                assert self.event_hashes[g] == {h for h, _ in pool.cached_entries(g)}
 
     def teardown(self) -> None:
         if self.m is None or not self.clean:
             return
         for r in list(self.running.values()):
             self.free(r)
-        self.m.check_invariants()
+        self.m.check_invariants(self.running)
         pool = self.m.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
         assert self.m.usage == 0.0
         assert self.m.reset_prefix_cache()
-        self.m.check_invariants()
+        self.m.check_invariants(self.running)
 
 
 KVStateMachine.TestCase.settings = settings(

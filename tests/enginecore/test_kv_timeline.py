@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enginecore import KVCacheManager, Request
 from enginecore.block_hash import hash_block_tokens
-from tests.helpers.kv_helpers import admit, decode, make_manager, snapshot, tokens
+from tests.helpers.kv_helpers import admit, check, decode, make_manager, snapshot, tokens
 
 
 def seed_block(k: int) -> int:
@@ -28,7 +28,8 @@ def chain(text: str, algo: str = "xxh3_128") -> list[bytes]:
 
 
 def index_of(manager: KVCacheManager) -> dict[bytes, int]:
-    return {h: e.block_id for h, e in manager.block_pool.cached_block_hash_to_block[0].items()}
+    """Hash -> the one block cached under it (a hash with several blocks fails here)."""
+    return {h: b.block_id for h, (b,) in manager.block_pool.cached_entries(0)}
 
 
 def queue(manager: KVCacheManager) -> list[int]:
@@ -52,7 +53,7 @@ def test_seed_000_timeline() -> None:
     assert queue(m) == [5, 6, 7, 8, 9, 10]
     assert [pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [1, 1, 1, 1]
     assert index_of(m) == {a_d: 1, a_h: 2, a_l: 3}
-    m.check_invariants()
+    check(m, r0)
 
     # Moment 2: P fills block 3 (now cached as A-P) without a new block; Q needs block 4.
     assert decode(m, r0, ord("P")) == ((),)
@@ -62,7 +63,7 @@ def test_seed_000_timeline() -> None:
     assert m.get_block_ids("R0") == ([1, 2, 3, 4, 5],)
     assert queue(m) == [6, 7, 8, 9, 10]
     assert pool.blocks[5].block_hash is None
-    m.check_invariants()
+    check(m, r0)
 
     # Moment 3: R0 finishes; freed in reverse, the hash-less block 4 goes to the front,
     # the cached 3, 2, 1, 0 to the back, still findable.
@@ -70,7 +71,7 @@ def test_seed_000_timeline() -> None:
     assert queue(m) == [seed_block(k) for k in (4, 5, 6, 7, 8, 9, 3, 2, 1, 0)]
     assert index_of(m) == {a_d: 1, a_h: 2, a_l: 3, a_p: 4}
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    m.check_invariants()
+    check(m, r0)
 
     # Moment 4: R1 shares A-L then differs; its three hits come out of the middle of the
     # queue and its suffix takes the front block.
@@ -84,7 +85,7 @@ def test_seed_000_timeline() -> None:
     assert queue(m) == [seed_block(k) for k in (5, 6, 7, 8, 9, 3)]
     assert [pool.blocks[i].ref_cnt for i in (1, 2, 3, 5)] == [1, 1, 1, 1]
     assert index_of(m)[a_p] == seed_block(3)  # still cached, unused by R1
-    m.check_invariants()
+    check(m, r0, r1)
 
     # Moment 5: R2 needs 7 new blocks, 6 are free: None, and nothing moved.
     before = snapshot(m)
@@ -93,7 +94,7 @@ def test_seed_000_timeline() -> None:
     assert snapshot(m) == before
     assert queue(m) == [6, 7, 8, 9, 10, 4]
     assert m.get_block_ids("R1") == ([1, 2, 3, 5],)
-    m.check_invariants()
+    check(m, r1, r2)
 
     # Moment 6: a later allocation reaches block 3; A-P loses its hash before the block
     # is handed out, while the shorter prefixes A-D, A-H, A-L stay cached.
@@ -106,11 +107,11 @@ def test_seed_000_timeline() -> None:
     assert a_p not in cached
     assert (cached[a_d], cached[a_h], cached[a_l]) == (1, 2, 3)
     assert pool.blocks[seed_block(3)].block_hash != a_p
-    m.check_invariants()
+    check(m, r1, r2, r3)
 
     m.free(r1)
     m.free(r3)
-    m.check_invariants()
+    check(m, r1, r3)
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
@@ -128,10 +129,10 @@ def test_capacity_counts_evictable_hits() -> None:
     before = snapshot(m)
     assert m.allocate_slots(r1, 8, num_hit, hits) is None
     assert snapshot(m) == before
-    m.check_invariants()
+    check(m, r0, r1)
     # With one block fewer needed it fits exactly.
     r2 = Request("R2", tokens("ABCDEFGHIJKL"), m.block_hasher)
     hits, num_hit = m.get_computed_blocks(r2)
     assert m.allocate_slots(r2, 4, num_hit, hits) is not None
     assert m.block_pool.get_num_free_blocks() == 0
-    m.check_invariants()
+    check(m, r0, r1, r2)

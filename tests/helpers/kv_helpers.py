@@ -7,7 +7,8 @@ from typing import Any
 from enginecore import KVCacheManager, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens
 from enginecore.core import scheduler_config
-from enginecore.scheduler import SchedulerConfig
+from enginecore.kv_cache_config import with_num_blocks
+from enginecore.scheduler import Scheduler, SchedulerConfig
 from launch.client.engine_args import EngineArgs
 from protocol.kv_cache import (
     FullAttentionSpec,
@@ -23,6 +24,20 @@ def sched_config(max_model_len: int, **settings: Any) -> SchedulerConfig:
     """The scheduler config the core would make from these EngineArgs settings (its
     defaults for the rest); the scheduler reads no model."""
     return scheduler_config(EngineArgs(model="unused", **settings), max_model_len=max_model_len)
+
+
+# The vocabulary of make_scheduler's schedulers.
+SCHEDULER_VOCAB = 100
+
+
+def make_scheduler(
+    num_blocks: int, *specs: KVCacheSpec, max_model_len: int = 64, chunk: int = 64
+) -> Scheduler:
+    """A Scheduler over num_blocks blocks of the given groups (one full-attention group
+    of 4-token blocks by default), chunk tokens a step, up to 8 requests."""
+    groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs or (full(),))]
+    config = sched_config(max_model_len, max_num_batched_tokens=chunk, max_num_seqs=8)
+    return Scheduler(config, with_num_blocks(groups, num_blocks), SCHEDULER_VOCAB)
 
 
 def full(block_size: int = 4) -> FullAttentionSpec:
@@ -70,6 +85,11 @@ def decode(manager: KVCacheManager, request: Request, token: int) -> Any:
     return new
 
 
+def check(manager: KVCacheManager, *requests: Request) -> None:
+    """check_invariants, told the test's requests (those holding no blocks are ignored)."""
+    manager.check_invariants({r.request_id: r for r in requests})
+
+
 def snapshot(manager: KVCacheManager) -> dict[str, Any]:
     """Everything allocation may touch, as plain data."""
     pool = manager.block_pool
@@ -89,7 +109,6 @@ def snapshot(manager: KVCacheManager) -> dict[str, Any]:
             for m in manager.coordinator.managers
         ],
         "num_cached": [dict(m.num_cached_block) for m in manager.coordinator.managers],
-        "requests": sorted(manager.requests),
         "events": list(pool._events),
     }
 

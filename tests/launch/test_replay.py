@@ -19,7 +19,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from enginecore.recording import (
+from launch.client.builtin_model import builtin_model_dir
+from launch.client.engine_args import EngineArgs
+from launch.client.engine_processes import EngineProcesses
+from launch.replay import ReplayMismatch, replay
+from launch.replay_tables import CoreBlockTables
+from protocol.codec import Codec
+from protocol.engine import SamplingParams
+from protocol.recording import (
     FRAMES,
     MANIFEST,
     OUTPUT,
@@ -28,13 +35,6 @@ from enginecore.recording import (
     Recording,
     RecordingError,
 )
-from launch.client.builtin_model import builtin_model_dir
-from launch.client.engine_args import EngineArgs
-from launch.client.engine_processes import EngineProcesses
-from launch.replay import ReplayMismatch, replay
-from launch.replay_tables import CoreBlockTables
-from protocol.codec import Codec
-from protocol.engine import SamplingParams
 from protocol.worker import (
     PROTOCOL_VERSION,
     CoreToWorker,

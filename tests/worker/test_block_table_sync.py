@@ -90,7 +90,7 @@ def test_worker_tables_follow_the_core(runner: ModelRunner) -> None:
             assert not table.table[n:].any() and not table.num_blocks_per_row[n:].any()
         if out is not None:
             scheduler.update_from_output(so, to_core.decode(to_core.encode(out)))
-        kv.check_invariants()
+        kv.check_invariants(scheduler.requests)
     # The last finishes reach the worker with the next (empty) step.
     runner.execute(to_worker.decode(to_worker.encode(scheduler.schedule())))
     assert batch.num_reqs == 0 and not batch.requests

@@ -84,7 +84,7 @@ def test_sliding_groups_hold_a_bounded_number_of_blocks_over_a_long_decode(tmp_p
         out = runner.execute(codec.decode(codec.encode(so)))
         if out is not None:
             scheduler.update_from_output(so, out)
-        kv.check_invariants()
+        kv.check_invariants(scheduler.requests)
     runner.execute(codec.decode(codec.encode(scheduler.schedule())))  # deliver the finishes
 
     assert scheduler.num_preemptions == 0

@@ -117,7 +117,7 @@ class Engine:
         self.check_worker_tables(core_tables)
         if out is not None:
             scheduler.update_from_output(so, self.to_core.decode(self.to_core.encode(out)))
-        self.kv.check_invariants()
+        self.kv.check_invariants(self.scheduler.requests)
 
     def check_core_tables(self, request: Request, num_scheduled: int) -> None:
         rid = request.request_id
@@ -266,7 +266,7 @@ def test_window_blocks_stay_bounded_and_hits_need_both_groups(
     pool = engine.kv.block_pool
     window_blocks = [pool.get_cached_block(h, engine.sw.group_id) for h in c3.block_hashes]
     pool.evict_cached_blocks([window_blocks[num_full - 1], window_blocks[num_full // 2]])
-    engine.kv.check_invariants()
+    engine.kv.check_invariants(engine.scheduler.requests)
     full_hit, both = engine.hit_both_groups_can_restore(c3)
     assert full_hit == num_full
     assert both == num_full - 1

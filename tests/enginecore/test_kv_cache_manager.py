@@ -14,7 +14,14 @@ import pytest
 from enginecore import KVCacheManager, MultiModalPlaceholder, Request
 from enginecore.block_hash import BlockHasher, hash_block_tokens, root_hash
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from tests.helpers.kv_helpers import admit, check_stored_hashes, decode, make_manager, tokens
+from tests.helpers.kv_helpers import (
+    admit,
+    check,
+    check_stored_hashes,
+    decode,
+    make_manager,
+    tokens,
+)
 
 PROMPT = list(range(100, 133))  # 8 full blocks of 4 and one token more
 
@@ -81,11 +88,11 @@ def test_full_hit_still_recomputes_the_last_token() -> None:
     assert len(new[0]) == 1
     r.num_computed_tokens = 32
     # The recomputed block duplicates a cached one; both stay findable, no table rewritten.
-    index = m.block_pool.cached_block_hash_to_block[0]
-    assert isinstance(index[r.block_hashes[7]], dict) and len(index[r.block_hashes[7]]) == 2
-    m.check_invariants()
+    index = dict(m.block_pool.cached_entries(0))
+    assert len(index[r.block_hashes[7]]) == 2
+    check(m, r)
     m.free(r)
-    m.check_invariants()
+    check(m, r)
 
 
 def test_lookahead_slots_are_never_cached() -> None:
@@ -101,7 +108,7 @@ def test_lookahead_slots_are_never_cached() -> None:
         decode(m, r, t)
     hashed = [b.block_hash is not None for b in m.coordinator.managers[0].req_to_blocks["r"]]
     assert hashed == [True, True, False, False]
-    m.check_invariants()
+    check(m, r)
 
 
 def test_delayed_caching_publishes_only_when_told() -> None:
@@ -211,11 +218,11 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:
 
 def test_usage_in_blocks_and_tokens() -> None:
     m = make_manager(11)  # 10 usable blocks of 4
-    assert m.usage == 0.0 and m.token_usage == 0.0
+    assert m.usage == 0.0 and m.token_usage({}) == 0.0
     r = Request("r", list(range(9)), m.block_hasher)  # 3 blocks, 9 of 12 slots
     admit(m, r)
     assert m.usage == pytest.approx(0.3)
-    assert m.token_usage == pytest.approx(9 / 4 / 10)
+    assert m.token_usage({"r": r}) == pytest.approx(9 / 4 / 10)
 
 
 def test_prefix_cache_stats_count_preempted_lookups_apart() -> None:

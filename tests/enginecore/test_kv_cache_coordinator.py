@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enginecore import Request
-from tests.helpers.kv_helpers import admit, full, make_manager, snapshot, tokens, window
+from tests.helpers.kv_helpers import admit, check, full, make_manager, snapshot, tokens, window
 
 
 def test_hit_is_the_boundary_every_group_can_restore() -> None:
@@ -18,7 +18,7 @@ def test_hit_is_the_boundary_every_group_can_restore() -> None:
     m.free(a)
     # The window group loses the cached content of positions 1536..2047 (blocks 96..127).
     m.block_pool.evict_cached_blocks(sw_blocks[96:128])
-    m.check_invariants()
+    check(m, a)
 
     b = Request("B", prompt, m.block_hasher)
     full_only = m.coordinator.managers[0].find_longest_cache_hit(
@@ -33,9 +33,9 @@ def test_hit_is_the_boundary_every_group_can_restore() -> None:
     assert list(hits[1]) == [null] * (96 - needed) + sw_blocks[96 - needed : 96]
     m.allocate_slots(b, b.num_tokens - num_hit, num_hit, hits)
     b.num_computed_tokens = b.num_tokens
-    m.check_invariants()
+    check(m, a, b)
     m.free(b)
-    m.check_invariants()
+    check(m, a, b)
 
 
 def test_groups_with_different_block_sizes_agree_on_a_common_boundary() -> None:
@@ -52,7 +52,7 @@ def test_groups_with_different_block_sizes_agree_on_a_common_boundary() -> None:
     admit_new = m.allocate_slots(b, b.num_tokens - num_hit, num_hit, hits)
     assert admit_new is not None
     b.num_computed_tokens = b.num_tokens
-    m.check_invariants()
+    check(m, a, b)
 
 
 def test_hit_at_the_queue_head_survives_another_groups_allocation() -> None:
@@ -78,7 +78,7 @@ def test_hit_at_the_queue_head_survives_another_groups_allocation() -> None:
     full_ids, window_ids = m.get_block_ids("B")
     assert full_ids[0] == 1 and window_ids[0] == 3
     assert 3 not in full_ids and 1 not in window_ids
-    m.check_invariants()
+    check(m, a, b, c)
 
 
 def test_hybrid_allocation_failure_changes_nothing() -> None:
@@ -89,7 +89,7 @@ def test_hybrid_allocation_failure_changes_nothing() -> None:
     before = snapshot(m)
     assert admit(m, b) is None
     assert snapshot(m) == before
-    m.check_invariants()
+    check(m, a, b)
 
 
 def test_sliding_window_frees_blocks_behind_the_committed_window() -> None:
@@ -101,7 +101,7 @@ def test_sliding_window_frees_blocks_behind_the_committed_window() -> None:
         r.append_output_token_ids(1000 + t)
         assert m.allocate_slots(r, 1) is not None
         r.num_computed_tokens += 1
-        m.check_invariants()
+        check(m, r)
         full_ids, window_ids = m.get_block_ids("R")
         live = [i for i in window_ids if i != 0]
         # The window group holds the blocks the window reads plus the one being written.
@@ -119,5 +119,5 @@ def test_sliding_window_frees_blocks_behind_the_committed_window() -> None:
     r2.num_computed_tokens += 1
     m.free(r)
     m.free(r2)
-    m.check_invariants()
+    check(m, r, r2)
     assert m.block_pool.get_num_free_blocks() == m.block_pool.num_usable_blocks
