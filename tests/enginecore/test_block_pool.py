@@ -72,7 +72,7 @@ def test_touching_a_free_cached_block_takes_it_off_the_free_queue() -> None:
     blocks = _cached_request(pool, "r", list(range(4)))
     pool.free_blocks(blocks)
     assert pool.get_num_free_blocks() == 2
-    pool.touch(blocks + [pool.null_block])  # the null block is never counted
+    pool.touch([*blocks, pool.null_block])  # the null block is never counted
     assert blocks[0].ref_cnt == 1 and pool.null_block.ref_cnt == 0
     assert pool.get_num_free_blocks() == 1
 

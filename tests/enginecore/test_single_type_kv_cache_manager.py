@@ -69,7 +69,6 @@ def test_blocks_to_allocate_count_new_blocks_and_hits_taken_off_the_free_queue()
 def test_a_sliding_window_frees_the_blocks_behind_it() -> None:
     pool = BlockPool(10)
     m = _window(pool, 5)  # a query at p reads p - 4 .. p
-    r = Request("r", list(range(16)), BlockHasher(BS))
     m.allocate_new_blocks("r", 16)
     free_before = pool.get_num_free_blocks()
     # Computed 13 tokens: the next query (position 13) reads from 9, so blocks 0 and 1
