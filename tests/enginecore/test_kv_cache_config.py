@@ -84,20 +84,3 @@ def test_unify_takes_the_minimum_and_refuses_different_groups() -> None:
         unify_kv_cache_configs([a, c])
     with pytest.raises(ValueError, match="at least 2 are needed"):
         make_kv_cache_config(specs, available_memory=10)
-
-
-def test_block_count_the_engine_uses() -> None:
-    from enginecore.executor import MAX_AUTO_NUM_BLOCKS, size_kv_cache
-
-    specs: dict[str, KVCacheSpec] = {"l0": full(16), "l1": full(16)}
-    page = full(16).page_size_bytes
-    fits = make_kv_cache_config(specs, available_memory=page * 2 * 100)
-    assert size_kv_cache(fits, None) == fits
-    chosen = size_kv_cache(fits, 7)
-    assert chosen.num_blocks == 7 and chosen.kv_cache_groups == fits.kv_cache_groups
-    with pytest.raises(ValueError, match="num_gpu_blocks must be >= 2"):
-        size_kv_cache(fits, 1)
-    # A toy model on a large GPU: memory for 3x the cap, capped (--num-gpu-blocks still rules).
-    huge = make_kv_cache_config(specs, available_memory=page * 2 * 3 * MAX_AUTO_NUM_BLOCKS)
-    assert size_kv_cache(huge, None).num_blocks == MAX_AUTO_NUM_BLOCKS
-    assert size_kv_cache(huge, 2 * MAX_AUTO_NUM_BLOCKS).num_blocks == 2 * MAX_AUTO_NUM_BLOCKS
