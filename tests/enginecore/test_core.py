@@ -66,4 +66,3 @@ def test_an_add_request_that_does_not_decode_fails_its_own_request() -> None:
 )
 def test_a_frame_without_a_request_to_name_is_answered_with_nothing(frame: bytes) -> None:
     assert _answer_malformed(memoryview(frame), _decode_error(frame)) == []
-
