@@ -1,4 +1,5 @@
-"""KV specs, grouping, pool sizing and unifying configs from several workers."""
+"""enginecore/kv_cache_config.py: grouping layers by spec, pool sizing and unifying configs
+from several workers (the specs themselves: tests/protocol/test_kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,6 @@ import pytest
 from enginecore import group_layers_by_spec, make_kv_cache_config, unify_kv_cache_configs
 from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from tests.helpers.kv_helpers import full, window
-
-
-def test_page_size_is_k_and_v_of_a_block() -> None:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=40, head_size=128, dtype="float16")
-    assert spec.page_size_bytes == 327_680  # seed 001's Llama-2-13B example
-
-
-def test_specs_validate_their_fields() -> None:
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
-        FullAttentionSpec(block_size=0, num_kv_heads=1, head_size=1, dtype="float16")
-    with pytest.raises(ValueError, match="unsupported KV-cache dtype 'int3'"):
-        FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype="int3")
-    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
-        window(0)
 
 
 def test_configs_round_trip_on_the_wire() -> None:
