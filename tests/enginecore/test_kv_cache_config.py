@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from enginecore import group_layers_by_spec, make_kv_cache_config, unify_kv_cache_configs
-from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 from tests.helpers.kv_helpers import full, window
 
 
