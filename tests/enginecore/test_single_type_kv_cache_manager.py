@@ -71,11 +71,15 @@ def test_a_sliding_window_frees_the_blocks_behind_it() -> None:
     m = _window(pool, 5)  # a query at p reads p - 4 .. p
     m.allocate_new_blocks("r", 16)
     free_before = pool.get_num_free_blocks()
-    # Computed 13 tokens: the next query (position 13) reads from 9, so blocks 0 and 1
-    # (positions 0..7) are unreadable; block 2 holds position 9.
-    m.remove_skipped_blocks("r", 13)
+    # Computed 11 tokens: the next query (position 11) reads from 7, so only block 0
+    # (positions 0..3) is unreadable.
+    m.remove_skipped_blocks("r", 11)
     table = m.req_to_blocks["r"]
-    assert table[0] is table[1] is pool.null_block and table[2] is not pool.null_block
+    assert table[0] is pool.null_block and table[1] is not pool.null_block
+    assert m.skipped_changed == {"r": 1}
+    # Computed 12: the next query reads from 8, so block 1 (positions 4..7) goes too.
+    m.remove_skipped_blocks("r", 12)
+    assert table[1] is pool.null_block and table[2] is not pool.null_block
     assert pool.get_num_free_blocks() == free_before + 2
     assert m.skipped_changed == {"r": 2}
     m.free("r")
