@@ -1,4 +1,5 @@
-"""KV specs, grouping, pool sizing and unifying configs from several workers."""
+"""enginecore/kv_cache_config.py: grouping layers by spec, pool sizing and unifying configs
+from several workers (the specs themselves: tests/protocol/test_kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,22 +7,8 @@ import msgspec
 import pytest
 
 from enginecore import group_layers_by_spec, make_kv_cache_config, unify_kv_cache_configs
-from protocol.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 from tests.helpers.kv_helpers import full, window
-
-
-def test_page_size_is_k_and_v_of_a_block() -> None:
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=40, head_size=128, dtype="float16")
-    assert spec.page_size_bytes == 327_680  # seed 001's Llama-2-13B example
-
-
-def test_specs_validate_their_fields() -> None:
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
-        FullAttentionSpec(block_size=0, num_kv_heads=1, head_size=1, dtype="float16")
-    with pytest.raises(ValueError, match="unsupported KV-cache dtype 'int3'"):
-        FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype="int3")
-    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
-        window(0)
 
 
 def test_configs_round_trip_on_the_wire() -> None:
@@ -84,20 +71,3 @@ def test_unify_takes_the_minimum_and_refuses_different_groups() -> None:
         unify_kv_cache_configs([a, c])
     with pytest.raises(ValueError, match="at least 2 are needed"):
         make_kv_cache_config(specs, available_memory=10)
-
-
-def test_block_count_the_engine_uses() -> None:
-    from enginecore.executor import MAX_AUTO_NUM_BLOCKS, size_kv_cache
-
-    specs: dict[str, KVCacheSpec] = {"l0": full(16), "l1": full(16)}
-    page = full(16).page_size_bytes
-    fits = make_kv_cache_config(specs, available_memory=page * 2 * 100)
-    assert size_kv_cache(fits, None) == fits
-    chosen = size_kv_cache(fits, 7)
-    assert chosen.num_blocks == 7 and chosen.kv_cache_groups == fits.kv_cache_groups
-    with pytest.raises(ValueError, match="num_gpu_blocks must be >= 2"):
-        size_kv_cache(fits, 1)
-    # A toy model on a large GPU: memory for 3x the cap, capped (--num-gpu-blocks still rules).
-    huge = make_kv_cache_config(specs, available_memory=page * 2 * 3 * MAX_AUTO_NUM_BLOCKS)
-    assert size_kv_cache(huge, None).num_blocks == MAX_AUTO_NUM_BLOCKS
-    assert size_kv_cache(huge, 2 * MAX_AUTO_NUM_BLOCKS).num_blocks == 2 * MAX_AUTO_NUM_BLOCKS

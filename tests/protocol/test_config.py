@@ -2,7 +2,8 @@
 environment: the log level given to LLM reaches both processes, a bad one is refused
 before any starts, and PAGEDSERVE_CHECK_INVARIANTS=1 is read by the launcher and handed
 to the core, which then checks. The configs hold no second copy of EngineArgs' defaults:
-a setting a launcher leaves out stops the process, naming it."""
+a setting a launcher leaves out stops the process, naming it. The socket addresses the
+core and workers derive from one address, and the parent and memory probes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ import pytest
 
 from launch import LLM, AsyncLLM, SamplingParams
 from launch.client.engine_args import EngineArgs, core_config, worker_config
-from protocol.config import EngineCoreConfig, WorkerConfig
+from protocol.config import (
+    EngineCoreConfig,
+    WorkerConfig,
+    any_port,
+    available_host_memory,
+    ipc_address,
+    parent_alive,
+    worker_sockets,
+)
 from protocol.envs import CHECK_INVARIANTS as CHECK_INVARIANTS_ENV
 from tests.helpers.cli_helpers import CPU, children_of
 
@@ -147,3 +156,52 @@ def test_a_config_without_a_setting_stops_the_process_naming_it(module: str, lef
     )
     assert proc.returncode == 2, proc.stderr
     assert f"bad configuration: Object missing required field `{left_out}`" in proc.stderr
+
+
+def test_worker_sockets_derive_from_one_address() -> None:
+    assert worker_sockets("tcp://10.0.0.1:7000", 2) == (
+        "tcp://10.0.0.1:7000",
+        ["tcp://10.0.0.1:7001", "tcp://10.0.0.1:7002"],
+    )
+    assert worker_sockets("tcp://[::1]:7000", 1) == ("tcp://[::1]:7000", ["tcp://[::1]:7001"])
+    assert worker_sockets(ipc_address("/run/ps", "w"), 1) == (
+        "ipc:///run/ps/w.results",
+        ["ipc:///run/ps/w.rank0"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("address", "world_size", "message"),
+    [
+        ("tcp://host", 1, "is not tcp://HOST:PORT"),
+        ("tcp://:7000", 1, "is not tcp://HOST:PORT"),
+        ("tcp://host:65534", 1, "port out of range"),
+        ("udp://host:1", 1, "must start with tcp:// or ipc://"),
+        ("ipc:///x", 0, "world_size must be >= 1, got 0"),
+    ],
+)
+def test_a_bad_worker_address_is_refused_naming_it(
+    address: str, world_size: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        worker_sockets(address, world_size)
+
+
+def test_only_a_tcp_port_0_asks_for_any_port() -> None:
+    assert any_port("tcp://127.0.0.1:0") == "127.0.0.1"
+    assert any_port("tcp://127.0.0.1:10") is None
+    assert any_port("ipc:///tmp/x0") is None
+
+
+def test_the_parent_is_alive_while_it_is_ours() -> None:
+    assert parent_alive(None) and parent_alive(os.getppid())
+    assert not parent_alive(os.getppid() + 1)
+
+
+def test_available_host_memory_is_what_proc_meminfo_says() -> None:
+    with open("/proc/meminfo") as f:
+        line = next(x for x in f if x.startswith("MemAvailable:"))
+    want = int(line.split()[1]) * 1024
+    got = available_host_memory()
+    # Memory moves between the two reads; within 10%.
+    assert got is not None and abs(got - want) <= want // 10

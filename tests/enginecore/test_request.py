@@ -1,0 +1,75 @@
+"""enginecore/request.py: a request's token ids, its length limit, and its block-hash
+chain, grown as outputs fill blocks and keyed by everything besides tokens that shapes
+its K/V (salt, LoRA, multimodal inputs, prompt embeddings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from enginecore.block_hash import BlockHasher
+from enginecore.request import MultiModalPlaceholder, Request, RequestStatus
+from protocol.engine import SamplingParams
+
+BS = 4
+
+
+def _chain(token_ids: list[int]) -> list[bytes]:
+    hashes: list[bytes] = []
+    BlockHasher(BS).extend(hashes, token_ids)
+    return hashes
+
+
+def test_a_new_request_hashes_its_full_prompt_blocks_and_waits() -> None:
+    r = Request("r", list(range(10)), BlockHasher(BS), sampling_params=SamplingParams(max_tokens=5))
+    assert r.status is RequestStatus.WAITING
+    assert (r.num_tokens, r.num_prompt_tokens, r.num_output_tokens) == (10, 10, 0)
+    assert r.max_num_tokens == 15
+    assert r.block_hashes == _chain(list(range(10)))  # two full blocks of four
+    assert len(r.block_hashes) == 2
+
+
+def test_outputs_extend_the_chain_when_they_fill_a_block() -> None:
+    r = Request("r", list(range(6)), BlockHasher(BS))
+    r.append_output_token_ids(50)
+    assert len(r.block_hashes) == 1
+    r.append_output_token_ids(51)  # token 8: the second block is full
+    assert r.block_hashes == _chain([*range(6), 50, 51])
+    assert r.prompt_token_ids == list(range(6)) and r.num_output_tokens == 2
+
+
+def test_extra_keys_name_what_shapes_each_block_besides_its_tokens() -> None:
+    image = MultiModalPlaceholder("img", offset=5, length=4)  # positions 5..8
+    r = Request("r", list(range(12)), cache_salt="s", lora_id=3, mm_placeholders=[image])
+    assert r.extra_keys(0, 4) == (("lora", 3), ("salt", "s"))
+    assert r.extra_keys(4, 8) == (("lora", 3), ("mm", "img", 5))
+    assert r.extra_keys(8, 12) == (("lora", 3), ("mm", "img", 5))
+    plain = Request("p", list(range(12)), prompt_embeds_hash="e")
+    assert plain.extra_keys(8, 12) == (("embeds", "e"),)
+    assert plain.extra_keys(12, 16) is None  # past the prompt
+
+
+def test_a_salt_changes_every_block_hash_through_the_chain() -> None:
+    salted = Request("a", list(range(8)), BlockHasher(BS), cache_salt="tenant")
+    plain = Request("b", list(range(8)), BlockHasher(BS))
+    assert all(x != y for x, y in zip(salted.block_hashes, plain.block_hashes, strict=True))
+
+
+def test_prompt_logprobs_skip_reading_the_prefix_cache() -> None:
+    r = Request("r", [1, 2], wants_prompt_logprobs=True)
+    assert r.skip_reading_prefix_cache and r.prompt_logprobs == []
+    assert Request("q", [1, 2]).prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("", [1]), {}, "request id must be a non-empty string"),
+        (("r", []), {}, "request r: empty prompt"),
+        (("r", [1]), {"cache_salt": 5}, "cache_salt must be a string"),
+        (("r", [1, 2, 3, -1], BlockHasher(BS)), {}, r"request r: token ids must be integers"),
+        (("r", [2**32]), {}, r"token ids must be integers"),
+    ],
+)
+def test_a_bad_request_is_refused_at_creation(args: tuple, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Request(*args, **kwargs)
