@@ -82,7 +82,7 @@ run() {  # run NAME CMD...: log the output, remember the exit status
 
 run nvrtc "$PY" -m kernels.nvrtc_check
 run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
-  tests/kernels/test_cuda_kernels.py tests/kernels/test_reference_kernels.py tests/worker/test_input_batch.py \
+  tests/kernels/test_cuda_kernels.py tests/kernels/test_reference.py tests/worker/test_input_batch.py \
   tests/worker/test_kv_cache_memory.py
 # The whole engine on the GPU in bf16 and fp16 against float32 transformers.
 run e2e "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not emulated" \

@@ -5,7 +5,7 @@ window (plus the step's new tokens) while the full-attention group grows; prefix
 limited to the boundary both groups can restore; greedy tokens equal transformers'.
 
 The real Scheduler and the real ModelRunner run one step at a time in this process, every
-message through the wire codecs (as in test_block_table_sync.py).
+message through the wire codecs (as in test_block_table.py).
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ SLIDING = ("mistral", "qwen2_interleaved", "qwen2_5to1", "gemma3", "gemma3_softc
 # position through the real runner (TP 1 and 2) and through the unit-test harness.
 ORACLE_TESTS = (
     "tests/launch/client/test_engine_e2e.py",
-    "tests/worker/test_runner_logits.py",
-    "tests/worker/test_model_vs_hf.py::test_paged_batches_match_transformers",
+    "tests/worker/test_model_runner.py",
+    "tests/worker/test_llama.py::test_paged_batches_match_transformers",
 )
 
 

@@ -1,6 +1,6 @@
 """Building and loading the C attention kernel (kernels.cpu_native): cached per source and
 machine, and a build that fails leaves the gather path running with the same results.
-Its numbers are tested against the reference in tests/kernels/test_cpu_attention.py."""
+Its numbers are tested against the reference in tests/kernels/test_cpu.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ import pytest
 
 from launch import LLM, SamplingParams
 from launch.client.llm import CompletionOutput
-from launch.results import ResultWriter
 from tests.helpers.cli_helpers import CPU, generate_cli
 
 # The keys a line without the new options has had all along, in their order.
@@ -238,20 +237,3 @@ def test_lines_without_the_new_options_keep_their_keys(run: Run) -> None:
         assert list(run.one(name)) == PLAIN_KEYS
     assert list(run.one("logprobs")) == [*PLAIN_KEYS, "logprobs"]
     assert list(run.one("stop")) == [*PLAIN_KEYS, "stop_reason"]
-
-
-def test_the_final_sort_keeps_copies_in_seq_order(tmp_path: Path) -> None:
-    writer = ResultWriter(tmp_path / "out.jsonl")
-    two = SamplingParams(n=2)
-    # Finish order: copies out of order, and interleaved with other prompts.
-    for index, seq in ((1, 1), (0, 0), (1, 0), (2, 0)):
-        out = CompletionOutput(index, [5], [7], finish_reason="length", seq_index=seq)
-        writer.write(index, out, two if index == 1 else None)
-    writer.close(sort=True)
-    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [(r["index"], r.get("seq_index")) for r in lines] == [
-        (0, None),
-        (1, 0),
-        (1, 1),
-        (2, None),
-    ]

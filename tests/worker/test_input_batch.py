@@ -1,11 +1,11 @@
-"""The worker's bookkeeping: BlockTable, the persistent batch and the flat model inputs.
+"""The worker's bookkeeping: the persistent batch and the flat model inputs.
 
 A scripted stream of SchedulerOutputs (new requests, chunked prefill, decode with and
 without new blocks, preemption, resume with a replaced table, finishes, several at once)
 is applied to an InputBatch; after every step the batch and the ModelInputs are compared
 with a reference written here from the wire semantics alone (dicts of lists, per-token
 loops), and a few steps also spell out the expected numbers by hand. Corrupt streams
-must raise. A Hypothesis state machine checks BlockTable against a dict-of-lists model.
+must raise. BlockTable alone, against a dict-of-lists model: test_block_table.py.
 """
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from protocol.engine import SamplingParams
 from protocol.worker import CachedRequestData, NewRequestData, SchedulerOutput
-from worker.block_table import BATCHED_APPEND_MIN, BlockTable, MultiGroupBlockTable
+from worker.block_table import BlockTable
 from worker.input_batch import InputBatch
 from worker.model_inputs import ModelInputs, prepare_inputs
 
@@ -463,141 +460,6 @@ def test_prepare_inputs_and_append_sampled_errors() -> None:
     with pytest.raises(ValueError, match="2 tokens"):
         b.append_sampled(["A"], [1, 2])
     assert b.output_token_ids("A") == [4]  # failed calls changed nothing
-
-
-def test_slot_mapping_checks_rows() -> None:
-    t = BlockTable(4, 2, 3)
-    t.add_row([7, 8], 0)
-    out = np.empty(4, dtype=np.int64)
-    t.compute_slot_mapping(
-        np.array([0, 0, -1, 0], np.int32), np.array([0, 7, 5, -1], np.int64), out
-    )
-    assert out.tolist() == [28, 35, -1, -1]
-    with pytest.raises(ValueError, match="row 0 position 8 needs block 2 but the row has 2"):
-        t.compute_slot_mapping(np.array([0], np.int32), np.array([8], np.int64), out[:1])
-    with pytest.raises(ValueError, match="row 1 position 0"):
-        t.compute_slot_mapping(np.array([1], np.int32), np.array([0], np.int64), out[:1])
-    with pytest.raises(ValueError, match="same length"):
-        t.compute_slot_mapping(np.array([0], np.int32), np.array([0], np.int64), out)
-    with pytest.raises(ValueError, match="row 0: 4 blocks exceed max_num_blocks_per_req=3"):
-        t.add_row([1, 2, 3, 4], 0)
-
-
-def test_multi_group_commit_copies_live_rows() -> None:
-    m = MultiGroupBlockTable([4, 16], max_num_reqs=3, max_model_len=33)
-    assert [t.max_num_blocks_per_req for t in m.tables] == [9, 3]
-    m.add_row([[1, 2], [3]], 0)
-    m.add_row([[4], [5, 6]], 1)
-    m.add_row([[7], [8]], 2)
-    device = m.commit(2)
-    assert [d.tolist() for d in device] == [
-        [[1, 2, 0, 0, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0, 0]],
-        [[3, 0, 0], [5, 6, 0]],
-    ]
-    # The persistent tensor is reused, and rows past num_rows are left alone.
-    assert device[0].data_ptr() == m[0].device_table.data_ptr()
-    assert not m[0].device_table[2].any()
-    with pytest.raises(ValueError, match="2 KV cache groups, got 1"):
-        m.append_row([[1]], 0)
-
-
-# -- BlockTable against a dict of lists ------------------------------------------------
-
-ROWS, WIDTH, BS = 4, 5, 3
-IDS = st.lists(st.integers(1, 50), max_size=WIDTH + 1)
-ROW = st.integers(0, ROWS - 1)
-
-
-class BlockTableMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = BlockTable(BS, ROWS, WIDTH)
-        self.model: dict[int, list[int]] = {}
-
-    @rule(row=ROW, ids=IDS)
-    def add_row(self, row: int, ids: list[int]) -> None:
-        if len(ids) > WIDTH:
-            with pytest.raises(ValueError, match=f"row {row}"):
-                self.table.add_row(ids, row)
-            return
-        self.table.add_row(ids, row)
-        self.model[row] = list(ids)
-
-    @rule(row=ROW, ids=IDS)
-    def append_row(self, row: int, ids: list[int]) -> None:
-        have = self.model.get(row, [])
-        if len(have) + len(ids) > WIDTH:
-            with pytest.raises(ValueError, match=f"row {row}: appending"):
-                self.table.append_row(ids, row)
-            return
-        self.table.append_row(ids, row)
-        self.model[row] = have + ids
-
-    @rule(
-        rows=st.lists(ROW, min_size=1, max_size=ROWS, unique=True),
-        one_each=st.booleans(),
-        data=st.data(),
-    )
-    def append_rows(self, rows: list[int], one_each: bool, data: st.DataObject) -> None:
-        # One block per row for every row is the batched write; anything else goes row
-        # by row. Both must equal appending to each row alone.
-        ids = [[data.draw(st.integers(1, 50))] if one_each else data.draw(IDS) for _ in rows]
-        if any(len(self.model.get(r, [])) + len(i) > WIDTH for r, i in zip(rows, ids)):
-            if one_each and len(rows) >= BATCHED_APPEND_MIN:
-                with pytest.raises(ValueError, match="appending 1 blocks"):
-                    self.table.append_rows(rows, ids)  # checked before any write
-            return
-        self.table.append_rows(rows, ids)
-        for r, i in zip(rows, ids):
-            self.model[r] = self.model.get(r, []) + i
-
-    @rule(src=ROW, dst=ROW)
-    def move_row(self, src: int, dst: int) -> None:
-        self.table.move_row(src, dst)
-        if src != dst:
-            self.model[dst] = self.model.pop(src, [])
-
-    @rule(row=ROW)
-    def clear_row(self, row: int) -> None:
-        self.table.clear_row(row)
-        self.model.pop(row, None)
-
-    @rule(
-        tokens=st.lists(
-            st.tuples(st.integers(-1, ROWS - 1), st.integers(-1, WIDTH * BS - 1)), max_size=12
-        )
-    )
-    def slot_mapping(self, tokens: list[tuple[int, int]]) -> None:
-        rows = np.array([r for r, _ in tokens], dtype=np.int32)
-        positions = np.array([p for _, p in tokens], dtype=np.int64)
-        out = np.full(len(tokens), 12345, dtype=np.int64)
-        expected = []
-        for r, p in tokens:
-            if r < 0 or p < 0:
-                expected.append(-1)
-            elif p // BS >= len(self.model.get(r, [])):
-                with pytest.raises(ValueError, match=f"row {r} position {p}"):
-                    self.table.compute_slot_mapping(rows, positions, out)
-                return
-            else:
-                expected.append(self.model[r][p // BS] * BS + p % BS)
-        self.table.compute_slot_mapping(rows, positions, out)
-        assert out.tolist() == expected
-
-    @rule(n=st.integers(0, ROWS))
-    def commit(self, n: int) -> None:
-        assert self.table.commit(n).tolist() == self.table.table[:n].tolist()
-
-    @invariant()
-    def matches_model(self) -> None:
-        for row in range(ROWS):
-            ids = self.model.get(row, [])
-            assert self.table.num_blocks_per_row[row] == len(ids)
-            assert self.table.table[row].tolist() == ids + [0] * (WIDTH - len(ids))
-
-
-TestBlockTableMachine = BlockTableMachine.TestCase
-TestBlockTableMachine.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 
 
 # -- vectorisation sanity (no timing) --------------------------------------------------

@@ -22,7 +22,6 @@ from protocol.kv_cache import FullAttentionSpec
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.kv_helpers import sched_config
 from tests.helpers.model_files import CONVERSATION, FANCY, copy_model, word_tokenizer
-from worker.generation_config import load_generation_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[11, 12, 13, 14, 15, 16], [40, 41, 42, 43]]
@@ -47,25 +46,6 @@ def test_unset_fields_take_the_defaults_and_set_ones_stay() -> None:
         assert scheduler.add_request(request) is None
         p = request.sampling_params
         assert (p.temperature, p.top_p, p.top_k) == want, rid
-
-
-def test_generation_config_parsing(tmp_path: Path) -> None:
-    path = tmp_path / "generation_config.json"
-    path.write_text(
-        json.dumps({"eos_token_id": [128001, 128008, 128009], "temperature": 0.6, "min_p": 0.1})
-    )
-    eos, defaults = load_generation_config(tmp_path)
-    assert eos == (128001, 128008, 128009)
-    assert defaults == SamplingDefaults(temperature=0.6, min_p=0.1)
-    assert load_generation_config(tmp_path, "none") == ((), SamplingDefaults())
-    for bad, field in (
-        ({"eos_token_id": "x"}, "eos_token_id"),
-        ({"top_p": 2}, "top_p"),
-        ({"min_p": -0.5}, "min_p"),
-    ):
-        path.write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=f"generation_config.json: {field}"):
-            load_generation_config(tmp_path)
 
 
 def test_every_eos_id_stops_and_generation_defaults_apply(llama_dir: Path, tmp_path: Path) -> None:

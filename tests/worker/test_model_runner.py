@@ -4,7 +4,7 @@ The real Scheduler's SchedulerOutputs (prefill, chunked prefill, prefix hits, de
 preemption and resumption; serial, and async with the next step scheduled before the
 last one's answer) go through the wire codec into the real ModelRunner; every
 logit it computes must equal transformers' over the request's final sequence. Unlike
-test_model_vs_hf's hand-built harness, this checks InputBatch, prepare_inputs, BlockTable
+test_llama's hand-built harness, this checks InputBatch, prepare_inputs, BlockTable
 and slot mapping at logit level. TP 2 runs the same in two spawned ranks of a gloo group.
 """
 

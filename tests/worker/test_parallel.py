@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: ranks are spawned processes in one gloo group on loopback.
 
 Each rank builds its shard of a tiny checkpoint and runs the same paged batches
-(prefill, chunked prefill, decode together) as test_model_vs_hf does at TP 1; the parent
+(prefill, chunked prefill, decode together) as test_llama does at TP 1; the parent
 checks every rank's logits against transformers and that all ranks agree bit for bit,
 which is what lets every rank sample the same tokens on its own. A ModelRunner run
 through the real Scheduler checks the runner's wiring (rendezvous from the environment,

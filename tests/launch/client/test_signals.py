@@ -1,0 +1,40 @@
+"""launch/client/signals.py: SIGTERM and SIGHUP raise Terminated, which `except Exception`
+does not swallow, and SIGINT is Ctrl-C again even where it was ignored."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from launch.client.signals import Terminated, install_signal_handlers
+
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@pytest.fixture
+def handlers() -> Iterator[None]:
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell without job control starts us
+    try:
+        install_signal_handlers()
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_unwinds_past_except_exception(handlers: None, sig: int) -> None:
+    with pytest.raises(Terminated) as info:
+        try:
+            signal.raise_signal(sig)
+        except Exception:  # what a library's broad handler would do
+            pytest.fail("Terminated was caught as an Exception")
+    assert info.value.signum == sig
+
+
+def test_sigint_raises_keyboard_interrupt_even_after_it_was_ignored(handlers: None) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
