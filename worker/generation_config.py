@@ -47,6 +47,8 @@ def load_generation_config(
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):  # JSON's Infinity and NaN, which int() cannot take
+            raise ValueError(f"{path}: {name} must be a finite number, got {value!r}")
         if kind is int and value != int(value):
             raise ValueError(f"{path}: {name} must be an integer, got {value!r}")
         values[name] = kind(value)

@@ -65,6 +65,8 @@ def test_an_integral_float_top_k_is_an_integer_and_unset_fields_stay_unset(
         ({"temperature": True}, "temperature must be a number"),
         ({"temperature": -0.1}, "temperature must be >= 0"),
         ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"top_k": float("inf")}, "top_k must be a finite number"),
+        ({"min_p": float("nan")}, "min_p must be a finite number"),
         ({"eos_token_id": [1, True]}, "eos_token_id must be an id or a list of ids"),
         ({"eos_token_id": [-3]}, "eos_token_id"),
         ([1, 2], "expected a JSON object"),
