@@ -19,7 +19,8 @@ from protocol.config import HashAlgo
 HASH_ALGOS: tuple[str, ...] = ("xxh3_128", "sha256")
 
 # Extra keys of one block: ("lora", id), ("mm", hash, offset), ("embeds", hash),
-# ("salt", salt); None when the block has none (the common case, kept free of work).
+# ("salt", salt_digest(salt)); None when the block has none (the common case, kept free
+# of work).
 ExtraKeys = tuple[tuple, ...] | None
 
 _NEED_BYTESWAP = sys.byteorder != "little"
@@ -40,6 +41,18 @@ def root_hash(algo: HashAlgo, seed: bytes | None = None) -> bytes:
     craft prompts that collide with another tenant's cached blocks; replicas behind one
     KV-aware router share a seed. Without one the root is fixed (tests, tools)."""
     return _ALGOS[algo](b"pagedserve block-hash root v1" + (seed or b""))
+
+
+def salt_digest(salt: str, root: bytes = b"") -> str:
+    """A cache salt as block hashes and KV events carry it: 64 hex digits of BLAKE2b-256
+    keyed by the chain's root. A salt can be any size; cached blocks outlive requests, so
+    they keep this instead. Collision-resistant whatever the block-hash algorithm (equal
+    salts share blocks, different ones never do), and keyed so that a subscriber to the
+    events cannot test guesses of a tenant's salt without the deployment's secret."""
+    key = root[:64]  # BLAKE2b's longest key; roots are 16 or 32 bytes
+    return hashlib.blake2b(
+        salt.encode("utf-8", "surrogatepass"), digest_size=32, key=key
+    ).hexdigest()
 
 
 def pack_token_ids(token_ids: list[int]) -> bytes:
@@ -88,6 +101,9 @@ class BlockHasher:
         self.algo = algo
         self._fn = _ALGOS[algo]
         self.root = root_hash(algo, seed)
+
+    def salt_digest(self, salt: str) -> str:
+        return salt_digest(salt, self.root)
 
     def extend(
         self,

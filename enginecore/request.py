@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids
+from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids, salt_digest
 from protocol.engine import Logprobs, SamplingParams
 
 _NEVER = 1 << 62
@@ -44,7 +44,6 @@ class Request:
         "arrived_at",
         "block_hash_inputs",
         "block_hashes",
-        "cache_salt",
         "finish_reason",
         "has_extra_keys",
         "hash_at",
@@ -62,6 +61,7 @@ class Request:
         "prompt_embeds_hash",
         "prompt_logprobs",
         "request_id",
+        "salt_digest",
         "sampling_params",
         "skip_reading_prefix_cache",
         "status",
@@ -116,7 +116,12 @@ class Request:
         # While a KVCacheManager holds blocks for it: tells this request apart from
         # another that reuses its id.
         self.holds_kv_blocks = False
-        self.cache_salt = cache_salt
+        # Only a fixed-size digest of the salt is kept: the salt itself may be megabytes,
+        # and the first block's hash input (which outlives the request) holds this.
+        self.salt_digest: str | None = None
+        if cache_salt is not None:
+            salted = block_hasher.salt_digest if block_hasher is not None else salt_digest
+            self.salt_digest = salted(cache_salt)
         self.lora_id = lora_id
         self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)
         self.prompt_embeds_hash = prompt_embeds_hash
@@ -176,9 +181,9 @@ class Request:
                 keys.append(("mm", mm.identifier, mm.offset))
         if self.prompt_embeds_hash is not None and start < self.num_prompt_tokens:
             keys.append(("embeds", self.prompt_embeds_hash))
-        if start == 0 and self.cache_salt is not None:
+        if start == 0 and self.salt_digest is not None:
             # Salting the first block is enough: the chain carries it to every later one.
-            keys.append(("salt", self.cache_salt))
+            keys.append(("salt", self.salt_digest))
         return tuple(keys) or None
 
     def extend_hashes(self) -> None:

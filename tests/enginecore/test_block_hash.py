@@ -75,6 +75,16 @@ def test_extra_keys_and_the_seed_change_the_hash() -> None:
     assert BlockHasher(2, seed=b"s").root == BlockHasher(2, seed=b"s").root
 
 
+def test_a_salt_enters_hashes_as_a_fixed_size_digest_keyed_by_the_root() -> None:
+    hasher = BlockHasher(2)
+    digest = hasher.salt_digest("x" * 100_000)
+    assert len(digest) == 64 and digest == hasher.salt_digest("x" * 100_000)
+    assert digest != hasher.salt_digest("x" * 99_999 + "y")
+    # Without the deployment's secret, a subscriber cannot test a guess of the salt.
+    assert BlockHasher(2, seed=b"s").salt_digest("t") != hasher.salt_digest("t")
+    assert BlockHasher(2, seed=b"s").salt_digest("t") == BlockHasher(2, seed=b"s").salt_digest("t")
+
+
 def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         BlockHasher(0)

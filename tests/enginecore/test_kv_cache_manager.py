@@ -43,7 +43,7 @@ def test_cache_salt_isolates_tenants(algo: str) -> None:
     a = Request("a", PROMPT, m.block_hasher, cache_salt="tenant-a")
     b = Request("b", PROMPT, m.block_hasher, cache_salt="tenant-b")
     assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes))
-    assert a.extra_keys(0, 4) == (("salt", "tenant-a"),)
+    assert a.extra_keys(0, 4) == (("salt", m.block_hasher.salt_digest("tenant-a")),)
     assert a.extra_keys(4, 8) is None
 
 

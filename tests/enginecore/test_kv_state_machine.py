@@ -65,7 +65,7 @@ LOOKAHEAD = st.sampled_from([0, 0, 0, 1, 3])
 # One group: (sliding window or None for full attention, block size multiplier).
 GROUP = st.tuples(st.one_of(st.none(), st.integers(1, 12)), st.sampled_from([1, 2]))
 
-# (group, cache salt, LoRA id, token ids up to the end of the block)
+# (group, cache salt's digest, LoRA id, token ids up to the end of the block)
 Key = tuple[int, str | None, int | None, tuple[int, ...]]
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -194,7 +194,7 @@ class KVStateMachine(RuleBasedStateMachine):
     def key(self, r: Request, group: int, index: int) -> Key:
         end = (index + 1) * self.block_sizes[group]
         assert end <= r.num_tokens
-        return (group, r.cache_salt, r.lora_id, tuple(r.all_token_ids[:end]))
+        return (group, r.salt_digest, r.lora_id, tuple(r.all_token_ids[:end]))
 
     def snapshot(self) -> dict[str, Any]:
         m = self.mgr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_hash import BlockHasher
+from enginecore.block_hash import BlockHasher, salt_digest
 from enginecore.request import MultiModalPlaceholder, Request, RequestStatus
 from protocol.engine import SamplingParams
 
@@ -40,7 +40,7 @@ def test_outputs_extend_the_chain_when_they_fill_a_block() -> None:
 def test_extra_keys_name_what_shapes_each_block_besides_its_tokens() -> None:
     image = MultiModalPlaceholder("img", offset=5, length=4)  # positions 5..8
     r = Request("r", list(range(12)), cache_salt="s", lora_id=3, mm_placeholders=[image])
-    assert r.extra_keys(0, 4) == (("lora", 3), ("salt", "s"))
+    assert r.extra_keys(0, 4) == (("lora", 3), ("salt", salt_digest("s")))
     assert r.extra_keys(4, 8) == (("lora", 3), ("mm", "img", 5))
     assert r.extra_keys(8, 12) == (("lora", 3), ("mm", "img", 5))
     plain = Request("p", list(range(12)), prompt_embeds_hash="e")
@@ -52,6 +52,20 @@ def test_a_salt_changes_every_block_hash_through_the_chain() -> None:
     salted = Request("a", list(range(8)), BlockHasher(BS), cache_salt="tenant")
     plain = Request("b", list(range(8)), BlockHasher(BS))
     assert all(x != y for x, y in zip(salted.block_hashes, plain.block_hashes, strict=True))
+
+
+def test_a_request_keeps_a_fixed_size_digest_of_its_salt_never_the_salt() -> None:
+    hasher = BlockHasher(BS)
+    huge = "t" * 1_000_000
+    r = Request("r", list(range(8)), hasher, cache_salt=huge)
+    assert r.salt_digest == hasher.salt_digest(huge) and len(r.salt_digest) == 64
+    assert not hasattr(r, "cache_salt")
+    # What outlives the request (the first block's hash input) is small too.
+    assert max(len(x) for x in r.block_hash_inputs) < 200
+    same = Request("s", list(range(8)), hasher, cache_salt=huge)
+    other = Request("o", list(range(8)), hasher, cache_salt=huge[:-1] + "u")
+    assert same.block_hashes == r.block_hashes and same.block_hash_inputs == r.block_hash_inputs
+    assert all(x != y for x, y in zip(other.block_hashes, r.block_hashes, strict=True))
 
 
 def test_prompt_logprobs_skip_reading_the_prefix_cache() -> None:
