@@ -424,6 +424,21 @@ def test_a_batch_on_the_wire_is_vllm_s_array_of_tagged_maps() -> None:
         ctx.destroy(linger=0)
 
 
+def test_a_salted_block_is_published_with_its_salt_s_digest_never_the_salt() -> None:
+    """Subscribers (and the replay buffer) get a fixed-size keyed digest: a tenant's salt
+    neither leaks to them nor makes a batch as large as the salt."""
+    m = make_manager(9, enable_kv_events=True, hash_seed=b"deployment")
+    salt = "tenant-secret" * 100_000
+    r = Request("r", [*tokens("ABCDEFGH"), 1], m.block_hasher, cache_salt=salt)
+    admit(m, r)
+    (event,) = m.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.extra_keys == [(("salt", m.block_hasher.salt_digest(salt)),), None]
+    check_stored_hashes(event, m.block_hasher)  # recomputable from the event alone
+    payload = msgspec.msgpack.encode(KVEventBatch(0.0, [event]))
+    assert len(payload) < 400 and b"tenant-secret" not in payload
+
+
 def test_without_a_replay_socket_no_batch_is_kept() -> None:
     """Nobody can ask for a replay, so nothing is buffered for one."""
     ctx = zmq.Context()

@@ -4,11 +4,17 @@ its K/V (salt, LoRA, multimodal inputs, prompt embeddings)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from enginecore.block_hash import BlockHasher, salt_digest
 from enginecore.request import MultiModalPlaceholder, Request, RequestStatus
+from launch import LLM
+from launch.client.inputs import Prompt
 from protocol.engine import SamplingParams
+from tests.helpers.cli_helpers import CPU
+from tests.helpers.proc_memory import rss_bytes
 
 BS = 4
 
@@ -66,6 +72,39 @@ def test_a_request_keeps_a_fixed_size_digest_of_its_salt_never_the_salt() -> Non
     other = Request("o", list(range(8)), hasher, cache_salt=huge[:-1] + "u")
     assert same.block_hashes == r.block_hashes and same.block_hash_inputs == r.block_hash_inputs
     assert all(x != y for x, y in zip(other.block_hashes, r.block_hashes, strict=True))
+
+
+def test_huge_salts_leave_the_core_process_small_and_still_isolate_tenants(
+    llama_dir: Path,
+) -> None:
+    """60 requests with 5 MB salts each: their blocks stay cached (and published, with a
+    replay buffer) after they finish, yet the core grows by less than 100 MB (it grew by
+    over 500 MB when blocks kept the salt itself). Equal salts still share blocks."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with LLM(
+        str(llama_dir),
+        device=CPU,
+        kv_events_endpoint="tcp://127.0.0.1:0",
+        kv_events_replay_endpoint="tcp://127.0.0.1:0",
+    ) as llm:
+        core = llm.engine.procs["engine core"].pid
+        llm.generate([[1] * 40], params, use_tqdm=False)
+        before = rss_bytes(core)
+        for i in range(60):
+            salt = f"{i:03d}" + "s" * 5_000_000
+            prompt = Prompt(prompt_token_ids=[i % 50 + 3] * 40, cache_salt=salt)
+            (out,) = llm.generate([prompt], params, use_tqdm=False)
+            assert out.error is None
+        grown = rss_bytes(core) - before
+        assert grown < 100 * 2**20, f"the core grew by {grown / 2**20:.0f} MB"
+        tenant = "t" * 5_000_000
+        ids = list(range(3, 43))
+        first, again, other = (
+            llm.generate([Prompt(prompt_token_ids=ids, cache_salt=s)], params, use_tqdm=False)[0]
+            for s in (tenant, tenant, tenant[:-1] + "u")
+        )
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+        assert other.num_cached_tokens == 0
 
 
 def test_prompt_logprobs_skip_reading_the_prefix_cache() -> None:
