@@ -14,7 +14,10 @@ import msgspec
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
 from launch.openai.reasoning import REASONING_PARSERS
-from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
+from launch.openai.responses_store import (
+    DEFAULT_MAX_STORED_RESPONSES,
+    DEFAULT_RESPONSES_STORE_BYTES,
+)
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 from protocol import envs
 from protocol.config import (
@@ -391,6 +394,14 @@ def _add_serve(sub: Any) -> None:
         default=DEFAULT_MAX_STORED_RESPONSES,
         help="Responses API answers kept in memory for previous_response_id and GET "
         "/v1/responses/{id}, the oldest dropped first; 0 keeps none (default: %(default)s)",
+    )
+    v.add_argument(
+        "--responses-store-bytes",
+        type=parse_bytes("--responses-store-bytes"),
+        default=DEFAULT_RESPONSES_STORE_BYTES,
+        help="and their estimated size in all (bytes, or with a unit: 64MiB, 1GiB), the "
+        "oldest dropped first; a response larger than this alone is not stored "
+        "(default: 256MiB)",
     )
     v.add_argument(
         "--enable-auto-tool-choice",

@@ -38,7 +38,11 @@ from launch.client.version import package_version
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.protocol import APIError
 from launch.openai.reasoning import ReasoningParser
-from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from launch.openai.responses_store import (
+    DEFAULT_MAX_STORED_RESPONSES,
+    DEFAULT_RESPONSES_STORE_BYTES,
+    ResponseStore,
+)
 from launch.openai.serving_base import (
     Admission,
     ServingContext,
@@ -111,6 +115,7 @@ class OpenAIServer:
         reasoning_parser: ReasoningParser | None = None,
         cors: CORS | None = None,
         aliases: Sequence[str] = (),
+        responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
     ) -> None:
         self.engine = engine
         self.cors = cors
@@ -129,7 +134,7 @@ class OpenAIServer:
             tool_call_parser,
         )
         self.ctx = ctx
-        self.response_store = ResponseStore(max_stored_responses)
+        self.response_store = ResponseStore(max_stored_responses, responses_store_bytes)
         self.completions = CompletionServing(ctx)
         self.chat = ChatServing(ctx)
         self.responses = ResponsesServing(ctx, self.chat, self.response_store)

@@ -150,7 +150,8 @@ class ResponseRun:
             if calls:
                 turn["tool_calls"] = [c.body() for c in calls]
             items = input_item_list(self.body.input)
-            self.store.put(self.id, StoredResponse(answer, [*self.messages, turn], items))
+            if not self.store.put(self.id, StoredResponse(answer, [*self.messages, turn], items)):
+                answer["store"] = False  # over the store's whole byte budget: not kept
         return answer
 
     # -- whole ---------------------------------------------------------------------------
