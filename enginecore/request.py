@@ -29,6 +29,10 @@ class RequestStatus(enum.IntEnum):
 _DEFAULT_PARAMS = SamplingParams()
 
 
+def _digest(salt: str, hasher: BlockHasher | None) -> str:
+    return salt_digest(salt, b"" if hasher is None else hasher.root)
+
+
 class Request:
     """Token ids (prompt then output), num_computed_tokens, and the block-hash chain.
 
@@ -116,12 +120,9 @@ class Request:
         # While a KVCacheManager holds blocks for it: tells this request apart from
         # another that reuses its id.
         self.holds_kv_blocks = False
-        # Only a fixed-size digest of the salt is kept: the salt itself may be megabytes,
-        # and the first block's hash input (which outlives the request) holds this.
-        self.salt_digest: str | None = None
-        if cache_salt is not None:
-            salted = block_hasher.salt_digest if block_hasher is not None else salt_digest
-            self.salt_digest = salted(cache_salt)
+        # Only a fixed-size digest of the salt is kept: the salt may be megabytes, and the
+        # first block's hash input (which outlives the request) holds this.
+        self.salt_digest = None if cache_salt is None else _digest(cache_salt, block_hasher)
         self.lora_id = lora_id
         self.mm_placeholders = sorted(mm_placeholders or (), key=lambda p: p.offset)
         self.prompt_embeds_hash = prompt_embeds_hash
