@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.cli_flags import build_parser
 from launch.openai.responses_store import ResponseStore, StoredResponse, stored_size
 from tests.helpers.proc_memory import rss_bytes
 from tests.helpers.server import MODEL_NAME, Server, post, start_server
@@ -54,6 +55,17 @@ def test_the_byte_budget_drops_the_oldest_and_refuses_one_response_over_it() -> 
     # A response too large to store replaces nothing: an old one under its id is gone.
     assert not store.put("3", _big(3, 3 * one)) and store.get("3") is None
     assert store.num_bytes == one
+
+
+def test_the_byte_budget_flag_takes_units_and_refuses_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve"]).responses_store_bytes == 256 * 2**20
+    assert parse(["serve", "--responses-store-bytes", "64MiB"]).responses_store_bytes == 2**26
+    with pytest.raises(SystemExit):
+        parse(["serve", "--responses-store-bytes", "0"])
+    assert "--responses-store-bytes must be a whole number of bytes >= 1" in capsys.readouterr().err
 
 
 ITEM_BYTES = 5_000_000
