@@ -128,6 +128,10 @@ def _close_output(writer: Any, code: int) -> int:
     except OutputWriteError as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)
         return code or 1
+    except KeyboardInterrupt:  # while sorting: every result is there, in finish order
+        return 130
+    except Terminated as e:
+        return 128 + e.signum
     return code
 
 

@@ -128,8 +128,10 @@ class JsonLinesOutput:
             with open(tmp, "wb") as f:
                 for i in ranked:
                     f.write(lines[i] + b"\n")
-        except OSError as e:
+        except BaseException as e:  # a signal too: the file stays whole, the copy goes
             tmp.unlink(missing_ok=True)
+            if not isinstance(e, OSError):
+                raise
             raise OutputWriteError(
                 f"cannot put {self.path} in input order: {e.strerror or e} (errno {e.errno}); "
                 f"it holds {len(lines)} complete results, in the order they finished"
