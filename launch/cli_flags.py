@@ -337,7 +337,7 @@ def _add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="offline generation over a JSON-lines file")
     _add_worker_flags(g)
     g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
-    g.add_argument("--output", required=True, type=Path, help="JSON lines, in input order")
+    g.add_argument("--output", required=True, type=Path, help="JSON lines (-: stdout)")
     g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
     g.add_argument(
         "--temperature",
@@ -459,7 +459,7 @@ def _add_run_batch(sub: Any) -> None:
         help="OpenAI's Batch API file format, run offline (launch/openai/run_batch.py)",
     )
     b.add_argument("-i", "--input", required=True, type=Path, help="JSON lines of batch requests")
-    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines, in input order")
+    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines (-: stdout)")
     b.add_argument("--no-progress", action="store_true", help="no progress lines")
     _add_api_flags(b)
     _add_worker_flags(b)
