@@ -85,7 +85,7 @@ class ResponseRun:
             "prompt_cache_key": b.prompt_cache_key,
             "service_tier": b.service_tier or "default",
             "reasoning": None,
-            "background": False,
+            "background": b.background,
             "usage": self._usage() if done else None,
         }
 
