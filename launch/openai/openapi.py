@@ -9,11 +9,11 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from launch.openai.protocol import (
     ChatCompletionRequest,
@@ -66,16 +66,16 @@ def openapi_document(
     root_path: str = "",
 ) -> dict[str, Any]:
     """The OpenAPI document of these routes; bodies: each POST path's request Struct."""
-    routes = [r for r in routes if isinstance(r, Route)]
-    used = [bodies[r.path] for r in routes if r.path in bodies]
+    flat = list(_flat(routes, ""))
+    used = list(dict.fromkeys(bodies[p] for p, _r in flat if p in bodies))
     refs, components = msgspec.json.schema_components([*used, ErrorResponse], ref_template=_REF)
     ref_of = dict(zip([*used, ErrorResponse], refs))
     paths: dict[str, dict[str, Any]] = {}
-    for route in routes:
-        path = _PARAM.sub(r"{\1}", route.path)
+    for full, route in flat:
+        path = _PARAM.sub(r"{\1}", full)
         for method in sorted((route.methods or set()) - {"HEAD"}):
-            op = _operation(route, method, ref_of[ErrorResponse])
-            body = bodies.get(route.path) if method == "POST" else None
+            op = _operation(full, route, method, ref_of[ErrorResponse])
+            body = bodies.get(full) if method == "POST" else None
             if body is not None:
                 op["requestBody"] = {
                     "required": True,
@@ -93,10 +93,19 @@ def openapi_document(
     return doc
 
 
-def _operation(route: Route, method: str, error_ref: dict[str, Any]) -> dict[str, Any]:
+def _flat(routes: Iterable[BaseRoute], prefix: str) -> Iterator[tuple[str, Route]]:
+    """Every Route with its full path, those under a Mount too."""
+    for route in routes:
+        if isinstance(route, Route):
+            yield prefix + route.path, route
+        elif isinstance(route, Mount):
+            yield from _flat(route.routes, prefix + route.path)
+
+
+def _operation(path: str, route: Route, method: str, error_ref: dict[str, Any]) -> dict[str, Any]:
     doc = (route.endpoint.__doc__ or "").strip()
-    summary = doc.splitlines()[0] if doc else f"{method} {route.path}"
-    slug = re.sub(r"\W+", "_", _PARAM.sub(r"\1", route.path)).strip("_") or "root"
+    summary = doc.splitlines()[0] if doc else f"{method} {path}"
+    slug = re.sub(r"\W+", "_", _PARAM.sub(r"\1", path)).strip("_") or "root"
     op: dict[str, Any] = {
         "operationId": f"{method.lower()}_{slug}",
         "summary": summary,
