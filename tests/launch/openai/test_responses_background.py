@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.helpers.server import MODEL_NAME, Server, post
+from tests.helpers.server import MODEL_NAME, Server, metrics, post
 
 GREEDY = {"model": MODEL_NAME, "temperature": 0, "max_output_tokens": 8}
 
@@ -57,12 +57,16 @@ def test_a_background_response_ends_as_the_foreground_one(
 def test_cancel_aborts_a_running_response(server: Server, client: openai.OpenAI) -> None:
     context = post(f"{server.url}/tokenize", {"prompt": "x"})[1]["max_model_len"]
     long = {**GREEDY, "max_output_tokens": context // 2}
+    before = metrics(server.url)["vllm:generation_tokens_total"]
     queued = client.responses.create(
         input="x", background=True, extra_body={"ignore_eos": True}, **long
     )
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.id == queued.id and cancelled.status == "cancelled"
     assert _load(server) == 0  # its engine request is gone
+    # It was stopped, not waited for.
+    generated = metrics(server.url)["vllm:generation_tokens_total"] - before
+    assert generated < long["max_output_tokens"]
     assert client.responses.retrieve(queued.id).status == "cancelled"
     assert _strict(server, queued.id)["status"] == "cancelled"
     # Cancelling again answers the same cancelled response.
