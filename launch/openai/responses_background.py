@@ -30,6 +30,18 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._running)
 
+    def check_room(self) -> None:
+        """A new one is refused while as many run as the store keeps: a client need not
+        stay connected to hold one, so their number is bounded here."""
+        if len(self._running) >= self.store.capacity:
+            raise APIError(
+                f"{len(self._running)} background responses are running, as many as the "
+                f"response store keeps (--max-stored-responses); retry later",
+                503,
+                param="background",
+                code="too_many_background_responses",
+            )
+
     def start(self, run: ResponseRun) -> dict[str, Any]:
         """Generate run in the background; its Response as it stands now ("queued")."""
         queued = run.response("queued")

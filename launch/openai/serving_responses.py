@@ -40,13 +40,15 @@ class ResponsesServing(GenerationServing):
         body: ResponsesRequest = decode_body(await request.body(), ResponsesRequest)
         body.check()
         self.check_model(body.model)
-        if body.background and not self.store.capacity:
-            raise APIError(
-                "background responses are fetched from the response store, which this "
-                "server keeps off (--max-stored-responses 0)",
-                param="background",
-                code="invalid_value",
-            )
+        if body.background:
+            if not self.store.capacity:
+                raise APIError(
+                    "background responses are fetched from the response store, which this "
+                    "server keeps off (--max-stored-responses 0)",
+                    param="background",
+                    code="invalid_value",
+                )
+            self.background.check_room()
         messages = []
         if body.previous_response_id is not None:
             prior = self.store.get(body.previous_response_id)

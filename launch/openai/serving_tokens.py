@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request
@@ -31,6 +31,9 @@ from launch.openai.protocol import (
 from launch.openai.response_shapes import chat_logprobs, sse_event, usage
 from launch.openai.serving_base import ServingContext, error_response, json_response
 from launch.openai.serving_generation import GenerationServing
+
+# A client's request_id is echoed, not kept: bounded so an answer cannot be made to grow.
+MAX_REQUEST_ID = 512
 
 # The SamplingParams fields the body's sampling_params takes (vLLM's SamplingParams names).
 TOKEN_SAMPLING_FIELDS = (
@@ -81,7 +84,7 @@ class TokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sampling_params: TokenSamplingParams = msgspec.field(default_factory=TokenSamplingParams)
     model: str | None = None
     # Echoed in the answer; a fresh one when not given.
-    request_id: str | None = None
+    request_id: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -149,9 +152,11 @@ class TokensServing(GenerationServing):
 
 def _param(param: str | None) -> str | None:
     """A completion's field as the token request names it."""
-    if param is None or param == "priority":
-        return param
-    return "token_ids" if param == "prompt" else f"sampling_params.{param}"
+    if param == "prompt":
+        return "token_ids"
+    if param in TOKEN_SAMPLING_FIELDS or param == "logprobs":
+        return f"sampling_params.{param}"
+    return param
 
 
 def _token_name(token_id: int) -> str:

@@ -103,4 +103,4 @@ def test_the_docs_page_lists_every_route_and_loads_nothing(
     for path, ops in document["paths"].items():
         for method in ops:
             assert f"{method.upper()} {path}" in page, path
-    assert "<script" not in page and "http" not in page.replace(server.url, "")
+    assert not any(tag in page for tag in ("<script", "<link", "src="))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.helpers.server import MODEL_NAME, Server, metrics, post
+from tests.helpers.server import MODEL_NAME, Server, metrics, post, start_server
 
 GREEDY = {"model": MODEL_NAME, "temperature": 0, "max_output_tokens": 8}
 
@@ -83,3 +84,21 @@ def test_what_cannot_be_cancelled_is_refused(client: openai.OpenAI) -> None:
     assert _wait_until_ended(client, finished.id).status in ("completed", "incomplete")
     with pytest.raises(openai.BadRequestError, match="already ended"):
         client.responses.cancel(finished.id)
+
+
+def test_no_more_run_in_the_background_than_the_store_keeps(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    server = start_server(chat_model, tmp_path, "--max-stored-responses", "1")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        context = post(f"{server.url}/tokenize", {"prompt": "x"})[1]["max_model_len"]
+        long: Any = {"max_output_tokens": context // 2, "extra_body": {"ignore_eos": True}}
+        first = client.responses.create(input="x", background=True, **long)
+        with pytest.raises(openai.InternalServerError, match="background responses are"):
+            client.responses.create(input="x", background=True, **long)
+        assert client.responses.cancel(first.id).status == "cancelled"
+        again = client.responses.create(input="x", background=True, **long)
+        assert client.responses.cancel(again.id).status == "cancelled"
+    finally:
+        server.stop()

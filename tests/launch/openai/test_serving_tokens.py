@@ -103,6 +103,8 @@ def test_generate_without_max_tokens_may_use_the_whole_context(server: Server) -
         ({"token_ids": [1], "sampling_params": {"n": "two"}}, "sampling_params"),
         ({"token_ids": [1], "features": "x"}, "features"),
         ({"sampling_params": {}}, "token_ids"),
+        ({"token_ids": [1], "request_id": "r" * 513}, "request_id"),
+        ({"token_ids": [1], "priority": 1}, "priority"),
     ],
 )
 def test_a_bad_generate_body_is_a_400_naming_its_field(
