@@ -4,8 +4,12 @@ Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, PO
 /v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items), GET
 /v1/models (and /v1/models/{id}), GET /health,
 GET /metrics (Prometheus, launch/openai/metrics.py), POST /reset_prefix_cache, and vLLM's POST
-/tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
-an API key (--api-key), every route but /health, /ping, /metrics and /version wants
+/tokenize, POST /detokenize, GET /version, GET /load, POST /inference/v1/generate
+(token-in/token-out), POST /v1/chat/completions/render and /v1/completions/render, POST
+/v1/responses/{id}/cancel, and GET/POST /ping (SageMaker's probe); GET /openapi.json
+describes them all (GET /docs, as a page). With
+an API key (--api-key), every route but /health, /ping, /metrics, /version, /load,
+/openapi.json and /docs wants
 `Authorization: Bearer KEY`; with CORS origins (--allowed-origins), browsers' cross-origin
 requests from them are answered, preflights without the key. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
@@ -20,7 +24,9 @@ endpoint family's work is its serving_*.py, given a ServingContext, never this s
 
 from __future__ import annotations
 
+import functools
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +34,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,6 +42,7 @@ from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
+from launch.openai.openapi import docs_page, openapi_document
 from launch.openai.protocol import APIError
 from launch.openai.reasoning import ReasoningParser
 from launch.openai.responses_store import (
@@ -54,12 +61,16 @@ from launch.openai.serving_base import (
 from launch.openai.serving_chat import ChatServing
 from launch.openai.serving_completions import CompletionServing
 from launch.openai.serving_embeddings import EmbeddingServing
+from launch.openai.serving_render import RenderServing
 from launch.openai.serving_responses import ResponsesServing
 from launch.openai.serving_tokenize import TokenizeServing
+from launch.openai.serving_tokens import TokensServing
 from launch.openai.tool_parsers import ToolCallParser
 
 # Probes a load balancer or a scraper calls without credentials.
-OPEN_PATHS = frozenset(("/health", "/ping", "/metrics", "/version"))
+OPEN_PATHS = frozenset(
+    ("/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs")
+)
 
 
 class RequireAPIKey:
@@ -140,6 +151,11 @@ class OpenAIServer:
         self.responses = ResponsesServing(ctx, self.chat, self.response_store)
         self.embeddings = EmbeddingServing(ctx)
         self.tokenizing = TokenizeServing(ctx)
+        self.tokens = TokensServing(ctx)
+        self.render = RenderServing(ctx, self.chat)
+        # /v1/models' `created`: when this server started serving the model.
+        self.started_at = int(time.time())
+        self._openapi: dict[str, Any] | None = None
 
     @property
     def draining(self) -> bool:
@@ -157,12 +173,20 @@ class OpenAIServer:
             routes=[
                 Route("/v1/completions", guard(self.completions.create), methods=["POST"]),
                 Route("/v1/chat/completions", guard(self.chat.create), methods=["POST"]),
+                Route("/v1/chat/completions/render", guard(self.render.chat), methods=["POST"]),
+                Route("/v1/completions/render", guard(self.render.completion), methods=["POST"]),
+                Route("/inference/v1/generate", guard(self.tokens.generate), methods=["POST"]),
                 Route("/v1/embeddings", guard(self.embeddings.create), methods=["POST"]),
                 Route("/v1/responses", guard(self.responses.create), methods=["POST"]),
                 Route(
                     "/v1/responses/{response_id}",
                     guard(self.responses.stored),
                     methods=["GET", "DELETE"],
+                ),
+                Route(
+                    "/v1/responses/{response_id}/cancel",
+                    guard(self.responses.cancel),
+                    methods=["POST"],
                 ),
                 Route(
                     "/v1/responses/{response_id}/input_items",
@@ -178,6 +202,9 @@ class OpenAIServer:
                 Route("/tokenize", guard(self.tokenizing.tokenize), methods=["POST"]),
                 Route("/detokenize", guard(self.tokenizing.detokenize), methods=["POST"]),
                 Route("/version", self.version, methods=["GET"]),
+                Route("/load", self.load, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
+                Route("/docs", self.docs, methods=["GET"]),
             ],
         )
         guarded: ASGIApp = app if self.api_key is None else RequireAPIKey(app, self.api_key)
@@ -195,12 +222,33 @@ class OpenAIServer:
 
     # -- small routes -------------------------------------------------------------------
     def _card(self, name: str) -> dict[str, Any]:
+        """vLLM's model card: root is the checkpoint served, parent the base model of an
+        adapter (none here), permission one entry allowing what the server does."""
+        created = self.started_at
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": created,
             "owned_by": "pagedserve",
+            "root": self.engine.model,
+            "parent": None,
             "max_model_len": self.engine.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     async def models(self, _request: Request) -> Response:
@@ -230,7 +278,27 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def version(self, _request: Request) -> Response:
+        """The server's version (vLLM's GET /version)."""
         return json_response({"version": package_version()})
+
+    async def load(self, _request: Request) -> Response:
+        """The requests in flight in the engine (vLLM's GET /load)."""
+        return json_response({"server_load": self.engine.num_open_requests})
+
+    async def openapi(self, request: Request) -> Response:
+        """This OpenAPI document: every route, each request body's JSON Schema."""
+        if self._openapi is None:
+            root = request.scope.get("root_path", "")
+            self._openapi = openapi_document(
+                request.app.routes, "pagedserve", package_version(), root_path=root
+            )
+        return json_response(self._openapi)
+
+    async def docs(self, request: Request) -> Response:
+        """A readable page of the OpenAPI document."""
+        await self.openapi(request)
+        assert self._openapi is not None
+        return HTMLResponse(docs_page(self._openapi))
 
 
 def _guard(
@@ -238,6 +306,7 @@ def _guard(
 ) -> Callable[[Request], Awaitable[Response]]:
     """Bad input and a dead engine become OpenAI-style errors; the server keeps on."""
 
+    @functools.wraps(handler)
     async def run(request: Request) -> Response:
         try:
             return await handler(request)

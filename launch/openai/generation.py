@@ -146,8 +146,12 @@ class Generation:
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
         finally:
-            self._waiting.started()
-            self.stream.close()
+            self.close()
+
+    def close(self) -> None:
+        """Abort what is still running and free the admission ticket (idempotent)."""
+        self._waiting.started()
+        self.stream.close()
 
     def cached_tokens(self) -> int:
         """Each prompt counted once (its first copy's cache hits: later copies hit what

@@ -1,5 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API), and the stored responses: GET / DELETE
-/v1/responses/{id}, GET /v1/responses/{id}/input_items."""
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel (a
+background one: responses_background.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from starlette.responses import Response
 
 from launch.openai.generation import Generation
 from launch.openai.protocol import APIError, decode_body
+from launch.openai.responses_background import BackgroundResponses
 from launch.openai.responses_items import input_messages, without_oldest_turn
 from launch.openai.responses_output import ResponseRun
 from launch.openai.responses_protocol import ResponsesRequest
@@ -32,11 +34,21 @@ class ResponsesServing(GenerationServing):
         super().__init__(ctx)
         self._chat = chat
         self.store = store
+        self.background = BackgroundResponses(store)
 
     async def create(self, request: Request) -> Response:
         body: ResponsesRequest = decode_body(await request.body(), ResponsesRequest)
         body.check()
         self.check_model(body.model)
+        if body.background:
+            if not self.store.capacity:
+                raise APIError(
+                    "background responses are fetched from the response store, which this "
+                    "server keeps off (--max-stored-responses 0)",
+                    param="background",
+                    code="invalid_value",
+                )
+            self.background.check_room()
         messages = []
         if body.previous_response_id is not None:
             prior = self.store.get(body.previous_response_id)
@@ -64,6 +76,8 @@ class ResponsesServing(GenerationServing):
             raise
         generation = Generation(self.ctx, chat, started, self.ctx.reasoning_parser)
         run = ResponseRun(body, generation, tools, self.ctx.model_name, messages, self.store)
+        if body.background:
+            return json_response(self.background.start(run))
 
         async def whole() -> Response:
             try:
@@ -84,6 +98,10 @@ class ResponsesServing(GenerationServing):
         if stored is None:
             raise not_found(response_id)
         return json_response(stored.response)
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/responses/{id}/cancel (the openai client's responses.cancel)."""
+        return json_response(await self.background.cancel(request.path_params["response_id"]))
 
     async def input_items(self, request: Request) -> Response:
         """GET a stored response's input items (the openai client's

@@ -303,7 +303,7 @@ def test_function_tools(tools_server: Callable[[], Server]) -> None:
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "background"),
         ({"input": "x", "model": "other"}, "model"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": [{"type": "computer_call_output", "call_id": "1"}]}, "input"),
