@@ -10,8 +10,9 @@ does with a prefilled answer. tools become function tools (input_schema their
 parameters), tool_choice auto / any / tool / none chat's auto / required / named / none.
 
 Unknown fields are refused (400, naming the field), as Anthropic's API refuses them; image
-and document blocks and server tools are refused by name (a text-only engine). metadata
-is accepted and unused; thinking is accepted (with a reasoning parser the answer's
+and document blocks and server tools are refused by name (a text-only engine). metadata,
+service_tier and cache_control are accepted and unused; output_config.format (a JSON
+schema) holds the answer to it; thinking is accepted (with a reasoning parser the answer's
 reasoning comes back as thinking blocks, unless thinking is disabled).
 """
 
@@ -22,7 +23,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from launch.openai.protocol import APIError, ChatCompletionRequest, decode_body
+from launch.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    JSONSchemaFormat,
+    ResponseFormat,
+    decode_body,
+)
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
 
 # Anthropic's error types by HTTP status (its clients raise a typed error per status).
@@ -136,6 +143,18 @@ class Metadata(msgspec.Struct, forbid_unknown_fields=True):
     user_id: str | None = None
 
 
+class JSONOutputFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """format: the answer held to a JSON schema (structured outputs); effort accepted."""
+
+    format: JSONOutputFormat | None = None
+    effort: str | None = None
+
+
 class CountTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """POST /v1/messages/count_tokens: the prompt a Messages request would render."""
 
@@ -205,6 +224,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool = False
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, one tier here
+    cache_control: CacheControl | None = None  # accepted: the prefix cache needs no hint
+    output_config: OutputConfig | None = None
 
     def check(self) -> None:
         """What the types cannot say, as Anthropic's 400s say it."""
@@ -222,6 +243,10 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
                 sampling[name] = value
         if self.stop_sequences:
             sampling["stop"] = self.stop_sequences
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None:
+            schema = JSONSchemaFormat("output", fmt.schema)
+            sampling["response_format"] = ResponseFormat("json_schema", schema)
         return self.chat_request(**sampling)
 
 

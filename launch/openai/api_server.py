@@ -3,11 +3,11 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
 /v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items), GET
 /v1/models (and /v1/models/{id}), Anthropic's POST /v1/messages and
-/v1/messages/count_tokens (serving_messages.py), GET /health,
+/v1/messages/count_tokens (serving_messages.py; `x-api-key: KEY` is accepted too), GET /health,
 GET /metrics (Prometheus, launch/openai/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
 an API key (--api-key), every route but /health, /ping, /metrics and /version wants
-`Authorization: Bearer KEY` (or `x-api-key: KEY`); with CORS origins (--allowed-origins), browsers' cross-origin
+`Authorization: Bearer KEY`; with CORS origins (--allowed-origins), browsers' cross-origin
 requests from them are answered, preflights without the key. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
