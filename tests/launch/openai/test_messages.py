@@ -242,9 +242,7 @@ def test_tool_use_and_tool_result_round_trip(builtin_server: Callable[..., Serve
     assert len(parts) >= 2 and json.loads("".join(parts)) == call.input
     starts = [e.content_block for e in events if e.type == "content_block_start"]  # type: ignore[union-attr]
     assert [(b.type, b.name) for b in starts] == [("tool_use", "get_weather")]  # type: ignore[union-attr]
-    with client.messages.stream(tool_choice=named, max_tokens=300, **args) as stream:  # type: ignore[arg-type]
-        final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and final.content[0].input == call.input  # type: ignore[union-attr]
+    assert events[-2].delta.stop_reason == "tool_use"  # type: ignore[union-attr]
     for stream_it in (False, True):
         any_call = {"type": "any", "disable_parallel_tool_use": True}
         if stream_it:
