@@ -271,7 +271,8 @@ def test_tool_use_and_tool_result_round_trip(builtin_server: Callable[..., Serve
         messages=back,  # type: ignore[arg-type]
         tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
     )
-    status, tokens = post_key(server, "/tokenize", {"messages": CALLED, "tools": TOOLS})
+    bearer = {"Authorization": "Bearer s3cret"}
+    status, tokens = post_headers(server, "/tokenize", {"messages": CALLED, "tools": TOOLS}, bearer)
     assert status == 200 and counted.input_tokens == tokens["count"]
     m = _create(
         client,
@@ -282,21 +283,25 @@ def test_tool_use_and_tool_result_round_trip(builtin_server: Callable[..., Serve
         max_tokens=1,
     )
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == tokens["count"]
-    # A wrong key: Anthropic's 401.
-    with pytest.raises(anthropic.AuthenticationError) as refused:
-        _client(server, "guess").messages.create(
-            model="pagedserve-builtin", max_tokens=1, messages=ASK
-        )
-    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    # The key as x-api-key (what Anthropic's clients send; newer ones send a bearer token
+    # too); a wrong key is Anthropic's 401.
+    body = {"model": "pagedserve-builtin", "max_tokens": 1, "messages": ASK}
+    assert post_headers(server, "/v1/messages", body, {"x-api-key": "s3cret"})[0] == 200
+    status, refused = post_headers(server, "/v1/messages", body, {"x-api-key": "guess"})
+    assert status == 401 and refused["error"]["type"] == "authentication_error", refused
+    with pytest.raises(anthropic.AuthenticationError):
+        _client(server, "guess").messages.create(**body)
 
 
 def _tool_use(call_id: str, name: str, tool_input: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": call_id, "name": name, "input": tool_input}
 
 
-def post_key(server: Server, path: str, body: object) -> tuple[int, dict]:
-    """A JSON post with the tools server's key as a bearer token."""
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer s3cret"}
+def post_headers(
+    server: Server, path: str, body: object, headers: dict[str, str]
+) -> tuple[int, dict]:
+    """A JSON post with these headers (the key, as one API or the other sends it)."""
+    headers = {"Content-Type": "application/json", **headers}
     request = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=300) as r:
