@@ -308,3 +308,32 @@ def post_headers(
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_reasoning_comes_back_as_a_thinking_block(builtin_server: Callable[..., Server]) -> None:
+    """Under deepseek_r1's parser the think block opens in the prompt, so a random model's
+    text, never closing it, is all reasoning: a thinking block equal to chat's reasoning,
+    whole and streamed; thinking disabled leaves it out."""
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}<think>"
+    server = builtin_server("--chat-template", template, "--reasoning-parser", "deepseek_r1")
+    body = {"model": "pagedserve-builtin", "messages": ASK, "max_tokens": 6, "temperature": 0}
+    status, chat = post(f"{server.url}/v1/chat/completions", body)
+    assert status == 200, chat
+    thought = chat["choices"][0]["message"]["reasoning"]
+    assert thought
+    client = _client(server)
+    args: dict[str, Any] = dict(
+        model="pagedserve-builtin", messages=ASK, max_tokens=6, extra_body=GREEDY
+    )
+    m = _create(client, **args)
+    assert [(b.type, getattr(b, "thinking", None)) for b in m.content] == [
+        ("thinking", thought),
+        ("text", None),
+    ]
+    events = _events(client, **args)
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert "".join(d.thinking for d in deltas) == thought  # type: ignore[union-attr]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]  # type: ignore[union-attr]
+    assert starts == ["thinking", "text"]
+    m = _create(client, thinking={"type": "disabled"}, **args)
+    assert [b.type for b in m.content] == ["text"]
