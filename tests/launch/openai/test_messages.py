@@ -257,6 +257,9 @@ def test_tool_use_and_tool_result_round_trip(builtin_server: Callable[..., Serve
     # auto: the model decides (a random model writes text, no call).
     m = _create(client, max_tokens=5, **args)
     assert [b.type for b in m.content] == ["text"] and m.stop_reason == "max_tokens"
+    events = _events(client, max_tokens=5, **args)
+    texts = [e.delta.text for e in events if e.type == "content_block_delta"]  # type: ignore[union-attr]
+    assert "".join(texts) == m.content[0].text  # type: ignore[union-attr]
     # The call and its result sent back: chat's tool call and tool message.
     back = [
         *ASK,
