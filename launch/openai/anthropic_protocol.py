@@ -9,8 +9,8 @@ arguments). A conversation that ends with an assistant turn is continued, as Ant
 does with a prefilled answer. tools become function tools (input_schema their
 parameters), tool_choice auto / any / tool / none chat's auto / required / named / none.
 
-Unknown fields are refused (400, naming the field), as Anthropic's API refuses them; image
-and document blocks and server tools are refused by name (a text-only engine). metadata,
+Unknown fields are ignored with a warning in the log, as vLLM does; image and document
+blocks and server tools are refused by name (a text-only engine). metadata,
 service_tier and cache_control are accepted and unused; output_config.format (a JSON
 schema) holds the answer to it; thinking is accepted (with a reasoning parser the answer's
 reasoning comes back as thinking blocks, unless thinking is disabled).
@@ -19,6 +19,7 @@ reasoning comes back as thinking blocks, unless thinking is disabled).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
 
 import msgspec
@@ -32,6 +33,8 @@ from launch.openai.protocol import (
 )
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolDef
 
+log = logging.getLogger("pagedserve.serve")
+
 # Anthropic's error types by HTTP status (its clients raise a typed error per status).
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -40,9 +43,7 @@ _ERROR_TYPES = {
     404: "not_found_error",
     413: "request_too_large",
     429: "overloaded_error",
-    499: "invalid_request_error",
     503: "overloaded_error",
-    529: "overloaded_error",
 }
 
 
@@ -52,14 +53,14 @@ def error_body(e: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
-class CacheControl(msgspec.Struct, forbid_unknown_fields=True):
+class CacheControl(msgspec.Struct):
     """Accepted on blocks and tools: the prefix cache needs no hint."""
 
     type: Literal["ephemeral"]
     ttl: str | None = None
 
 
-class TextBlock(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
     text: str
     cache_control: CacheControl | None = None
     citations: list[dict[str, Any]] | None = None  # accepted, unused
@@ -73,32 +74,28 @@ class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
     """Decoded only to be refused by name."""
 
 
-class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", forbid_unknown_fields=True):
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     id: str
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(
-    msgspec.Struct, tag="tool_result", tag_field="type", forbid_unknown_fields=True
-):
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
 
-class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", forbid_unknown_fields=True):
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
     """An earlier answer's thinking: left out of the history, as chat templates do."""
 
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(
-    msgspec.Struct, tag="redacted_thinking", tag_field="type", forbid_unknown_fields=True
-):
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
     data: str
 
 
@@ -113,12 +110,12 @@ Block = (
 )
 
 
-class MessageParam(msgspec.Struct, forbid_unknown_fields=True):
+class MessageParam(msgspec.Struct):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True):
+class Tool(msgspec.Struct):
     """A client tool; server tools (a `type` other than custom) are refused by name."""
 
     name: str
@@ -128,34 +125,34 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True):
     cache_control: CacheControl | None = None
 
 
-class ToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+class ToolChoice(msgspec.Struct):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class Thinking(msgspec.Struct, forbid_unknown_fields=True):
+class Thinking(msgspec.Struct):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None  # accepted: the answer's length bounds the thinking
 
 
-class Metadata(msgspec.Struct, forbid_unknown_fields=True):
+class Metadata(msgspec.Struct):
     user_id: str | None = None
 
 
-class JSONOutputFormat(msgspec.Struct, forbid_unknown_fields=True):
+class JSONOutputFormat(msgspec.Struct):
     type: Literal["json_schema"]
     schema: dict[str, Any]
 
 
-class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
+class OutputConfig(msgspec.Struct):
     """format: the answer held to a JSON schema (structured outputs); effort accepted."""
 
     format: JSONOutputFormat | None = None
     effort: str | None = None
 
 
-class CountTokensRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CountTokensRequest(msgspec.Struct, kw_only=True):
     """POST /v1/messages/count_tokens: the prompt a Messages request would render."""
 
     model: str
@@ -251,8 +248,18 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 
 
 def decode(raw: bytes, kind: type[CountTokensRequest]) -> Any:
-    """The body, or an APIError (400) naming the field that is wrong."""
-    return decode_body(raw, kind)  # type: ignore[arg-type]
+    """The body, or an APIError (400) naming the field that is wrong. Fields this server
+    does not know are ignored with a warning, as vLLM does: agents built on Anthropic's
+    clients send newer ones (context management, containers) that mean nothing here."""
+    body = decode_body(raw, kind)  # type: ignore[arg-type]
+    unknown = set(msgspec.json.decode(raw, type=dict[str, msgspec.Raw])) - _FIELDS[kind]
+    if unknown:
+        log.warning("%s: ignored unknown fields %s", _ROUTES[kind], ", ".join(sorted(unknown)))
+    return body
+
+
+_FIELDS = {k: set(k.__struct_fields__) for k in (CountTokensRequest, MessagesRequest)}
+_ROUTES = {CountTokensRequest: "/v1/messages/count_tokens", MessagesRequest: "/v1/messages"}
 
 
 def _bad(message: str, param: str) -> APIError:

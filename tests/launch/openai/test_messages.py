@@ -150,7 +150,6 @@ def test_an_assistant_turn_last_is_continued(server: Server) -> None:
     [
         ({"messages": TURNS}, "max_tokens"),
         ({"max_tokens": 4}, "messages"),
-        ({"max_tokens": 4, "messages": TURNS, "bogus": 1}, "bogus"),
         ({"max_tokens": 0, "messages": TURNS}, "max_tokens"),
         ({"max_tokens": 4, "messages": TURNS, "temperature": 1.5}, "temperature"),
         ({"max_tokens": 4, "messages": []}, "messages"),
@@ -190,6 +189,16 @@ def test_a_bad_body_is_an_anthropic_400(server: Server, body: dict[str, Any], sa
     # The server keeps serving.
     ok = {"model": MODEL_NAME, "max_tokens": 1, "messages": TURNS}
     assert post(f"{server.url}/v1/messages", ok)[0] == 200
+
+
+def test_unknown_fields_are_ignored(server: Server) -> None:
+    """Newer clients' and agents' fields (a block's too) are ignored, as vLLM ignores them,
+    and logged."""
+    turn = {"role": "user", "content": [{"type": "text", "text": "Hi", "extra": 1}]}
+    body = {"model": MODEL_NAME, "max_tokens": 1, "messages": [turn], "zz_future": {"a": 1}}
+    status, answer = post(f"{server.url}/v1/messages", body)
+    assert status == 200 and answer["type"] == "message", answer
+    server.watch.wait_for(r"ignored unknown fields zz_future", timeout=60)
 
 
 def test_errors_are_the_clients_typed_errors(server: Server) -> None:
