@@ -54,9 +54,10 @@ def error_body(e: APIError) -> dict[str, Any]:
 
 
 class CacheControl(msgspec.Struct):
-    """Accepted on blocks and tools: the prefix cache needs no hint."""
+    """Accepted (on the request, blocks and tools) and unused: the prefix cache needs no
+    hint."""
 
-    type: Literal["ephemeral"]
+    type: str
     ttl: str | None = None
 
 
