@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
 /v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items), GET
-/v1/models (and /v1/models/{id}), GET /health,
+/v1/models (and /v1/models/{id}), Anthropic's POST /v1/messages and
+/v1/messages/count_tokens (serving_messages.py; `x-api-key: KEY` is accepted too), GET /health,
 GET /metrics (Prometheus, launch/openai/metrics.py), POST /reset_prefix_cache, and vLLM's POST
 /tokenize, POST /detokenize, GET /version, GET /load, POST /inference/v1/generate
 (token-in/token-out), POST /v1/chat/completions/render and /v1/completions/render, POST
@@ -61,6 +62,7 @@ from launch.openai.serving_base import (
 from launch.openai.serving_chat import ChatServing
 from launch.openai.serving_completions import CompletionServing
 from launch.openai.serving_embeddings import EmbeddingServing
+from launch.openai.serving_messages import MessagesServing, anthropic_error, anthropic_guard
 from launch.openai.serving_render import RenderServing
 from launch.openai.serving_responses import ResponsesServing
 from launch.openai.serving_tokenize import TokenizeServing
@@ -75,22 +77,28 @@ OPEN_PATHS = frozenset(
 
 class RequireAPIKey:
     """ASGI middleware: HTTP requests outside OPEN_PATHS need `Authorization: Bearer KEY`
-    (401 as OpenAI answers it otherwise). Pure ASGI, so a stream's chunks pass untouched."""
+    or `x-api-key: KEY` (what Anthropic's clients send); 401 otherwise, in the shape of
+    the route's API. Pure ASGI, so a stream's chunks pass untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _route_path(scope) not in OPEN_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self._expected):
+        path = _route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] == "http" and path not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self._expected)
+            if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b""), self._key)):
                 error = APIError(
-                    "invalid or missing API key: send Authorization: Bearer <key>",
+                    "invalid or missing API key: send Authorization: Bearer <key> "
+                    "(or x-api-key: <key>)",
                     401,
                     code="invalid_api_key",
                 )
-                await error_response(error)(scope, receive, send)
+                shape = anthropic_error if path.startswith("/v1/messages") else error_response
+                await shape(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -156,6 +164,7 @@ class OpenAIServer:
         # /v1/models' `created`: when this server started serving the model.
         self.started_at = int(time.time())
         self._openapi: dict[str, Any] | None = None
+        self.messages = MessagesServing(ctx, self.chat)
 
     @property
     def draining(self) -> bool:
@@ -192,6 +201,12 @@ class OpenAIServer:
                     "/v1/responses/{response_id}/input_items",
                     guard(self.responses.input_items),
                     methods=["GET"],
+                ),
+                Route("/v1/messages", anthropic_guard(self.messages.create), methods=["POST"]),
+                Route(
+                    "/v1/messages/count_tokens",
+                    anthropic_guard(self.messages.count_tokens),
+                    methods=["POST"],
                 ),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),

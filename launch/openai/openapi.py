@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from starlette.routing import BaseRoute, Mount, Route
 
+from launch.openai.anthropic_protocol import CountTokensRequest, MessagesRequest
 from launch.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +54,8 @@ REQUEST_BODIES: dict[str, type] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/inference/v1/generate": TokensRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
 }
 
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
