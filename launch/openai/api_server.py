@@ -111,6 +111,7 @@ class OpenAIServer:
         reasoning_parser: ReasoningParser | None = None,
         cors: CORS | None = None,
         aliases: Sequence[str] = (),
+        strict_fields: bool = False,
     ) -> None:
         self.engine = engine
         self.cors = cors
@@ -127,6 +128,7 @@ class OpenAIServer:
             self.admission,
             reasoning_parser,
             tool_call_parser,
+            strict_fields,
         )
         self.ctx = ctx
         self.response_store = ResponseStore(max_stored_responses)

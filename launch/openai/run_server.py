@@ -209,6 +209,7 @@ def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAI
         args.max_stored_responses,
         args.reasoning_parser,
         aliases=names[1:],
+        strict_fields=args.strict_request_fields,
         cors=None
         if args.allowed_origins is None
         else CORS(
