@@ -67,13 +67,14 @@ def test_several_prompts_in_one_request_are_answered_prompt_major(
     assert prompts[1] == PROMPT_IDS
     assert c.usage is not None and c.usage.completion_tokens == 2 * N
     assert c.usage.prompt_tokens == sum(map(len, prompts))
-    # Streamed with n=2: choice index = prompt * 2 + copy, usage summed at the end.
+    # Streamed with n=2: choice index = prompt * 2 + copy, usage summed at the end. top_k
+    # 1 samples greedily (n > 1 at temperature 0 is refused, as vLLM refuses it).
     stream = client.completions.create(
         prompt=[PROMPT_TEXT, PROMPT_IDS],
         n=2,
         stream=True,
         stream_options={"include_usage": True},
-        **args,  # type: ignore[arg-type]
+        **{**args, "temperature": 1.0, "extra_body": {**EXTRA, "top_k": 1}},  # type: ignore[arg-type]
     )
     ids: dict[int, list[int]] = {i: [] for i in range(4)}
     finished = set()

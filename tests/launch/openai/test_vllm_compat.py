@@ -44,6 +44,13 @@ REFUSED: dict[str, tuple[str, dict[str, Any], int, str]] = {
         404,
         "model",
     ),
+    "unknown model (responses)": (
+        "/v1/responses",
+        {"input": "x", "model": "gpt-4"},
+        404,
+        "model",
+    ),
+    "unknown model (tokenize)": ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     "temperature above 2": (
         "/v1/completions",
         {"prompt": "x", "temperature": 5},
@@ -229,6 +236,10 @@ def test_an_unknown_field_is_ignored(server: Server) -> None:
     # What is left once they are gone is checked as ever.
     status, answer = post(f"{server.url}/v1/completions", {**body, "temperature": 9})
     assert status == 400 and answer["error"]["param"] == "temperature", answer
+    status, answer = post(
+        f"{server.url}/v1/responses", {"input": "a", "max_output_tokens": 1, "y": 0}
+    )
+    assert status == 200, answer
     status, answer = post(f"{server.url}/v1/embeddings", {"input": "a", "encoding": "x"})
     assert status == 200, answer
     CreateEmbeddingResponse.model_validate(answer)
