@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from launch.openai.request_fields import decode_lenient, log_ignored
+from launch.openai.request_fields import debug_enabled, decode_lenient, log_ignored
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef
 from protocol.engine import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
 
@@ -548,7 +548,8 @@ def decode_body(raw: bytes, kind: type[Any], strict: bool = False) -> Any:
                 code="unsupported_parameter",
             )
         body.check()
-        unused = body.unused()
+        if debug_enabled():  # the scan costs every request; its line is debug only
+            unused = body.unused()
     if unknown or unused:
         log_ignored(kind.__name__, unknown, unused)
     return body

@@ -68,6 +68,10 @@ def _unknown_field(doc: Any, message: str) -> str | None:
     return f"{path[1:]}.{name}" if path else name
 
 
+def debug_enabled() -> bool:
+    return log.isEnabledFor(logging.DEBUG)
+
+
 def log_ignored(route: str, unknown: list[str], unused: list[str]) -> None:
     """One line per request for each kind of field it sent that has no effect here."""
     if unknown:
