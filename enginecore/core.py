@@ -9,6 +9,7 @@ is lost it fails every open request with the reason, tells the client, and exits
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -43,6 +44,7 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
 from protocol.worker import SchedulerOutput, WorkerConfigure, WorkerHello
@@ -122,14 +124,8 @@ class EngineCore:
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
         )
-        self.scheduler = Scheduler(
-            sched_config,
-            kv_config,
-            first.vocab_size,
-            first.eos_token_ids,
-            first.sampling_defaults,
-        )
-        self.scheduler.check_capacity()
+        self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
+        max_model_len = self.scheduler.config.max_model_len
         if self.config.kv_events_endpoint is not None:
             self._start_kv_events(self.config.kv_events_endpoint)
         self.executor.configure(
@@ -163,6 +159,38 @@ class EngineCore:
                 kv_events_replay_endpoint=self.kv_events and self.kv_events.replay_endpoint,
             )
         )
+
+    def _fitted_scheduler(
+        self, config: SchedulerConfig, kv_config: KVCacheConfig, first: WorkerHello
+    ) -> Scheduler:
+        """The scheduler over this pool. Without --max-model-len, a pool too small for one
+        request of the model's whole context serves the longest request it holds instead
+        (a first run should start, not stop on a number the engine can work out); an
+        explicit length that does not fit is still refused."""
+
+        def build(c: SchedulerConfig) -> Scheduler:
+            return Scheduler(
+                c, kv_config, first.vocab_size, first.eos_token_ids, first.sampling_defaults
+            )
+
+        scheduler = build(config)
+        if self.config.max_model_len is not None:
+            scheduler.check_capacity()
+            return scheduler
+        kv = scheduler.kv_cache_manager
+        fits = kv.longest_request(config.max_model_len, config.max_num_batched_tokens)
+        if fits == config.max_model_len or fits == 0:
+            scheduler.check_capacity()  # fits whole, or refused: not even one token fits
+            return scheduler
+        log.warning(
+            "max_model_len %d: the KV cache (%d blocks) holds one request of at most %d "
+            "tokens, not the model's %d; --kv-cache-memory or --num-gpu-blocks makes room",
+            fits,
+            kv.num_usable_blocks,
+            fits,
+            config.max_model_len,
+        )
+        return build(dataclasses.replace(config, max_model_len=fits))
 
     def _check_hellos(self, hellos: list[WorkerHello]) -> int:
         """Every rank runs the same model: the max_model_len to serve, within its limit."""

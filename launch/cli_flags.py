@@ -404,6 +404,12 @@ def _add_serve(sub: Any) -> None:
         "(default: 256MiB)",
     )
     v.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) a request body field no route declares, instead of ignoring it "
+        "with a warning as vLLM does",
+    )
+    v.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",

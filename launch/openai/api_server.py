@@ -135,6 +135,7 @@ class OpenAIServer:
         cors: CORS | None = None,
         aliases: Sequence[str] = (),
         responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
+        strict_fields: bool = False,
     ) -> None:
         self.engine = engine
         self.cors = cors
@@ -151,6 +152,7 @@ class OpenAIServer:
             self.admission,
             reasoning_parser,
             tool_call_parser,
+            strict_fields,
         )
         self.ctx = ctx
         self.response_store = ResponseStore(max_stored_responses, responses_store_bytes)

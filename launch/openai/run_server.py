@@ -210,6 +210,7 @@ def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAI
         args.reasoning_parser,
         aliases=names[1:],
         responses_store_bytes=args.responses_store_bytes,
+        strict_fields=args.strict_request_fields,
         cors=None
         if args.allowed_origins is None
         else CORS(

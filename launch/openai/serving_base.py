@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -15,12 +16,14 @@ from starlette.responses import Response, StreamingResponse
 
 from launch.client.async_llm import AsyncLLM
 from launch.openai.metrics import ServerMetrics
-from launch.openai.protocol import APIError
+from launch.openai.protocol import APIError, decode_body
 from launch.openai.reasoning import ReasoningParser
 from launch.openai.tool_parsers import ToolCallParser
 from protocol.engine import truncation_error
 
 _json = msgspec.json.Encoder()
+
+T = TypeVar("T")
 
 
 def json_response(body: object, status: int = 200) -> Response:
@@ -94,6 +97,8 @@ class ServingContext:
     admission: Admission
     reasoning_parser: ReasoningParser | None = None
     tool_call_parser: ToolCallParser | None = None
+    # --strict-request-fields: a body field no route declares is a 400, not a warning.
+    strict_fields: bool = False
 
     @property
     def model_name(self) -> str:
@@ -102,7 +107,12 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         """One token's text in logprobs (its id when the model has no tokenizer)."""
         tok = self.engine.tokenizer
-        return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+        return tok.decode([token_id]) if tok is not None else token_id_text(token_id)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids writes it in logprobs."""
+    return f"token_id:{token_id}"
 
 
 class OpenAIServing:
@@ -113,8 +123,15 @@ class OpenAIServing:
         self.engine = ctx.engine
 
     def check_model(self, model: str | None) -> None:
+        """A model this server does not serve is a 404, as OpenAI and vLLM answer it."""
         if model is not None and model not in self.ctx.model_names:
-            raise unknown_model(self.ctx.model_names, model, 400)
+            raise unknown_model(self.ctx.model_names, model, 404)
+
+    def decode(self, raw: bytes, kind: type[T]) -> T:
+        """A route's body, checked (launch/openai/protocol.decode_body), under this
+        server's rule for fields it does not know."""
+        body: T = decode_body(raw, kind, self.ctx.strict_fields)
+        return body
 
     @staticmethod
     async def answer(

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from launch.client.request_stream import StreamOutput
 from launch.openai.generation import Choice, ChoicesAnswer, Started
-from launch.openai.protocol import APIError, CompletionRequest, decode_body
+from launch.openai.protocol import APIError, CompletionRequest
 from launch.openai.response_shapes import completion_logprobs, sse_event
 from launch.openai.serving_base import ServingContext
 from launch.openai.serving_generation import GenerationServing
@@ -19,7 +19,7 @@ from launch.openai.serving_generation import GenerationServing
 
 class CompletionServing(GenerationServing):
     async def create(self, request: Request) -> Response:
-        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = self.decode(await request.body(), CompletionRequest)
         self.check_model(body.model)
         prompts = body.prompt_inputs()
         several = len(prompts) > 1
@@ -30,6 +30,13 @@ class CompletionServing(GenerationServing):
             except (TypeError, ValueError) as e:
                 message = f"prompt {i}: {e}" if several else str(e)
                 raise APIError(message, param="prompt", code="invalid_value") from None
+            if not ids[-1]:  # "" encodes to no tokens without a BOS: nothing to continue
+                which = f"prompt {i}" if several else "the prompt"
+                raise APIError(
+                    f"{which} is empty: give at least one token",
+                    param="prompt",
+                    code="invalid_value",
+                )
         echo = None
         if body.echo:  # each prompt as given; token ids as the tokenizer reads them
             try:
@@ -40,7 +47,8 @@ class CompletionServing(GenerationServing):
         prompt_only = max_tokens == 0 and body.echo
         if prompt_only:
             # Scoring a text (its echo and, with logprobs, its tokens' logprobs): the engine
-            # generates at least one token, which the answer leaves out.
+            # generates at least one token, which the answer leaves out (its usage counts
+            # it, as vLLM's does).
             if body.stream:
                 raise APIError(
                     "max_tokens 0 (echo only) is not streamed: send stream false",
@@ -74,9 +82,6 @@ class TextCompletion(ChoicesAnswer):
         self.echo = echo
         self.prompt_only = prompt_only
         self._echoed: set[int] = set()  # choices whose echo (with logprobs) is streamed
-
-    def _generated_tokens(self) -> int:
-        return 0 if self.prompt_only else self.timer.num_tokens
 
     def _logprobs(self, c: Choice, start: int, offset: int) -> dict[str, Any] | None:
         if c.logprobs is None:

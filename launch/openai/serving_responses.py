@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from launch.openai.generation import Generation
-from launch.openai.protocol import APIError, decode_body
+from launch.openai.protocol import APIError
 from launch.openai.responses_background import BackgroundResponses
 from launch.openai.responses_items import input_messages, without_oldest_turn
 from launch.openai.responses_output import ResponseRun
@@ -37,7 +37,7 @@ class ResponsesServing(GenerationServing):
         self.background = BackgroundResponses(store)
 
     async def create(self, request: Request) -> Response:
-        body: ResponsesRequest = decode_body(await request.body(), ResponsesRequest)
+        body: ResponsesRequest = self.decode(await request.body(), ResponsesRequest)
         body.check()
         self.check_model(body.model)
         if body.background:

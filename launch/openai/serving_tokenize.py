@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from launch.client.inputs import Prompt
-from launch.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, decode_body
+from launch.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
 from launch.openai.serving_base import OpenAIServing, json_response
 from launch.openai.tools import template_messages
 
@@ -16,7 +16,7 @@ from launch.openai.tools import template_messages
 class TokenizeServing(OpenAIServing):
     async def tokenize(self, request: Request) -> Response:
         """The ids a completion (prompt) or a chat completion (messages) would send."""
-        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+        body: TokenizeRequest = self.decode(await request.body(), TokenizeRequest)
         self.check_model(body.model)
         inputs = self.engine.inputs
         if (body.prompt is None) == (body.messages is None):
@@ -37,12 +37,13 @@ class TokenizeServing(OpenAIServing):
         except (TypeError, ValueError) as e:
             param = "prompt" if body.prompt is not None else "messages"
             raise APIError(str(e), param=param, code="invalid_value") from None
-        return json_response(
-            {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
-        )
+        answer = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:  # vLLM's: each token's own text
+            answer["token_strs"] = [self.ctx.token_text(t) for t in ids]
+        return json_response(answer)
 
     async def detokenize(self, request: Request) -> Response:
-        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+        body: DetokenizeRequest = self.decode(await request.body(), DetokenizeRequest)
         self.check_model(body.model)
         try:  # the range check every token-id prompt gets
             text = self.engine.inputs.decode(self.engine.prompt_token_ids(body.tokens))
