@@ -49,12 +49,17 @@ CORE_REPORT_TIMEOUT_S = 60.0
 
 
 def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
-    """`python -m module '<config as JSON>'`: how every engine process starts (in this
-    process's environment, unchanged)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
-        stdin=subprocess.DEVNULL,
-    )
+    """`python -m module -` with the config as JSON on its standard input: how every
+    engine process starts (in this process's environment, unchanged). Not in argv: the
+    config holds the hash seed, and every user can read a process's command line."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "-"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(msgspec.json.encode(config))
+        proc.stdin.close()  # the child reads to the end
+    except BrokenPipeError:
+        pass  # it died at once: its exit status tells the watcher
+    return proc
 
 
 class EngineDeadError(RuntimeError):
