@@ -76,6 +76,7 @@ class EngineProcesses:
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.configs: dict[str, msgspec.Struct] = {}  # what each process was started with
         try:
             self.ready: EngineReady = self._start()
         except BaseException:
@@ -139,8 +140,10 @@ class EngineProcesses:
             log_level=self.log_level,
         )
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
+        self.configs["engine core"] = core
         self.procs["engine core"] = spawn("enginecore.core", core)
         for rank in range(0 if args.external_workers else n):
+            self.configs[f"worker rank {rank}"] = workers[rank]
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         return self._wait_ready()
 
