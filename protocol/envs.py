@@ -23,10 +23,10 @@ PAGEDSERVE_CACHE (launch/client/builtin_model.py; ~/.cache/pagedserve): where th
     built-in model is written.
 PAGEDSERVE_API_KEY (launch/cli.py; none): `serve --api-key`'s default, kept out of the
     process list.
-PAGEDSERVE_PREFIX_CACHE_HASH_SEED (EngineArgs.prefix_cache_hash_seed; none: random at
-    each start): the block hashes' secret root, kept out of the process list (the command
-    line takes only --prefix-cache-hash-seed-file).
-PAGEDSERVE_ZMQ_CURVE_KEYS (EngineArgs.zmq_curve_keys, `pagedserve worker`; none): the
+PAGEDSERVE_PREFIX_CACHE_HASH_SEED (launch/cli_flags.py; none: random at each start): the
+    block hashes' secret root, kept out of the process list (the command line takes only
+    --prefix-cache-hash-seed-file).
+PAGEDSERVE_ZMQ_CURVE_KEYS (launch/cli_flags.py, `--zmq-curve-keys`' default; none): the
     keys directory of the engine's CURVE sockets (protocol/zmq_security.py).
 PAGEDSERVE_CHECK_INVARIANTS (launch/client/engine.py; off): 1 makes the core walk the KV
     invariants every step (EngineCoreConfig.check_invariants).

@@ -125,9 +125,9 @@ class EngineArgs:
     # The waiting queue's order: "fcfs" (arrival) or "priority" (each request's priority,
     # lower first, ties by arrival; preemption takes the lowest priority first).
     scheduling_policy: SchedulingPolicy = "fcfs"
-    # The block hashes' secret root (default: $PAGEDSERVE_PREFIX_CACHE_HASH_SEED, else
-    # random at each start); it travels to the core on its stdin, never in argv.
-    prefix_cache_hash_seed: str | None = field(default_factory=envs.prefix_cache_hash_seed)
+    # The block hashes' secret root (None: random at each start); it travels to the core
+    # on its stdin, never in argv.
+    prefix_cache_hash_seed: str | None = None
     seed: int = 0
     dtype: DType = "auto"
     device: str = "auto"
@@ -160,7 +160,7 @@ class EngineArgs:
     spin_us: float | None = field(default_factory=envs.spin_us)
     # A keys directory (`pagedserve keys DIR`): every tcp:// engine socket speaks CURVE
     # and admits only its client keys (docs/security.md); None: no CURVE.
-    zmq_curve_keys: str | None = field(default_factory=envs.zmq_curve_keys)
+    zmq_curve_keys: str | None = None
 
     def validate(self) -> None:
         for name in (
