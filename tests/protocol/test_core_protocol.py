@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from launch.client.engine_args import EngineArgs
 from launch.client.engine_processes import EngineProcesses
 from protocol.engine import SamplingParams
+from protocol.zmq_security import make_keys
 from tests.helpers.cli_helpers import CPU, run_json_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,8 +103,16 @@ def test_log_kv_prints_a_line_per_step(llama_dir: Path, tmp_path: Path) -> None:
     assert all("free " in ln for ln in lines)
 
 
-def test_raw_client_example_speaks_the_documented_protocol(llama_dir: Path) -> None:
-    """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says."""
-    summary = run_json_script("examples/raw_client.py", "--model", str(llama_dir))
+@pytest.mark.parametrize("curve", [False, True], ids=["ipc", "tcp-curve"])
+def test_raw_client_example_speaks_the_documented_protocol(
+    curve: bool, llama_dir: Path, tmp_path: Path
+) -> None:
+    """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says;
+    with keys, over loopback TCP where the core (connecting) is the CURVE server."""
+    flags: tuple[str, ...] = ()
+    if curve:
+        make_keys(tmp_path / "keys", ["client"])
+        flags = ("--zmq-curve-keys", str(tmp_path / "keys"))
+    summary = run_json_script("examples/raw_client.py", "--model", str(llama_dir), *flags)
     assert summary["finish"] == {"a": "length", "b": "abort"}
     assert len(summary["tokens"]["a"]) == 8 and summary["rejected"] == ["a"]
