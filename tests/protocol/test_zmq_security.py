@@ -134,3 +134,20 @@ def test_a_config_comes_on_stdin_and_a_bad_one_is_named() -> None:
     )
     assert proc.returncode == 2
     assert b"enginecore: bad configuration: Expected `str`" in proc.stderr, proc.stderr
+
+
+def test_a_socket_beyond_loopback_without_keys_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ctx = zmq.Context()
+    try:
+        for address in ("tcp://127.0.0.1:5557", "ipc:///tmp/x", "tcp://0.0.0.0:5557"):
+            secure_server(ctx.socket(zmq.PUB), None, address)
+    finally:
+        ctx.destroy(linger=0)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert (
+        "tcp://0.0.0.0:5557 is reachable from other machines without authentication" in (warned[0])
+    )
+    assert "--zmq-curve-keys DIR" in warned[0]

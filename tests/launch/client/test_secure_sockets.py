@@ -133,3 +133,22 @@ def test_the_seed_comes_from_its_file_else_its_variable(
     path.write_text("")
     with pytest.raises(SystemExit):
         _seed(["--prefix-cache-hash-seed-file", str(path)])
+
+
+def test_a_keys_directory_that_cannot_serve_fails_before_any_process_starts(
+    tmp_path: Path,
+) -> None:
+    from launch.client.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"zmq_curve_keys: .*server\.key_secret not found"):
+        EngineArgs(model="m", zmq_curve_keys=str(tmp_path)).validate()
+    make_keys(tmp_path / "k", ["client"])
+    (tmp_path / "k" / "client.key_secret").unlink()
+    # Spawned workers over TCP load the client keypair too.
+    args = EngineArgs(model="m", zmq_curve_keys=str(tmp_path / "k"))
+    args.validate()
+    tcp = EngineArgs(
+        model="m", zmq_curve_keys=str(tmp_path / "k"), worker_address="tcp://127.0.0.1:29550"
+    )
+    with pytest.raises(ValueError, match=r"client\.key_secret not found"):
+        tcp.validate()
