@@ -22,11 +22,17 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def test_router_example_beats_round_robin(llama_dir: Path) -> None:
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_router_example_beats_round_robin(curve: bool, llama_dir: Path, tmp_path: Path) -> None:
+    """With keys, the router reads both engines' events as an admitted CURVE client."""
+    flags: tuple[str, ...] = ()
+    if curve:
+        make_keys(tmp_path / "keys", ["client"])
+        flags = ("--zmq-curve-keys", str(tmp_path / "keys"))
     result = run_json_script(
         "examples/router.py",
         *("--model", str(llama_dir), "--requests", "24", "--prefixes", "4"),
-        *("--prefix-len", "48", "--block-size", "8", "--device", CPU),
+        *("--prefix-len", "48", "--block-size", "8", "--device", CPU, *flags),
     )
     kv, rr = result["kv_aware"], result["round_robin"]
     assert kv["prompt_tokens"] == rr["prompt_tokens"]
