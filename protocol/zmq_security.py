@@ -197,10 +197,6 @@ class PeerWatch:
                 self.lost = True
         return self.lost
 
-    def close(self, sock: zmq.Socket) -> None:
-        sock.disable_monitor()
-        self.monitor.close(linger=0)
-
 
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL

@@ -8,6 +8,7 @@ exit by themselves when this process disappears).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -54,11 +55,11 @@ def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
     config holds the hash seed, and every user can read a process's command line."""
     proc = subprocess.Popen([sys.executable, "-m", module, "-"], stdin=subprocess.PIPE)
     assert proc.stdin is not None
-    try:
+    # A child that died at once closed the pipe: its exit status tells the watcher.
+    with contextlib.suppress(BrokenPipeError):
         proc.stdin.write(msgspec.json.encode(config))
+    with contextlib.suppress(BrokenPipeError):
         proc.stdin.close()  # the child reads to the end
-    except BrokenPipeError:
-        pass  # it died at once: its exit status tells the watcher
     return proc
 
 
