@@ -3,6 +3,7 @@
 pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
 pagedserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [flags]
 pagedserve replay DIR [--model DIR]
+pagedserve keys DIR [--client NAME ...]
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.command == "replay":
         return replay(args)
+    if args.command == "keys":
+        return keys(args)
     return 0
 
 
@@ -294,6 +297,20 @@ def worker(args: argparse.Namespace) -> int:
             log_level=args.log_level,
         )
     )
+
+
+def keys(args: argparse.Namespace) -> int:
+    """A new CURVE keys directory: the server keypair and the client keypairs asked for."""
+    from protocol.zmq_security import KeysError, make_keys
+
+    try:
+        written = make_keys(args.dir, args.client or ["client"])
+    except (KeysError, OSError) as e:
+        print(f"pagedserve keys: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
 
 
 def replay(args: argparse.Namespace) -> int:

@@ -233,11 +233,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="order of the waiting queue: fcfs (arrival) or priority (each request's "
         "priority, lower first, ties by arrival; preemption takes the lowest first)",
     )
-    p.add_argument(
-        "--prefix-cache-hash-seed",
-        help="secret root of the prefix-cache block hashes (default: random at each start; "
-        "replicas behind one KV-aware router need the same)",
-    )
+    _add_security_flags(p)
     _add_distributed_flags(p)
     p.add_argument(
         "--worker-timeout",
@@ -317,6 +313,74 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# -- secrets and socket security (docs/security.md) ---------------------------------------
+
+
+def _seed_in_argv(text: str) -> str:
+    raise argparse.ArgumentTypeError(
+        "a seed on the command line is visible to every user of the machine (ps): put it "
+        "in a file for --prefix-cache-hash-seed-file PATH, or in the environment variable "
+        f"{envs.PREFIX_CACHE_HASH_SEED}"
+    )
+
+
+def _seed_file(text: str) -> str:
+    """The seed a file holds (one trailing newline dropped); the file must be private."""
+    path = Path(text)
+    try:
+        seed = path.read_text().removesuffix("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the seed from {text}: {e}") from None
+    if not seed:
+        raise argparse.ArgumentTypeError(f"{text} is empty: write the seed into it")
+    return seed
+
+
+def _add_keys_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--zmq-curve-keys",
+        metavar="DIR",
+        default=envs.zmq_curve_keys(),
+        help=f"a keys directory made by `pagedserve keys DIR`: {what} (default: "
+        f"${envs.ZMQ_CURVE_KEYS}; unset: no CURVE, and a warning for a socket bound "
+        "beyond loopback)",
+    )
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """The hash seed, from a file or the environment only, and the CURVE keys."""
+    p.add_argument("--prefix-cache-hash-seed", type=_seed_in_argv, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--prefix-cache-hash-seed-file",
+        metavar="PATH",
+        type=_seed_file,
+        help="a file holding the secret root of the prefix-cache block hashes (default: "
+        f"${envs.PREFIX_CACHE_HASH_SEED}, else random at each start; replicas behind one "
+        "KV-aware router need the same)",
+    )
+    _add_keys_flag(
+        p,
+        "every tcp:// socket of the core (workers, KV events and replay) speaks CURVE and "
+        "admits only the directory's client keys",
+    )
+
+
+def _add_keys(sub: Any) -> None:
+    """`pagedserve keys`: a new CURVE keys directory."""
+    k = sub.add_parser(
+        "keys",
+        help="make a CURVE keys directory for --zmq-curve-keys (docs/security.md)",
+    )
+    k.add_argument("dir", type=Path, metavar="DIR", help="a new directory (made mode 0700)")
+    k.add_argument(
+        "--client",
+        action="append",
+        metavar="NAME",
+        help="a client keypair NAME.key / NAME.key_secret to make; repeatable (default: "
+        "one named client, the name workers and the examples load)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -329,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_batch(sub)
     _add_worker(sub)
     _add_replay(sub)
+    _add_keys(sub)
     return parser
 
 
@@ -493,6 +558,11 @@ def _add_worker(sub: Any) -> None:
     )
     _add_worker_flags(w)
     _add_log_level(w, "this worker")
+    _add_keys_flag(
+        w,
+        "the core's worker address is tcp://: speak CURVE to it with this "
+        "directory's client.key_secret and server.key",
+    )
 
 
 def _add_replay(sub: Any) -> None:
@@ -526,7 +596,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         hash_algo=args.hash,
         scheduling_policy=args.scheduling_policy,
-        prefix_cache_hash_seed=args.prefix_cache_hash_seed,
+        prefix_cache_hash_seed=args.prefix_cache_hash_seed_file or envs.prefix_cache_hash_seed(),
+        zmq_curve_keys=args.zmq_curve_keys,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

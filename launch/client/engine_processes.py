@@ -8,6 +8,7 @@ exit by themselves when this process disappears).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -49,12 +50,17 @@ CORE_REPORT_TIMEOUT_S = 60.0
 
 
 def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
-    """`python -m module '<config as JSON>'`: how every engine process starts (in this
-    process's environment, unchanged)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
-        stdin=subprocess.DEVNULL,
-    )
+    """`python -m module -` with the config as JSON on its standard input: how every
+    engine process starts (in this process's environment, unchanged). Not in argv: the
+    config holds the hash seed, and every user can read a process's command line."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "-"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    # A child that died at once closed the pipe: its exit status tells the watcher.
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write(msgspec.json.encode(config))
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()  # the child reads to the end
+    return proc
 
 
 class EngineDeadError(RuntimeError):
@@ -71,6 +77,7 @@ class EngineProcesses:
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.configs: dict[str, msgspec.Struct] = {}  # what each process was started with
         try:
             self.ready: EngineReady = self._start()
         except BaseException:
@@ -134,8 +141,10 @@ class EngineProcesses:
             log_level=self.log_level,
         )
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
+        self.configs["engine core"] = core
         self.procs["engine core"] = spawn("enginecore.core", core)
         for rank in range(0 if args.external_workers else n):
+            self.configs[f"worker rank {rank}"] = workers[rank]
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         return self._wait_ready()
 
