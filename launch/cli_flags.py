@@ -4,8 +4,6 @@ value parsers, and how the engine's flags become EngineArgs fields."""
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -13,6 +11,7 @@ import msgspec
 
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
+from launch.flag_types import fraction, parse_bytes, positive, ranged, string_list
 from launch.openai.reasoning import REASONING_PARSERS
 from launch.openai.responses_store import (
     DEFAULT_MAX_STORED_RESPONSES,
@@ -29,89 +28,7 @@ from protocol.config import (
     WorkerConfig,
 )
 
-# Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
-
-
-def _string_list(value: str) -> list[str]:
-    """A list flag: a JSON list of strings, or comma-separated values."""
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            items = msgspec.json.decode(text, type=list[str])
-        except msgspec.DecodeError as e:
-            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {e}") from None
-    else:
-        items = [x.strip() for x in text.split(",")]
-    if not items or not all(items):
-        raise argparse.ArgumentTypeError(f"an empty entry in {value!r}")
-    return items
-
-
-_BYTE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-
-
-def parse_bytes(name: str):
-    """A byte count: an integer, or a number with a unit (KB, MB, GB, TB: powers of 1000;
-    KiB, MiB, GiB, TiB: powers of 1024). A bare K, M, G or T is refused: whether it meant
-    1000s or 1024s is the reader's guess."""
-
-    def parse(text: str) -> int:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        if m is None or m.group(2).upper() not in _BYTE_UNITS:
-            hint = ""
-            if m is not None and m.group(2).upper() in ("K", "M", "G", "T"):
-                number, unit = m.group(1), m.group(2).upper()
-                hint = f" ({number}{unit}iB for powers of 1024, {number}{unit}B for 1000?)"
-            raise argparse.ArgumentTypeError(
-                f"{name} must be a byte count such as 268435456, 256MiB or 4GiB, got {text!r}{hint}"
-            )
-        number, unit = m.group(1), m.group(2).upper()
-        value = float(number) * _BYTE_UNITS[unit]
-        if value < 1 or (_BYTE_UNITS[unit] == 1 and "." in number):
-            raise argparse.ArgumentTypeError(
-                f"{name} must be a whole number of bytes >= 1, got {text!r}"
-            )
-        return int(value)
-
-    return parse
-
-
-def _ranged(name: str, kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str):
-    """An argparse type: text read as kind, then checked by ok; errors name the flag."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {text}")
-        return value
-
-    return parse
-
-
-def _positive(name: str):
-    return _ranged(name, int, lambda v: v >= 1, ">= 1")
-
-
-def _fraction(name: str):
-    return _ranged(name, float, lambda v: 0 < v <= 1, "in (0, 1]")
-
-
-_port = _ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+_port = ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
 # WorkerConfig's few own defaults (settings no launcher but this one sets).
@@ -136,7 +53,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=EngineArgs.seed, help="engine seed (unseeded requests)"
     )
-    p.add_argument("--block-size", type=_positive("--block-size"), default=EngineArgs.block_size)
+    p.add_argument("--block-size", type=positive("--block-size"), default=EngineArgs.block_size)
     p.add_argument(
         "--dtype",
         choices=get_args(DType),
@@ -151,7 +68,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction("--gpu-memory-utilization"),
+        type=fraction("--gpu-memory-utilization"),
         default=EngineArgs.gpu_memory_utilization,
         help="share of each GPU's memory a worker may hold: weights, the peak of the "
         "largest step, and the KV cache, which gets the rest; other processes' memory is "
@@ -160,13 +77,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=_positive("--max-num-batched-tokens"),
+        type=positive("--max-num-batched-tokens"),
         default=EngineArgs.max_num_batched_tokens,
         help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
     )
     p.add_argument(
         "--max-num-seqs",
-        type=_positive("--max-num-seqs"),
+        type=positive("--max-num-seqs"),
         default=EngineArgs.max_num_seqs,
         help="requests per step",
     )
@@ -176,7 +93,7 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
     """What the OpenAI-compatible routes need to know of the model (serve, run-batch)."""
     p.add_argument(
         "--stream-interval",
-        type=_positive("--stream-interval"),
+        type=positive("--stream-interval"),
         default=1,
         help="tokens per streamed chunk, but a stream's first and last (vLLM's): larger "
         "values cost the server less per token at many streams; a request's "
@@ -220,10 +137,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine's flags beyond the workers' (generate and serve share them)."""
     p.add_argument(
         "--num-gpu-blocks",
-        type=_positive("--num-gpu-blocks"),
+        type=positive("--num-gpu-blocks"),
         help="override the KV cache size in blocks (counts the null block)",
     )
-    p.add_argument("--max-model-len", type=_positive("--max-model-len"))
+    p.add_argument("--max-model-len", type=positive("--max-model-len"))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--hash", choices=get_args(HashAlgo), default=EngineArgs.hash_algo)
     p.add_argument(
@@ -291,7 +208,7 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         "--tp",
-        type=_positive("--tensor-parallel-size"),
+        type=positive("--tensor-parallel-size"),
         default=EngineArgs.tensor_parallel_size,
     )
     p.add_argument(
@@ -403,7 +320,7 @@ def _add_generate(sub: Any) -> None:
     _add_worker_flags(g)
     g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
     g.add_argument("--output", required=True, type=Path, help="JSON lines (-: stdout)")
-    g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
+    g.add_argument("--max-tokens", type=positive("--max-tokens"), default=16)
     g.add_argument(
         "--temperature",
         type=float,
@@ -496,13 +413,13 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--allowed-origins",
-        type=_string_list,
+        type=string_list,
         help="answer browsers' cross-origin requests (CORS) from these origins: a comma-"
         'separated list or a JSON list (vLLM\'s form), "*" for any (default: none; vLLM '
         "allows any origin by default)",
     )
-    p.add_argument("--allowed-methods", type=_string_list, default=["*"], help="with CORS")
-    p.add_argument("--allowed-headers", type=_string_list, default=["*"], help="with CORS")
+    p.add_argument("--allowed-methods", type=string_list, default=["*"], help="with CORS")
+    p.add_argument("--allowed-headers", type=string_list, default=["*"], help="with CORS")
     p.add_argument("--allow-credentials", action="store_true", help="with CORS: allow credentials")
     p.add_argument("--ssl-keyfile", type=Path, help="serve HTTPS with this private key")
     p.add_argument("--ssl-certfile", type=Path, help="... and this certificate chain")
@@ -546,7 +463,7 @@ def _add_worker(sub: Any) -> None:
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
-        type=_positive("--tp"),
+        type=positive("--tp"),
         default=EngineArgs.tensor_parallel_size,
     )
     w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
