@@ -263,9 +263,12 @@ class EngineProcesses:
         failed, with its exit status (those that failed first, not those shutdown ended)."""
         failed = self._exit_codes()
         self.shutdown()
-        return EngineDeadError(
-            f"engine stopped:{' ' if reason else ''}{reason}{failed or self._exit_codes()}"
-        )
+        return EngineDeadError(self.failure(reason, failed or self._exit_codes()))
+
+    def failure(self, reason: str = "", exit_codes: str | None = None) -> str:
+        """The engine's death in words: the reason and the processes that failed so far."""
+        codes = self._exit_codes() if exit_codes is None else exit_codes
+        return f"engine stopped:{' ' if reason else ''}{reason}{codes}"
 
     def _exit_codes(self) -> str:
         parts = []
