@@ -27,7 +27,7 @@ import uvicorn
 
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
-from launch.client.signals import STOP_SIGNALS, Terminated, hurry, restore_handlers
+from launch.client.signals import STOP_SIGNALS, Terminated, hurried, hurry, restore_handlers
 from launch.openai.api_server import CORS, OpenAIServer
 from launch.openai.metrics import STATS_LOGGER, StatsLog
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -109,6 +109,21 @@ class _Server(uvicorn.Server):
             scheme = "https" if self.config.is_ssl else "http"
             print(f"pagedserve serve: {self.name} on {scheme}://{host}:{port}", file=sys.stderr)
             asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ender = asyncio.get_running_loop().create_task(self._end_open_requests())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_open_requests(self) -> None:
+        """Open requests were aborted, but an engine stuck in a step cannot answer: end
+        the rest before uvicorn's grace period cancels them (it logs a traceback)."""
+        deadline = time.monotonic() + GRACEFUL_S / 2
+        while self.engine.num_open_requests and time.monotonic() < deadline and not hurried():
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.engine.fail_open(EngineDeadError("the server is stopping; the engine did not answer"))
 
     async def _watch_engine(self) -> None:
         self.engine_died = await self.engine.wait_dead()
