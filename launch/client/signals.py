@@ -83,9 +83,11 @@ def stop_signals_deferred() -> Iterator[None]:
 
 def restore_handlers(previous: dict[int, Handler]) -> None:
     """Put back handlers saved before a capture. A command's own (install_signal_handlers)
-    come back deferred: once it has stopped an engine, the command is ending."""
+    come back deferred: once it has stopped an engine, the command is ending. A program's
+    own come back as they were, and a later shutdown starts unhurried."""
     for sig, handler in previous.items():
         if handler in (_on_signal, _on_interrupt, _on_late_signal):
             signal.signal(sig, _on_late_signal)
         elif handler is not None:
             signal.signal(sig, handler)
+            _hurried.clear()
