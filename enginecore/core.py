@@ -425,8 +425,10 @@ def _answer_malformed(frame: memoryview, error: ProtocolError) -> list[RequestOu
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The launcher owns Ctrl-C: it shuts us down in order.
+    # The launcher owns Ctrl-C: it shuts us down in order. Its SIGTERM (a shutdown in a
+    # hurry) still runs our clean-up below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     config = read_config("enginecore.core", EngineCoreConfig, argv)
     if isinstance(config, str):
         print(f"enginecore: {config}", file=sys.stderr)
@@ -455,10 +457,16 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         core.close()
-        if config.private_dir and not parent_alive(config.parent_pid):
-            # The launcher vanished (killed without a word): nobody else will clean up.
+        if config.private_dir:
+            # Last one out: the launcher removes the folder too, but it may be killed
+            # without a word at any moment, even after we are gone. The sockets in it are
+            # connected already; the workers that are left are stopping.
             shutil.rmtree(config.private_dir, ignore_errors=True)
     return code
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # None: not checked.
     block_size: int | None
     parent_pid: int | None = None  # exit when this process is gone
-    # The launcher's socket folder; removed by the core if the launcher vanishes.
+    # The launcher's socket folder; the core removes it when it exits (the launcher may
+    # have been killed outright).
     private_dir: str | None = None
     # KV-cache events (protocol/kv_events.py) on a ZeroMQ PUB socket, off when None; a
     # ROUTER socket answers replay requests from the last kv_events_buffer_steps batches.

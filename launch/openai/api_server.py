@@ -283,7 +283,7 @@ class OpenAIServer:
     async def health(self, _request: Request) -> Response:
         if self.engine.dead_reason is not None:
             return error_response(APIError(self.engine.dead_reason, 503))
-        if self.draining:
+        if self.draining or not self.engine.can_send():  # as requests are refused
             return error_response(stopping())
         return Response(status_code=200)
 
