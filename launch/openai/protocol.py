@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from launch.openai.json_depth import MAX_JSON_DEPTH, json_too_deep
 from launch.openai.tools import ToolChoice, ToolDef
 from protocol.engine import SamplingParams, StructuredOutputs
 
@@ -388,9 +389,17 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 def decode_body(
     raw: bytes, kind: type[GenerationRequest] | type[TokenizeRequest] | type[DetokenizeRequest]
 ) -> Any:
-    """The request, or an APIError naming the field that is wrong."""
+    """The request, or an APIError naming the field that is wrong. Linear in the body's
+    size, and seconds for the largest allowed: call it off the event loop."""
+    if json_too_deep(raw):
+        raise APIError(
+            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+            code="invalid_json",
+        )
     try:
         body = msgspec.json.decode(raw, type=kind)
+    except RecursionError:  # the check above keeps bodies shallower than this
+        raise APIError("the body nests too deeply to decode", code="invalid_json") from None
     except msgspec.ValidationError as e:
         text = str(e)
         at = re.search(r"`\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)

@@ -6,8 +6,11 @@ streamed, aborting it when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -15,12 +18,31 @@ from starlette.responses import Response, StreamingResponse
 
 from launch.client.async_llm import AsyncLLM
 from launch.openai.metrics import ServerMetrics
-from launch.openai.protocol import APIError
+from launch.openai.protocol import APIError, decode_body
 from launch.openai.reasoning import ReasoningParser
 from launch.openai.tool_parsers import ToolCallParser
 from protocol.engine import truncation_error
 
 _json = msgspec.json.Encoder()
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Preparing a request (decoding its body, rendering its chat, tokenizing) takes seconds for
+# the largest: it runs on these threads so that the event loop answers everyone else
+# meanwhile. A few: Jinja holds the GIL while it renders (tokenizers let go of it).
+PREPARE_THREADS = 4
+_prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedserve-prepare")
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """fn(*args, **kwargs) on the preparing threads."""
+    call = functools.partial(fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_prepare, call)
+
+
+async def read_body(request: Request, kind: Any) -> Any:
+    """The request's body decoded as kind (decode_body's checks), off the event loop."""
+    return await off_loop(decode_body, await request.body(), kind)
 
 
 def json_response(body: object, status: int = 200) -> Response:
