@@ -13,6 +13,8 @@ import msgspec
 
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
+from launch.openai.connections import ConnectionLimits
 from launch.openai.reasoning import REASONING_PARSERS
 from launch.openai.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -398,6 +400,7 @@ def _add_serve(sub: Any) -> None:
         help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
     )
     _add_http_flags(v)
+    _add_limit_flags(v)
     _add_api_flags(v)
     _add_worker_flags(v)
     _add_engine_flags(v)
@@ -438,6 +441,48 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
         "--root-path",
         default="",
         help="the path prefix a proxy serves this server under (ASGI root_path)",
+    )
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """How large a request and how slow or many its connections may be."""
+    limits = ConnectionLimits()
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="a larger request body is answered 413 (default: %(default)s, 32 MiB)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open connections at most (fewer if the process's descriptor limit is lower); "
+        "one more closes the one waiting longest for a request (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-request-head",
+        type=float,
+        default=limits.head_timeout_s,
+        metavar="SECONDS",
+        help="close a connection whose request head is not complete this long after it "
+        "opened or its last answer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=limits.body_timeout_s,
+        metavar="SECONDS",
+        help="close a connection whose request body pauses this long (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="close an idle keep-alive connection after this long (uvicorn's; default: "
+        "%(default)s)",
     )
 
 

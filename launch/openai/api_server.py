@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.protocol import APIError
 from launch.openai.reasoning import ReasoningParser
@@ -111,8 +112,10 @@ class OpenAIServer:
         reasoning_parser: ReasoningParser | None = None,
         cors: CORS | None = None,
         aliases: Sequence[str] = (),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.cors = cors
         self.api_key = api_key
         self.admission = Admission(max_waiting)
@@ -175,7 +178,9 @@ class OpenAIServer:
                 Route("/version", self.version, methods=["GET"]),
             ],
         )
-        guarded: ASGIApp = app if self.api_key is None else RequireAPIKey(app, self.api_key)
+        guarded: ASGIApp = BodyLimit(app, self.max_body_bytes)
+        if self.api_key is not None:
+            guarded = RequireAPIKey(guarded, self.api_key)
         cors = self.cors
         if cors is None:
             return guarded
@@ -237,7 +242,10 @@ def _guard(
         try:
             return await handler(request)
         except APIError as e:
-            return error_response(e)
+            response = error_response(e)
+            if e.status == 413:  # the rest of the body would be read for nothing
+                response.headers["connection"] = "close"
+            return response
         except EngineDeadError as e:
             return error_response(APIError(str(e), 503))
 

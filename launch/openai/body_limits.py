@@ -10,11 +10,14 @@ from launch.openai.protocol import APIError
 from launch.openai.serving_base import error_response
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+
+
 def body_too_large(limit: int) -> APIError:
     return APIError(
         f"the request body is larger than {limit} bytes (--max-request-body-bytes)",
         413,
         code="request_too_large",
+        type="invalid_request_error",
     )
 
 

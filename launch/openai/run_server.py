@@ -29,6 +29,7 @@ from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.signals import Terminated
 from launch.openai.api_server import CORS, OpenAIServer
+from launch.openai.connections import MAX_HEAD_BYTES, ConnectionLimits, guarded_protocol
 from launch.openai.metrics import STATS_LOGGER, StatsLog
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 
@@ -145,6 +146,10 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.max_stored_responses < 0:
         print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
+    limits_error = _limits_error(args)
+    if limits_error is not None:
+        print(f"pagedserve serve: {limits_error}", file=sys.stderr)
+        return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print(
             "pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser "
@@ -209,6 +214,7 @@ def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAI
         args.max_stored_responses,
         args.reasoning_parser,
         aliases=names[1:],
+        max_body_bytes=args.max_request_body_bytes,
         cors=None
         if args.allowed_origins is None
         else CORS(
@@ -237,10 +243,17 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),
-        # httptools (a dependency; h11 only where it cannot be imported). Both report ASGI
-        # spec 2.3 from uvicorn 0.33, so Starlette watches for a client's disconnect
-        # while a stream waits for tokens, not only when it next writes.
-        http="auto",
+        # httptools (a dependency; h11 only where it cannot be imported), under our
+        # connection limits. Both report ASGI spec 2.3 from uvicorn 0.33, so Starlette
+        # watches for a client's disconnect while a stream waits for tokens, not only when
+        # it next writes.
+        http=guarded_protocol(
+            ConnectionLimits(
+                args.max_connections, args.timeout_request_head, args.timeout_request_body
+            )
+        ),
+        timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         lifespan="on",
         log_level=args.log_level.lower(),
         access_log=False,
@@ -251,6 +264,18 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
+
+
+def _limits_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the request and connection limits' flags, or None."""
+    if args.max_request_body_bytes < 1:
+        return "--max-request-body-bytes must be >= 1"
+    if args.max_connections < 1:
+        return "--max-connections must be >= 1"
+    for flag in ("timeout_keep_alive", "timeout_request_head", "timeout_request_body"):
+        if not getattr(args, flag) > 0:
+            return f"--{flag.replace('_', '-')} must be > 0"
+    return None
 
 
 def _tls_error(args: argparse.Namespace) -> str | None:
