@@ -27,7 +27,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -248,5 +248,7 @@ def _guard(
             return response
         except EngineDeadError as e:
             return error_response(APIError(str(e), 503))
+        except ClientDisconnect:  # gone, or closed for sending its body too slowly
+            return Response(status_code=499)
 
     return run
