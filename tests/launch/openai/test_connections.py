@@ -52,6 +52,8 @@ def _health(url: str) -> tuple[int, float]:
     try:
         conn.request("GET", "/health")
         return conn.getresponse().status, time.monotonic() - began
+    except OSError:  # refused or reset: no answer
+        return 0, time.monotonic() - began
     finally:
         conn.close()
 
