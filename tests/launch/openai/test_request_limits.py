@@ -17,8 +17,12 @@ from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
 from launch.openai.json_depth import MAX_JSON_DEPTH
 from tests.helpers.server import Server, post, start_server
 
-# Each message on a line of its own, so a conversation's tokens grow with its turns.
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+# Each message on a line of its own, so a conversation's tokens grow with its turns; with
+# chat_template_kwargs {"spin": n}, an idle loop of n * n steps first (a slow template).
+TEMPLATE = (
+    "{% for i in range(spin|default(0)) %}{% for j in range(spin) %}{% endfor %}{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+)
 # However loaded the machine, /health is answered within this (it takes ms when idle).
 HEALTH_BOUND_S = 2.0
 
@@ -89,6 +93,23 @@ def test_truncating_10000_responses_items_is_quick_and_health_keeps_answering(
     assert 0 < answer["usage"]["input_tokens"] <= 4096 - 2
     assert took < 60  # one render per dropped turn took minutes
     health.check("10,000 items are truncated")
+
+
+def test_a_slow_chat_template_renders_while_health_keeps_answering(server: Server) -> None:
+    # 36 million template steps: seconds on any machine, all of them on the event loop
+    # if rendering ran there.
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "chat_template_kwargs": {"spin": 6000},
+    }
+    with HealthPoll(server.url) as health:
+        began = time.monotonic()
+        status, answer = post(f"{server.url}/v1/chat/completions", body)
+        took = time.monotonic() - began
+    assert status == 200, answer
+    assert took > HEALTH_BOUND_S  # else this proves nothing
+    health.check(f"a chat template renders for {took:.1f} s")
 
 
 def test_a_32_mib_body_is_read_and_refused_while_health_keeps_answering(server: Server) -> None:
