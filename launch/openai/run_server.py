@@ -38,6 +38,9 @@ log = logging.getLogger("pagedserve.serve")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After the engine died, or a stop signal, how long open connections may take to end.
 GRACEFUL_S = 3
+# How long a thread preparing a request (a chat template renders in Python) keeps the GIL
+# while the event loop waits for it: the loop wants it many times to answer one request,
+# so 1 ms (Python's default is 5) keeps /health quick.
 SWITCH_INTERVAL_S = 0.001
 # How often a draining server looks whether its open requests have finished.
 DRAIN_POLL_S = 0.05
@@ -173,9 +176,6 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         names = served_names(args)
         api = _api(engine, names, args)
         server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
-        # A thread preparing a request (a chat template renders in Python) hands the GIL
-        # back to the event loop after this long, each of the many times the loop wants it
-        # while answering one request: 1 ms, not Python's 5, keeps /health quick.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         server.run(sockets=[sock])
     except (ValueError, EngineDeadError) as e:
