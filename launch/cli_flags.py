@@ -4,6 +4,7 @@ value parsers, and how the engine's flags become EngineArgs fields."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -449,21 +450,21 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     limits = ConnectionLimits()
     p.add_argument(
         "--max-request-body-bytes",
-        type=int,
+        type=parse_bytes("--max-request-body-bytes"),
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
-        help="a larger request body is answered 413 (default: %(default)s, 32 MiB)",
+        help="a larger request body is answered 413 (default: %(default)s, 32MiB)",
     )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_ranged("--max-connections", int, lambda n: n >= 1, ">= 1"),
         default=limits.max_connections,
         help="open connections at most (fewer if the process's descriptor limit is lower); "
         "one more closes the one waiting longest for a request (default: %(default)s)",
     )
     p.add_argument(
         "--timeout-request-head",
-        type=float,
+        type=_seconds("--timeout-request-head"),
         default=limits.head_timeout_s,
         metavar="SECONDS",
         help="close a connection whose request head is not complete this long after it "
@@ -471,19 +472,23 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout-request-body",
-        type=float,
+        type=_seconds("--timeout-request-body"),
         default=limits.body_timeout_s,
         metavar="SECONDS",
         help="close a connection whose request body pauses this long (default: %(default)s)",
     )
     p.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=_seconds("--timeout-keep-alive"),
         default=5.0,
         metavar="SECONDS",
         help="close an idle keep-alive connection after this long (uvicorn's; default: "
         "%(default)s)",
     )
+
+
+def _seconds(name: str) -> Callable[[str], float]:
+    return _ranged(name, float, lambda s: 0 < s < math.inf, "a number of seconds > 0")
 
 
 def _add_run_batch(sub: Any) -> None:

@@ -150,10 +150,6 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.max_stored_responses < 0:
         print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
-    limits_error = _limits_error(args)
-    if limits_error is not None:
-        print(f"pagedserve serve: {limits_error}", file=sys.stderr)
-        return 2
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print(
             "pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser "
@@ -269,18 +265,6 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
         ssl_ca_certs=args.ssl_ca_certs,
         ssl_cert_reqs=args.ssl_cert_reqs,
     )
-
-
-def _limits_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with the request and connection limits' flags, or None."""
-    if args.max_request_body_bytes < 1:
-        return "--max-request-body-bytes must be >= 1"
-    if args.max_connections < 1:
-        return "--max-connections must be >= 1"
-    for flag in ("timeout_keep_alive", "timeout_request_head", "timeout_request_body"):
-        if not getattr(args, flag) > 0:
-            return f"--{flag.replace('_', '-')} must be > 0"
-    return None
 
 
 def _tls_error(args: argparse.Namespace) -> str | None:

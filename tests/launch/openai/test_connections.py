@@ -173,7 +173,15 @@ def test_health_answers_under_300_slowloris_connections_with_256_descriptors(
 
 
 @pytest.mark.parametrize(
-    "flag", ["--max-connections=0", "--timeout-request-head=0", "--max-request-body-bytes=0"]
+    "flag",
+    [
+        "--max-connections=0",
+        "--timeout-request-head=0",
+        "--timeout-request-body=inf",
+        "--timeout-keep-alive=nan",
+        "--max-request-body-bytes=0",
+        "--max-request-body-bytes=32M",
+    ],
 )
 def test_bad_limits_are_refused_before_the_engine_starts(flag: str) -> None:
     proc = subprocess.run(
