@@ -462,29 +462,22 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
         help="open connections at most (fewer if the process's descriptor limit is lower); "
         "one more closes the one waiting longest for a request (default: %(default)s)",
     )
-    p.add_argument(
-        "--timeout-request-head",
-        type=_seconds("--timeout-request-head"),
-        default=limits.head_timeout_s,
-        metavar="SECONDS",
-        help="close a connection whose request head is not complete this long after it "
-        "opened or its last answer (default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeout-request-body",
-        type=_seconds("--timeout-request-body"),
-        default=limits.body_timeout_s,
-        metavar="SECONDS",
-        help="close a connection whose request body pauses this long (default: %(default)s)",
-    )
-    p.add_argument(
-        "--timeout-keep-alive",
-        type=_seconds("--timeout-keep-alive"),
-        default=5.0,
-        metavar="SECONDS",
-        help="close an idle keep-alive connection after this long (uvicorn's; default: "
-        "%(default)s)",
-    )
+    for flag, default, what in (
+        (
+            "--timeout-request-head",
+            limits.head_timeout_s,
+            "whose request head is incomplete after this long",
+        ),
+        ("--timeout-request-body", limits.body_timeout_s, "whose request body pauses this long"),
+        ("--timeout-keep-alive", 5.0, "idle this long after an answer (uvicorn's keep-alive)"),
+    ):
+        p.add_argument(
+            flag,
+            type=_seconds(flag),
+            default=default,
+            metavar="SECONDS",
+            help=f"close a connection {what} (default: %(default)s)",
+        )
 
 
 def _seconds(name: str) -> Callable[[str], float]:
