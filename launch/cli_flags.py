@@ -11,7 +11,9 @@ import msgspec
 
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
-from launch.flag_types import fraction, parse_bytes, positive, ranged, string_list
+from launch.flag_types import fraction, parse_bytes, positive, ranged, seconds, string_list
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
+from launch.openai.connections import ConnectionLimits
 from launch.openai.reasoning import REASONING_PARSERS
 from launch.openai.responses_store import (
     DEFAULT_MAX_STORED_RESPONSES,
@@ -397,6 +399,7 @@ def _add_serve(sub: Any) -> None:
         help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
     )
     _add_http_flags(v)
+    _add_limit_flags(v)
     _add_api_flags(v)
     _add_worker_flags(v)
     _add_engine_flags(v)
@@ -438,6 +441,41 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
         default="",
         help="the path prefix a proxy serves this server under (ASGI root_path)",
     )
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """How large a request and how slow or many its connections may be."""
+    limits = ConnectionLimits()
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes("--max-request-body-bytes"),
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="a larger request body is answered 413 (default: %(default)s, 32MiB)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive("--max-connections"),
+        default=limits.max_connections,
+        help="open connections at most (fewer if the process's descriptor limit is lower); "
+        "one more closes the one waiting longest for a request (default: %(default)s)",
+    )
+    for flag, default, what in (
+        (
+            "--timeout-request-head",
+            limits.head_timeout_s,
+            "whose request head is incomplete after this long",
+        ),
+        ("--timeout-request-body", limits.body_timeout_s, "whose request body pauses this long"),
+        ("--timeout-keep-alive", 5.0, "idle this long after an answer (uvicorn's keep-alive)"),
+    ):
+        p.add_argument(
+            flag,
+            type=seconds(flag),
+            default=default,
+            metavar="SECONDS",
+            help=f"close a connection {what} (default: %(default)s)",
+        )
 
 
 def _add_run_batch(sub: Any) -> None:

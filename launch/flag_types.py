@@ -4,6 +4,7 @@ fails with an error that names the flag."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -88,3 +89,7 @@ def positive(name: str):
 
 def fraction(name: str):
     return ranged(name, float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def seconds(name: str) -> Callable[[str], float]:
+    return ranged(name, float, lambda s: 0 < s < math.inf, "a number of seconds > 0")

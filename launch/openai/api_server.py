@@ -17,7 +17,9 @@ are server-sent events ending in `data: [DONE]`; a request that fails mid-stream
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
 streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
 Each request is one RequestStream, so a stream that falls behind writes one chunk per
-choice for all the tokens that arrived meanwhile.
+choice for all the tokens that arrived meanwhile. A body over --max-request-body-bytes is
+413 (body_limits.py), JSON nested too deep 400 (json_depth.py); requests are prepared off
+the event loop (serving_base.off_loop); connections are limited in connections.py.
 
 This module holds the app: its routes, middleware and the state they share; each
 endpoint family's work is its serving_*.py, given a ServingContext, never this server.
@@ -34,7 +36,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.openapi import docs_page, openapi_document
 from launch.openai.protocol import APIError
@@ -136,8 +139,10 @@ class OpenAIServer:
         aliases: Sequence[str] = (),
         responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
         strict_fields: bool = False,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.cors = cors
         self.api_key = api_key
         self.admission = Admission(max_waiting)
@@ -224,7 +229,9 @@ class OpenAIServer:
                 Route("/docs", self.docs, methods=["GET"]),
             ],
         )
-        guarded: ASGIApp = app if self.api_key is None else RequireAPIKey(app, self.api_key)
+        guarded: ASGIApp = BodyLimit(app, self.max_body_bytes)
+        if self.api_key is not None:
+            guarded = RequireAPIKey(guarded, self.api_key)
         cors = self.cors
         if cors is None:
             return guarded
@@ -328,8 +335,13 @@ def _guard(
         try:
             return await handler(request)
         except APIError as e:
-            return error_response(e)
+            response = error_response(e)
+            if e.status == 413:  # the rest of the body would be read for nothing
+                response.headers["connection"] = "close"
+            return response
         except EngineDeadError as e:
             return error_response(APIError(str(e), 503))
+        except ClientDisconnect:  # gone, or closed for sending its body too slowly
+            return Response(status_code=499)
 
     return run

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from launch.openai.json_depth import MAX_JSON_DEPTH, json_too_deep
 from launch.openai.request_fields import debug_enabled, decode_lenient, log_ignored
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef
 from protocol.engine import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
@@ -524,9 +525,18 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 def decode_body(raw: bytes, kind: type[Any], strict: bool = False) -> Any:
     """The request, or an APIError naming the field that is wrong. strict: a field no
-    body declares is refused (--strict-request-fields), else ignored with a warning."""
+    body declares is refused (--strict-request-fields), else ignored with a warning.
+    Linear in the body's size, and seconds for the largest allowed: call it off the
+    event loop."""
+    if json_too_deep(raw):
+        raise APIError(
+            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+            code="invalid_json",
+        )
     try:
         body, unknown = decode_lenient(raw, kind, strict)
+    except RecursionError:  # the check above keeps bodies shallower than this
+        raise APIError("the body nests too deeply to decode", code="invalid_json") from None
     except msgspec.ValidationError as e:
         text = str(e)
         at = re.search(r"`\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)

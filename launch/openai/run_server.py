@@ -29,6 +29,7 @@ from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.signals import STOP_SIGNALS, Terminated, hurried, hurry, restore_handlers
 from launch.openai.api_server import CORS, OpenAIServer
+from launch.openai.connections import MAX_HEAD_BYTES, ConnectionLimits, guarded_protocol
 from launch.openai.metrics import STATS_LOGGER, StatsLog
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 
@@ -36,6 +37,10 @@ log = logging.getLogger("pagedserve.serve")
 
 # After the engine died, or a stop signal, how long open connections may take to end.
 GRACEFUL_S = 3
+# How long a thread preparing a request (a chat template renders in Python) keeps the GIL
+# while the event loop waits for it: the loop wants it many times to answer one request,
+# so 1 ms (Python's default is 5) keeps /health quick.
+SWITCH_INTERVAL_S = 0.001
 # How often a draining server looks whether its open requests have finished.
 DRAIN_POLL_S = 0.05
 
@@ -183,6 +188,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         names = served_names(args)
         api = _api(engine, names, args)
         server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         server.run(sockets=[sock])
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve serve: {e}", file=sys.stderr)
@@ -227,6 +233,7 @@ def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAI
         aliases=names[1:],
         responses_store_bytes=args.responses_store_bytes,
         strict_fields=args.strict_request_fields,
+        max_body_bytes=args.max_request_body_bytes,
         cors=None
         if args.allowed_origins is None
         else CORS(
@@ -255,10 +262,17 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),
-        # httptools (a dependency; h11 only where it cannot be imported). Both report ASGI
-        # spec 2.3 from uvicorn 0.33, so Starlette watches for a client's disconnect
-        # while a stream waits for tokens, not only when it next writes.
-        http="auto",
+        # httptools (a dependency; h11 only where it cannot be imported), under our
+        # connection limits. Both report ASGI spec 2.3 from uvicorn 0.33, so Starlette
+        # watches for a client's disconnect while a stream waits for tokens, not only when
+        # it next writes.
+        http=guarded_protocol(
+            ConnectionLimits(
+                args.max_connections, args.timeout_request_head, args.timeout_request_body
+            )
+        ),
+        timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         lifespan="on",
         log_level=args.log_level.lower(),
         access_log=False,

@@ -6,9 +6,11 @@ streamed, aborting it when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -22,6 +24,21 @@ from launch.openai.tool_parsers import ToolCallParser
 from protocol.engine import truncation_error
 
 _json = msgspec.json.Encoder()
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Preparing a request (decoding its body, rendering its chat, tokenizing) takes seconds for
+# the largest: it runs on these threads so that the event loop answers everyone else
+# meanwhile. A few: Jinja holds the GIL while it renders (tokenizers let go of it).
+PREPARE_THREADS = 4
+_prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedserve-prepare")
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """fn(*args, **kwargs) on the preparing threads."""
+    call = functools.partial(fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_prepare, call)
+
 
 T = TypeVar("T")
 
@@ -127,10 +144,10 @@ class OpenAIServing:
         if model is not None and model not in self.ctx.model_names:
             raise unknown_model(self.ctx.model_names, model, 404)
 
-    def decode(self, raw: bytes, kind: type[T]) -> T:
-        """A route's body, checked (launch/openai/protocol.decode_body), under this
-        server's rule for fields it does not know."""
-        body: T = decode_body(raw, kind, self.ctx.strict_fields)
+    async def read(self, request: Request, kind: type[T]) -> T:
+        """A route's body, checked (launch/openai/protocol.decode_body) off the event loop,
+        under this server's rule for fields it does not know."""
+        body: T = await off_loop(decode_body, await request.body(), kind, self.ctx.strict_fields)
         return body
 
     @staticmethod

@@ -15,7 +15,7 @@ from launch.client.request_stream import StreamOutput
 from launch.openai.generation import Choice, ChoicesAnswer, Started
 from launch.openai.protocol import APIError, ChatCompletionRequest
 from launch.openai.response_shapes import chat_logprobs, sse_event
-from launch.openai.serving_base import ServingContext
+from launch.openai.serving_base import ServingContext, off_loop
 from launch.openai.serving_generation import GenerationServing
 from launch.openai.tool_parsers import new_call_id
 from launch.openai.tools import ToolError, ToolPlan, plan_tools, template_messages
@@ -23,9 +23,9 @@ from launch.openai.tools import ToolError, ToolPlan, plan_tools, template_messag
 
 class ChatServing(GenerationServing):
     async def create(self, request: Request) -> Response:
-        body: ChatCompletionRequest = self.decode(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         self.check_model(body.model)
-        ids, tools = self.prompt(body, "messages")
+        ids, tools = await off_loop(self.prompt, body, "messages")
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens

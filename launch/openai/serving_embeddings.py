@@ -19,6 +19,7 @@ from launch.openai.serving_base import (
     OpenAIServing,
     checked_truncation,
     json_response,
+    off_loop,
     until_disconnect,
 )
 from protocol.engine import EmbeddingParams, SamplingParams
@@ -26,7 +27,7 @@ from protocol.engine import EmbeddingParams, SamplingParams
 
 class EmbeddingServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
-        body: EmbeddingRequest = self.decode(await request.body(), EmbeddingRequest)
+        body: EmbeddingRequest = await self.read(request, EmbeddingRequest)
         self.check_model(body.model)
         engine = self.engine
         if body.dimensions is not None and not 1 <= body.dimensions <= engine.inputs.hidden_size:
@@ -36,7 +37,7 @@ class EmbeddingServing(OpenAIServing):
                 param="dimensions",
                 code="invalid_value",
             )
-        prompts = self._prompts(body)
+        prompts = await off_loop(self._prompts, body)
         self.ctx.admission.check_open()
         params = SamplingParams(
             max_tokens=1,

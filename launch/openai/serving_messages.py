@@ -19,7 +19,7 @@ from launch.openai.anthropic_protocol import (
 from launch.openai.generation import Generation
 from launch.openai.messages_output import MessageRun
 from launch.openai.protocol import APIError
-from launch.openai.serving_base import ServingContext, json_response, unknown_model
+from launch.openai.serving_base import ServingContext, json_response, off_loop, unknown_model
 from launch.openai.serving_chat import ChatServing
 from launch.openai.serving_generation import GenerationServing
 
@@ -55,7 +55,7 @@ class MessagesServing(GenerationServing):
             raise unknown_model(self.ctx.model_names, model, 404)
 
     async def create(self, request: Request) -> Response:
-        body: MessagesRequest = decode(await request.body(), MessagesRequest)
+        body: MessagesRequest = await off_loop(decode, await request.body(), MessagesRequest)
         body.check()
         self._check_model(body.model)
         chat = body.chat()
@@ -77,7 +77,7 @@ class MessagesServing(GenerationServing):
     async def count_tokens(self, request: Request) -> Response:
         """{"input_tokens": N}: the prompt the same Messages request would render (its
         system prompt and tools included)."""
-        body: CountTokensRequest = decode(await request.body(), CountTokensRequest)
+        body: CountTokensRequest = await off_loop(decode, await request.body(), CountTokensRequest)
         self._check_model(body.model)
         chat = body.chat_request()
         if chat.tools:

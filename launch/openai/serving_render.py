@@ -17,7 +17,6 @@ from launch.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
-    decode_body,
 )
 from launch.openai.serving_base import OpenAIServing, ServingContext, json_response
 from launch.openai.serving_chat import ChatServing
@@ -30,7 +29,7 @@ class RenderServing(OpenAIServing):
         self._chat = chat
 
     async def chat(self, request: Request) -> Response:
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         self.check_model(body.model)
         ids, _tools = self._chat.prompt(body, "messages")
         max_tokens = body.max_completion_tokens
@@ -39,7 +38,7 @@ class RenderServing(OpenAIServing):
         return json_response(self._rendered(body, ids, max_tokens))
 
     async def completion(self, request: Request) -> Response:
-        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = await self.read(request, CompletionRequest)
         self.check_model(body.model)
         prompts = body.prompt_inputs()
         rendered = []

@@ -25,7 +25,6 @@ from launch.openai.protocol import (
     GenerationRequest,
     StreamOptions,
     StructuredOutputsBody,
-    decode_body,
     sampling_fields,
 )
 from launch.openai.response_shapes import chat_logprobs, sse_event, usage
@@ -129,7 +128,7 @@ def sampling_params_of(body: GenerationRequest, max_tokens: int | None) -> dict[
 
 class TokensServing(GenerationServing):
     async def generate(self, request: Request) -> Response:
-        body: TokensRequest = decode_body(await request.body(), TokensRequest)
+        body: TokensRequest = await self.read(request, TokensRequest)
         self.check_model(body.model)
         if not body.token_ids:
             raise APIError("token_ids must not be empty", param="token_ids", code="invalid_value")
