@@ -1,6 +1,7 @@
-"""The Messages API on a real trained model (SmolLM2-135M-Instruct): greedy messages
-carry the same text and token counts as the chat completion of the same conversation,
-whole and streamed, and a turn the model ends itself is end_turn."""
+"""The routes beside chat completions, on a real trained model (SmolLM2-135M-Instruct):
+greedy messages carry the same text and token counts as the chat completion of the same
+conversation, whole and streamed, and a turn the model ends itself is end_turn; the
+token-in/token-out route, fed the chat's rendered prompt, samples the chat's tokens."""
 
 from __future__ import annotations
 
@@ -81,3 +82,29 @@ def test_a_short_answer_ends_its_turn(server: Server) -> None:
     )
     assert m.stop_reason == "end_turn" and m.usage.output_tokens < MAX_TOKENS
     assert m.content[0].text.strip()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("system", "turns"), CHATS)
+def test_token_in_token_out_equals_chat_and_completions_on_the_real_model(
+    server: Server, system: str, turns: list[dict[str, Any]]
+) -> None:
+    """render -> /inference/v1/generate gives the chat's greedy tokens, and the same ids
+    as /v1/completions of the rendered prompt ids."""
+    conversation = [{"role": "system", "content": system}, *turns]
+    body = {"model": MODEL_NAME, "messages": conversation, "temperature": 0}
+    chat_body = {**body, "max_tokens": MAX_TOKENS, "logprobs": True}
+    status, chat = post(f"{server.url}/v1/chat/completions", chat_body)
+    assert status == 200, chat
+    status, rendered = post(f"{server.url}/v1/chat/completions/render", chat_body)
+    assert status == 200, rendered
+    status, generated = post(f"{server.url}/inference/v1/generate", rendered)
+    assert status == 200, generated
+    ids = generated["choices"][0]["token_ids"]
+    assert len(ids) == chat["usage"]["completion_tokens"]
+    status, text = post(f"{server.url}/detokenize", {"tokens": ids})
+    assert status == 200 and text["prompt"] == chat["choices"][0]["message"]["content"]
+    prompt = {"prompt": rendered["token_ids"], "max_tokens": MAX_TOKENS, "temperature": 0}
+    status, completion = post(f"{server.url}/v1/completions", {"model": MODEL_NAME, **prompt})
+    assert status == 200, completion
+    assert completion["usage"]["completion_tokens"] == len(ids)
+    assert completion["choices"][0]["text"] == text["prompt"]
