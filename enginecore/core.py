@@ -156,12 +156,17 @@ class EngineCore:
             )
         )
         block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size
+        kv = self.scheduler.kv_cache_manager
+        per_request = kv.max_blocks_held(max_model_len, sched_config.max_num_batched_tokens)
         log.info(
-            "KV cache: %d blocks of %d tokens in %d group(s); max_model_len %d",
+            "KV cache: %d blocks of %d tokens in %d group(s), %.2f GiB per worker; "
+            "max_model_len %d, %d request(s) of that length at once",
             kv_config.num_blocks,
             block_size,
             len(kv_config.kv_cache_groups),
+            sum(t.size for t in kv_config.kv_cache_tensors) / (1 << 30),
             max_model_len,
+            kv.num_usable_blocks // max(per_request, 1),
         )
         if self._check:
             # The checks slow every step: the log says why a run is slower than it should be.

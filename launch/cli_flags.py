@@ -66,7 +66,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_bytes("--kv-cache-memory"),
         help="KV cache per worker, in bytes or with a unit (256MiB, 4GiB, 2GB); default: "
-        "256 MiB on the CPU, on a GPU what --gpu-memory-utilization leaves",
+        "4 GiB on the CPU (at most a quarter of the available host memory, see "
+        "docs/generate.md), on a GPU what --gpu-memory-utilization leaves",
     )
     p.add_argument(
         "--gpu-memory-utilization",

@@ -1,8 +1,11 @@
-"""A worker's KV-cache memory: how many bytes it can give (an explicit budget, or on a GPU
-its share of the device less the weights and the largest step's peak), and the buffers it
+"""A worker's KV-cache memory: how many bytes it can give (an explicit budget; on a GPU
+its share of the device less the weights and the largest step's peak; on the CPU a default
+bounded by the host's memory and by what the scheduler can use), and the buffers it
 allocates for exactly the core's KVCacheConfig."""
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 import torch
@@ -12,8 +15,16 @@ from protocol.kv_cache import NULL_BLOCK_ID, KVCacheConfig, KVCacheSpec
 from worker.attention import AttentionMetadata
 from worker.sampler import SamplingTensors, sample
 
-# CPU workers get an explicit KV budget (there is no device memory to profile).
-DEFAULT_CPU_KV_CACHE_MEMORY = 256 << 20
+# CPU workers get a set KV budget (there is no device memory to profile): vLLM's CPU
+# backend default, within the two bounds of cpu_kv_budget.
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 << 30
+# The KV caches of a host's workers take at most this share of its available memory; the
+# weights, a step's activations and everything else on the machine need the rest.
+CPU_KV_HOST_SHARE = 0.25
+# Running requests hold at most max_num_seqs x the model's context; beyond that, blocks only
+# keep finished prefixes cached. The default holds that much again, no more: a tiny model
+# would otherwise get millions of blocks that nothing fills.
+CPU_KV_PREFIX_CACHE_FACTOR = 2
 # Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
 # allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
 GPU_STEP_MARGIN_BYTES = 768 << 20
@@ -65,6 +76,41 @@ def gpu_kv_budget(
     return budget, summary
 
 
+def cpu_kv_budget(
+    *,
+    available: int | None,
+    world_size: int,
+    token_bytes: int,
+    max_len: int,
+    max_num_seqs: int,
+) -> tuple[int, str]:
+    """A CPU worker's default KV-cache bytes, and how they were found (for the log): the
+    default, or less where a quarter of the host's available memory, split among the
+    world_size workers (all may run on this host), is less, or where max_num_seqs
+    requests of max_len tokens (token_bytes each over every layer), twice over, need less.
+    available None: unknown, that bound is left out."""
+    gib = 1 << 30
+    limits = [
+        (DEFAULT_CPU_KV_CACHE_MEMORY, f"the CPU default {DEFAULT_CPU_KV_CACHE_MEMORY / gib:g} GiB")
+    ]
+    if available is not None:
+        share = int(available * CPU_KV_HOST_SHARE) // world_size
+        limits.append(
+            (
+                share,
+                f"{CPU_KV_HOST_SHARE:.0%} of the {available / gib:.1f} GiB of host memory "
+                f"available, over {world_size} worker(s)",
+            )
+        )
+    usable = CPU_KV_PREFIX_CACHE_FACTOR * max_num_seqs * max_len * token_bytes
+    limits.append(
+        (usable, f"{CPU_KV_PREFIX_CACHE_FACTOR} x {max_num_seqs} requests of {max_len} tokens")
+    )
+    budget, why = min(limits, key=lambda limit: limit[0])
+    held = budget // (max_len * token_bytes)
+    return budget, f"{why}; holds {held} request(s) of the model's {max_len} tokens"
+
+
 def check_fits(nbytes: int, what: str, device: torch.device, rank: int) -> None:
     """ValueError with numbers if nbytes cannot be allocated on device now: better than an
     out-of-memory kill a minute into start-up."""
@@ -88,7 +134,7 @@ def allocate_kv_caches(
     device: torch.device,
     rank: int,
 ) -> KVCaches:
-    """One buffer per KVCacheTensor, exactly its size: what the core budgeted. Every
+    """One zeroed buffer per KVCacheTensor, exactly its size: what the core budgeted. Every
     layer sharing a buffer views all of it as [2, num_blocks, block_size, heads,
     head_dim] (K then V, each contiguous); a block id belongs to one group at a time,
     so layers of different groups never touch the same block."""
@@ -96,7 +142,7 @@ def allocate_kv_caches(
     check_fits(total, f"a KV cache of {config.num_blocks} blocks", device, rank)
     caches: KVCaches = {}
     for tensor in config.kv_cache_tensors:
-        buffer = torch.zeros(tensor.size, dtype=torch.uint8, device=device)
+        buffer = _zeroed_buffer(tensor.size, device)
         for name in tensor.shared_by:
             spec = specs.get(name)
             if spec is None or name in caches:
@@ -116,6 +162,15 @@ def allocate_kv_caches(
         key_cache[NULL_BLOCK_ID].fill_(float("nan"))
         value_cache[NULL_BLOCK_ID].fill_(float("nan"))
     return caches
+
+
+def _zeroed_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """nbytes of zeros. On the CPU an anonymous mapping: its pages are the kernel's zero
+    pages until first written, so a large cache costs resident memory only as blocks
+    fill (torch.zeros writes every page at start-up). The tensor keeps the mapping."""
+    if device.type == "cpu":
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
 def kv_cache_storage_bytes(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kernels.selection import select_kernels
-from protocol.config import WorkerConfig
+from protocol.config import WorkerConfig, available_host_memory
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec
 from protocol.worker import (
@@ -38,9 +38,9 @@ from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
 from worker.kv_cache_memory import (
-    DEFAULT_CPU_KV_CACHE_MEMORY,
     allocate_kv_caches,
     check_fits,
+    cpu_kv_budget,
     gpu_kv_budget,
     kv_cache_storage_bytes,
     profile_step,
@@ -164,17 +164,27 @@ class ModelRunner:
         return self.model.kv_cache_specs(self.config.block_size, kv_dtype)
 
     def available_kv_memory(self) -> int:
-        """Bytes this worker can give its KV cache: --kv-cache-memory when set; on a GPU,
-        what its --gpu-memory-utilization share of the device leaves after the memory it
-        took (weights, buffers) and the peak of the largest step (gpu_kv_budget)."""
+        """Bytes this worker can give its KV cache: --kv-cache-memory when set; on the CPU
+        a default bounded by the host's memory and the scheduler's limits (cpu_kv_budget);
+        on a GPU, what its --gpu-memory-utilization share of the device leaves after the
+        memory it took (weights, buffers) and the peak of the largest step (gpu_kv_budget)."""
         config = self.config
         if config.kv_cache_memory is not None:
             check_fits(config.kv_cache_memory, "--kv-cache-memory", self.device, config.rank)
             return config.kv_cache_memory
         if self.device.type == "cpu":
-            what = "the default CPU KV cache"
-            check_fits(DEFAULT_CPU_KV_CACHE_MEMORY, what, self.device, config.rank)
-            return DEFAULT_CPU_KV_CACHE_MEMORY
+            page_bytes = sum(spec.page_size_bytes for spec in self.kv_cache_specs().values())
+            budget, summary = cpu_kv_budget(
+                available=available_host_memory(),
+                world_size=config.world_size,
+                token_bytes=-(-page_bytes // config.block_size),
+                max_len=self.model_config.max_position_embeddings,
+                max_num_seqs=config.max_num_seqs,
+            )
+            log.info(
+                "rank %d: KV cache budget %.2f GiB (%s)", config.rank, budget / (1 << 30), summary
+            )
+            return budget
         step_peak = self.profile_step(config.max_num_batched_tokens, config.max_num_seqs)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -1,5 +1,6 @@
-"""How a worker sizes its KV cache: an explicit budget, or on a GPU what is left after the
-largest step the core may schedule (worker/kv_cache_memory.py).
+"""How a worker sizes its KV cache: an explicit budget; on the CPU a default bounded by the
+host's memory and the scheduler's limits; on a GPU what is left after the largest step the
+core may schedule (worker/kv_cache_memory.py).
 
 The profile's forward is the real model on scratch KV caches; on the CPU it returns no
 peak (there is no device memory to read) but runs the same code a GPU worker runs, so a
@@ -8,6 +9,8 @@ broken profile fails here rather than at a GPU worker's start-up.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,13 @@ from launch.client.engine_args import EngineArgs, runner_config
 from protocol.worker import WorkerConfigure
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import save_checkpoint
-from worker.kv_cache_memory import DEFAULT_CPU_KV_CACHE_MEMORY, GPU_STEP_MARGIN_BYTES, gpu_kv_budget
+from tests.helpers.proc_memory import rss_bytes
+from worker.kv_cache_memory import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    GPU_STEP_MARGIN_BYTES,
+    cpu_kv_budget,
+    gpu_kv_budget,
+)
 from worker.model_runner import ModelRunner
 
 GIB = 1 << 30
@@ -39,10 +48,70 @@ def test_profile_step_runs_the_largest_step(name: str, tmp_path: Path) -> None:
     assert r.profile_step(7, 3) == 0
 
 
-def test_explicit_and_default_budgets(tmp_path: Path) -> None:
+def test_explicit_and_default_budgets(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The test model's context is 256 tokens: 256 requests of it, twice over, is less than
+    the 4 GiB default, so that bound sizes the cache, and the start-up log says so.
+    --kv-cache-memory overrides every bound."""
     save_checkpoint("llama", tmp_path)
-    assert runner(tmp_path).available_kv_memory() == DEFAULT_CPU_KV_CACHE_MEMORY
+    r = runner(tmp_path)
+    (page,) = {s.page_size_bytes for s in r.kv_cache_specs().values()}
+    token_bytes = page * len(r.kv_cache_specs()) // r.config.block_size
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
+        assert r.available_kv_memory() == 2 * 256 * 256 * token_bytes
+    assert (
+        f"rank 0: KV cache budget {2 * 256 * 256 * token_bytes / GIB:.2f} GiB "
+        "(2 x 256 requests of 256 tokens; holds 512 request(s) of the model's 256 tokens)"
+    ) in caplog.messages
     assert runner(tmp_path, kv_cache_memory=12345).available_kv_memory() == 12345
+
+
+def cpu_budget(available: float | None, world_size: int = 1, max_num_seqs: int = 256) -> int:
+    """cpu_kv_budget of a model of 46,080 bytes a token (SmolLM2-135M in float32) and an
+    8,192-token context; available in GiB."""
+    return cpu_kv_budget(
+        available=None if available is None else int(available * GIB),
+        world_size=world_size,
+        token_bytes=46_080,
+        max_len=8192,
+        max_num_seqs=max_num_seqs,
+    )[0]
+
+
+def test_the_cpu_default_is_vllm_s_4_gib_on_a_roomy_host() -> None:
+    assert DEFAULT_CPU_KV_CACHE_MEMORY == 4 * GIB
+    assert cpu_budget(64) == cpu_budget(None) == 4 * GIB
+    _, summary = cpu_kv_budget(
+        available=64 * GIB, world_size=1, token_bytes=46_080, max_len=8192, max_num_seqs=256
+    )
+    # 4 GiB / (8192 x 46,080 bytes) = 11.4 requests of the whole context.
+    assert summary == "the CPU default 4 GiB; holds 11 request(s) of the model's 8192 tokens"
+
+
+def test_a_small_host_gets_a_quarter_of_its_available_memory_split_among_workers() -> None:
+    assert cpu_budget(8) == 2 * GIB
+    assert cpu_budget(8, world_size=4) == GIB // 2
+    _, summary = cpu_kv_budget(
+        available=8 * GIB, world_size=4, token_bytes=46_080, max_len=8192, max_num_seqs=256
+    )
+    assert summary.startswith("25% of the 8.0 GiB of host memory available, over 4 worker(s)")
+
+
+def test_no_more_than_the_scheduler_can_use_twice_over() -> None:
+    """Four requests of 8,192 tokens hold 1.41 GiB at once; the cache is twice that."""
+    assert cpu_budget(64, max_num_seqs=4) == 2 * 4 * 8192 * 46_080
+
+
+def test_a_cpu_cache_costs_memory_only_as_its_blocks_fill(tmp_path: Path) -> None:
+    """The buffers are zero until written, but pages nobody wrote are not resident: a
+    default cache of gigabytes costs a test engine what its requests fill."""
+    save_checkpoint("llama", tmp_path)
+    r = runner(tmp_path, block_size=4)
+    config = make_kv_cache_config(r.kv_cache_specs(), 512 << 20)
+    before = rss_bytes(os.getpid())
+    r.initialize(WorkerConfigure(config, 4, 64, 64))
+    assert rss_bytes(os.getpid()) - before < 64 << 20
+    key, value = r.kv_caches[0]
+    assert not key[1:].any() and not value[-1].any()
 
 
 def budget(free_at_start: float, free_now: float, utilization: float, peak: float = 5) -> int:
