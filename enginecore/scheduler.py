@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 
+from msgspec.structs import replace
+
 from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
@@ -143,6 +145,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_prompt_computed_tokens = self.num_prompt_cached_tokens = self.num_sampled = 0
         # (step id, requests due to sample) of each step sent and not yet answered, oldest
         # first (two with async scheduling): each answer must name exactly those.
         self._due: deque[tuple[int, int]] = deque()
@@ -535,6 +538,10 @@ class Scheduler:
             num_tokens = len(ids)
             if num_tokens >= request.hash_at:
                 request.extend_hashes()
+            if num_tokens == request.num_prompt_tokens + 1:  # its first token: prefill done
+                cached = max(request.num_cached_tokens, 0)
+                self.num_prompt_cached_tokens += cached
+                self.num_prompt_computed_tokens += request.num_prompt_tokens - cached
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
@@ -557,6 +564,9 @@ class Scheduler:
                 outputs.append(
                     RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
                 )
+            if reason is not None and request.num_preemptions:  # rare; a histogram's input
+                outputs[-1] = replace(outputs[-1], num_preemptions=request.num_preemptions)
+        self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return attach_first_token_extras(outputs, self._queue_times, answered, output)
@@ -572,6 +582,9 @@ class Scheduler:
             prefix_cache_hits=pc.hits + pc.preempted_hits,
             num_preemptions=self.num_preemptions,
             step=self.step_id,
+            num_prompt_computed_tokens=self.num_prompt_computed_tokens,
+            num_prompt_cached_tokens=self.num_prompt_cached_tokens,
+            num_sampled_tokens=self.num_sampled,
         )
 
 

@@ -35,6 +35,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
+from launch.openai.http_metrics import HTTPMetricsMiddleware
+from launch.openai.metric_families import cache_config_labels
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.protocol import APIError
 from launch.openai.reasoning import ReasoningParser
@@ -121,9 +123,16 @@ class OpenAIServer:
         self.cors = cors
         self.api_key = api_key
         self.admission = Admission(max_waiting)
+        args, ready = engine.engine.args, engine.engine.ready
+        cache_info = cache_config_labels(
+            ready.block_size, ready.num_gpu_blocks, ready.max_model_len,
+            args.enable_prefix_caching, args.hash_algo, args.gpu_memory_utilization,
+            args.kv_cache_memory, args.num_gpu_blocks,
+        )  # fmt: skip
         self.metrics = ServerMetrics(
-            model_name, engine.max_model_len, lambda: engine.num_open_requests
+            model_name, engine.max_model_len, lambda: engine.num_open_requests, cache_info
         )
+        self.admission.on_reject = self.metrics.rejected
         engine.on_stats = self.metrics.on_stats
         ctx = ServingContext(
             engine,
@@ -180,7 +189,8 @@ class OpenAIServer:
                 Route("/version", self.version, methods=["GET"]),
             ],
         )
-        guarded: ASGIApp = app if self.api_key is None else RequireAPIKey(app, self.api_key)
+        counted = HTTPMetricsMiddleware(app, self.metrics.http, app.routes)
+        guarded: ASGIApp = counted if self.api_key is None else RequireAPIKey(counted, self.api_key)
         cors = self.cors
         if cors is None:
             return guarded
