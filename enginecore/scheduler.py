@@ -431,8 +431,10 @@ class Scheduler:
                 running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit + num_new
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first scheduled: its prompt counts once
                 request.num_cached_tokens = num_hit
+                self.num_prompt_cached_tokens += num_hit
+                self.num_prompt_computed_tokens += request.num_prompt_tokens - num_hit
             table = kv.get_block_ids(request.request_id)
             if request.known_to_worker:
                 # Resumed after preemption: the worker kept its tokens; the table is new.
@@ -538,10 +540,6 @@ class Scheduler:
             num_tokens = len(ids)
             if num_tokens >= request.hash_at:
                 request.extend_hashes()
-            if num_tokens == request.num_prompt_tokens + 1:  # its first token: prefill done
-                cached = max(request.num_cached_tokens, 0)
-                self.num_prompt_cached_tokens += cached
-                self.num_prompt_computed_tokens += request.num_prompt_tokens - cached
             running = request.status == running_status
             if running and num_tokens + pending != request.num_computed_tokens + 1:
                 raise ValueError(f"a token for request {rid}, which was not due to sample")
@@ -551,6 +549,12 @@ class Scheduler:
                 if token in request.stop_token_set or num_tokens >= request.max_num_tokens
                 else None
             )
+            if lp is None:
+                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
+            else:
+                outputs.append(
+                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
+                )
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
@@ -558,14 +562,8 @@ class Scheduler:
                 else:  # preempted by a step scheduled while this one ran: blocks are free
                     self.waiting.remove(request)
                 self._finish(request, reason)
-            if lp is None:
-                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
-            else:
-                outputs.append(
-                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
-                )
-            if reason is not None and request.num_preemptions:  # rare; a histogram's input
-                outputs[-1] = replace(outputs[-1], num_preemptions=request.num_preemptions)
+                if request.num_preemptions:  # rare: only the last output carries it
+                    outputs[-1] = replace(outputs[-1], num_preemptions=request.num_preemptions)
         self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]

@@ -427,8 +427,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefix_cache_hits: int
     num_preemptions: int
     step: int
-    # Cumulative since start, counted at each request's first token: its prompt tokens
-    # computed here and those served from the prefix cache; and every token sampled.
+    # Cumulative since start: prompt tokens computed here and those served from the
+    # prefix cache (counted once, when a request is first scheduled); tokens sampled.
     num_prompt_computed_tokens: int = 0
     num_prompt_cached_tokens: int = 0
     num_sampled_tokens: int = 0

@@ -127,7 +127,7 @@ class ServerMetrics:
         self.iteration_tokens = one(
             prom.Histogram,
             "vllm:iteration_tokens_total",
-            "Tokens per engine step: prompt tokens computed (at a request's first token) "
+            "Tokens per engine step: prompt tokens computed (of requests first scheduled) "
             "plus tokens sampled.",
             buckets=ITERATION_TOKENS_BUCKETS,
         )

@@ -183,7 +183,7 @@ def test_every_vllm_family_that_applies_is_served_alike(small_kv_server: Server)
 def test_iteration_and_prefill_tokens_count_what_the_engine_computed(
     small_kv_server: Server,
 ) -> None:
-    """Per step: the prompt tokens computed (at a request's first token) plus the tokens
+    """Per step: the prompt tokens computed (when a request is first scheduled) plus the tokens
     sampled; a prefix-cache hit is neither computed nor counted as prefill compute."""
     url = small_kv_server.url
     prompt = list(range(100, 140))  # 40 tokens: two full blocks cached after the first
