@@ -11,7 +11,8 @@ latency panels read this server too.
 | http_request_duration_seconds | histogram | handler, method: three coarse buckets |
 
 handler is the route's template ("/v1/responses/{response_id}"), or "none" for a path
-no route knows, so a scan of random paths cannot grow the series without bound. Probes
+no route knows, so a scan of random paths cannot grow the series without bound (nor
+can made-up methods: they count as "other"). Probes
 and scrapes are not counted, and a streamed answer's time runs to its last byte.
 """
 
@@ -31,6 +32,8 @@ HIGHR_BUCKETS = (
     10, 30, 60,
 )  # fmt: skip
 LOWR_BUCKETS = (0.1, 0.5, 1)
+# Any other method a client invents is counted as "other", so it cannot add series.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 
 class HTTPMetrics:
@@ -116,7 +119,8 @@ class HTTPMetricsMiddleware:
         finally:
             sizes = (_content_length(scope.get("headers", ())), response_bytes)
             seconds = time.perf_counter() - start
-            self.metrics.record(handler, scope["method"], status, sizes, seconds)
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.record(handler, method, status, sizes, seconds)
 
 
 def _content_length(headers: Sequence[tuple[bytes, bytes]]) -> int:

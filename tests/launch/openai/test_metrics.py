@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch.openai.metric_families import token_buckets
 from launch.openai.metrics import ServerMetrics, StatsLog
+from launch.openai.protocol import APIError
+from launch.openai.serving_base import Admission
 from protocol.engine import SchedulerStats
 from tests.helpers.server import MODEL_NAME, Server, metrics, post, start_server
 
@@ -245,3 +247,19 @@ def test_http_requests_are_counted_by_route_template(small_kv_server: Server) ->
     assert delta(before, after, "http_request_duration_highr_seconds_count") == 3
     size = "http_request_size_bytes_count{handler=/v1/completions}"
     assert delta(before, after, size) == 1
+
+
+def test_a_refusal_by_the_waiting_bound_is_counted_as_vllm_names_it() -> None:
+    metrics = ServerMetrics("m", 1024, lambda: 0)
+    admission = Admission(max_waiting=1)
+    admission.on_reject = metrics.rejected
+    admission.admit()
+    with pytest.raises(APIError):
+        admission.check_room()
+    text = metrics.exposition().decode()
+    assert (
+        'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_reqs"} 1.0' in text
+    )
+    assert (
+        'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_tokens"} 0.0' in text
+    )
