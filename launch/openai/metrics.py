@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import prometheus_client as prom
 
@@ -78,13 +79,14 @@ class ServerMetrics:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
 
-    def _metric(self, kind: type, name: str, doc: str, extra: Sequence[str] = (), **kw):
+    def _metric(self, kind: type, name: str, doc: str, extra: Sequence[str] = (), **kw: Any) -> Any:
+        """A vllm: family labelled model_name and engine (plus extra), in this registry."""
         return kind(name, doc, [*LABELS, *extra], registry=self.registry, **kw)
 
     def _define_engine(self, model: str) -> None:
         """The families fed by the core's per-step stats."""
 
-        def one(kind: type, name: str, doc: str, **kw):
+        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
             return self._metric(kind, name, doc, **kw).labels(model, ENGINE)
 
         def by(kind: type, name: str, doc: str, label: str, values: Sequence[str]) -> dict:
@@ -101,8 +103,8 @@ class ServerMetrics:
             "reason",
             WAITING_REASONS,
         )
-        by(gauge, "vllm:engine_sleep_state", "The engine is always awake here.", "sleep_state",
-           SLEEP_STATES)["awake"].set(1)  # fmt: skip
+        sleep = by(gauge, "vllm:engine_sleep_state", "Always awake.", "sleep_state", SLEEP_STATES)
+        sleep["awake"].set(1)
         self.kv_usage = one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
         self.queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
         self.hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
@@ -135,7 +137,7 @@ class ServerMetrics:
     def _define_requests(self, model: str, max_model_len: int) -> None:
         """The families the server measures per request."""
 
-        def one(kind: type, name: str, doc: str, **kw):
+        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
             return self._metric(kind, name, doc, **kw).labels(model, ENGINE)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
@@ -323,7 +325,7 @@ class StatsLog:
     usage and the prefix-cache hit rate over the interval. An idle interval after an
     idle one says nothing, so a quiet server's log stays quiet."""
 
-    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.clock = clock
         self._at = clock()
