@@ -3,12 +3,13 @@
 Runs without torch. It blocks on its sockets when idle (no spinning), and when a worker
 is lost it fails every open request with the reason, tells the client, and exits.
 
-    python -m enginecore.core '<EngineCoreConfig as JSON>'
+    python -m enginecore.core - < config.json    (an EngineCoreConfig as JSON)
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
@@ -29,7 +31,7 @@ from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
-from protocol.config import EngineCoreConfig, parent_alive
+from protocol.config import EngineCoreConfig, parent_alive, read_config
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -43,9 +45,17 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
 from protocol.worker import SchedulerOutput, WorkerConfigure, WorkerHello
+from protocol.zmq_security import (
+    KeysError,
+    ServerKeys,
+    load_server_keys,
+    secure_server,
+    start_authenticator,
+)
 
 log = logging.getLogger("pagedserve.core")
 
@@ -81,14 +91,25 @@ class EngineCore:
     def __init__(self, config: EngineCoreConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
+        self.keys: ServerKeys | None = None
+        self.auth: ThreadAuthenticator | None = None
+        if config.zmq_curve_keys is not None:
+            try:
+                self.keys = load_server_keys(config.zmq_curve_keys)
+            except KeysError as e:
+                raise ConfigError(f"--zmq-curve-keys: {e}") from None
+            # Before any socket listens: no handshake may pass unchecked.
+            self.auth = start_authenticator(self.ctx, self.keys)
         self.inp = self.ctx.socket(zmq.PULL)
+        secure_server(self.inp, self.keys, config.input_address)
         self.inp.connect(config.input_address)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 2000)
+        secure_server(self.out, self.keys, config.output_address)
         self.out.connect(config.output_address)
         self.from_client: Codec[ClientMessage] = Codec(ClientMessage, "client->core")
         self.to_client: Codec[CoreMessage] = Codec(CoreMessage, "core->client")
-        self.executor = Executor(self.ctx, config)
+        self.executor = Executor(self.ctx, config, self.keys)
         # Built once: _send runs every step and must not make a bound method each time.
         self._client_alive = functools.partial(parent_alive, config.parent_pid)
         self.kv_events: KVEventPublisher | None = None
@@ -122,14 +143,8 @@ class EngineCore:
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
         )
-        self.scheduler = Scheduler(
-            sched_config,
-            kv_config,
-            first.vocab_size,
-            first.eos_token_ids,
-            first.sampling_defaults,
-        )
-        self.scheduler.check_capacity()
+        self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
+        max_model_len = self.scheduler.config.max_model_len
         if self.config.kv_events_endpoint is not None:
             self._start_kv_events(self.config.kv_events_endpoint)
         self.executor.configure(
@@ -164,6 +179,38 @@ class EngineCore:
             )
         )
 
+    def _fitted_scheduler(
+        self, config: SchedulerConfig, kv_config: KVCacheConfig, first: WorkerHello
+    ) -> Scheduler:
+        """The scheduler over this pool. Without --max-model-len, a pool too small for one
+        request of the model's whole context serves the longest request it holds instead
+        (a first run should start, not stop on a number the engine can work out); an
+        explicit length that does not fit is still refused."""
+
+        def build(c: SchedulerConfig) -> Scheduler:
+            return Scheduler(
+                c, kv_config, first.vocab_size, first.eos_token_ids, first.sampling_defaults
+            )
+
+        scheduler = build(config)
+        if self.config.max_model_len is not None:
+            scheduler.check_capacity()
+            return scheduler
+        kv = scheduler.kv_cache_manager
+        fits = kv.longest_request(config.max_model_len, config.max_num_batched_tokens)
+        if fits == config.max_model_len or fits == 0:
+            scheduler.check_capacity()  # fits whole, or refused: not even one token fits
+            return scheduler
+        log.warning(
+            "max_model_len %d: the KV cache (%d blocks) holds one request of at most %d "
+            "tokens, not the model's %d; --kv-cache-memory or --num-gpu-blocks makes room",
+            fits,
+            kv.num_usable_blocks,
+            fits,
+            config.max_model_len,
+        )
+        return build(dataclasses.replace(config, max_model_len=fits))
+
     def _check_hellos(self, hellos: list[WorkerHello]) -> int:
         """Every rank runs the same model: the max_model_len to serve, within its limit."""
         first = hellos[0]
@@ -191,6 +238,7 @@ class EngineCore:
                 self.config.kv_events_replay_endpoint,
                 self.config.kv_events_buffer_steps,
                 self.config.kv_events_topic,
+                keys=self.keys,
             )
         except zmq.ZMQError as e:
             raise ConfigError(f"KV events endpoint: {e}") from None
@@ -344,6 +392,8 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.close()
         self.executor.shutdown()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy(linger=1000)
 
 
@@ -352,7 +402,8 @@ kv_log = logging.getLogger("pagedserve.kv")
 
 
 def hash_seed(config: EngineCoreConfig) -> bytes:
-    """The block-hash root's secret: --prefix-cache-hash-seed, else random per start."""
+    """The block-hash root's secret: the deployment's seed (--prefix-cache-hash-seed-file
+    or its variable), else random per start."""
     if config.prefix_cache_hash_seed is not None:
         return config.prefix_cache_hash_seed.encode()
     return os.urandom(16)
@@ -374,15 +425,13 @@ def _answer_malformed(frame: memoryview, error: ProtocolError) -> list[RequestOu
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The launcher owns Ctrl-C: it shuts us down in order.
+    # The launcher owns Ctrl-C: it shuts us down in order. Its SIGTERM (a shutdown in a
+    # hurry) still runs our clean-up below.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if len(argv) != 1:
-        print("usage: python -m enginecore.core '<EngineCoreConfig JSON>'", file=sys.stderr)
-        return 2
-    try:
-        config = msgspec.json.decode(argv[0], type=EngineCoreConfig)
-    except msgspec.DecodeError as e:
-        print(f"enginecore: bad configuration: {e}", file=sys.stderr)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    config = read_config("enginecore.core", EngineCoreConfig, argv)
+    if isinstance(config, str):
+        print(f"enginecore: {config}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s: %(message)s")
     lower_timer_slack()  # the executor's due waits are sub-millisecond
@@ -408,10 +457,16 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         core.close()
-        if config.private_dir and not parent_alive(config.parent_pid):
-            # The launcher vanished (killed without a word): nobody else will clean up.
+        if config.private_dir:
+            # Last one out: the launcher removes the folder too, but it may be killed
+            # without a word at any moment, even after we are gone. The sockets in it are
+            # connected already; the workers that are left are stopping.
             shutil.rmtree(config.private_dir, ignore_errors=True)
     return code
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

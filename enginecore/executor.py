@@ -15,7 +15,6 @@ import logging
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_config import (
@@ -46,6 +45,7 @@ from protocol.worker import (
     WorkerRejected,
     WorkerToCore,
 )
+from protocol.zmq_security import PeerWatch, ServerKeys, secure_server
 
 log = logging.getLogger("pagedserve.core")
 
@@ -63,7 +63,9 @@ class WorkerDied(RuntimeError):
 
 
 class Executor:
-    def __init__(self, ctx: zmq.Context, config: EngineCoreConfig) -> None:
+    def __init__(
+        self, ctx: zmq.Context, config: EngineCoreConfig, keys: ServerKeys | None = None
+    ) -> None:
         self.config = config
         self.world_size = config.world_size
         self.to_core: Codec[WorkerToCore] = Codec(WorkerToCore, "worker->core")
@@ -72,8 +74,12 @@ class Executor:
         self.results = ctx.socket(zmq.PULL)
         for sock in (*self.push, self.results):
             sock.setsockopt(zmq.LINGER, 0)
+            secure_server(sock, keys, config.worker_address)
         self.address = self._bind(config.worker_address)
-        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in self.push]
+        # A rank is lost when its step socket's worker disconnects; strangers refused at
+        # the handshake are not ranks.
+        self.peers = [PeerWatch(sock) for sock in self.push]
+        self.monitors = [peer.monitor for peer in self.peers]
         # Liveness checks for send_or_drop, built once (broadcast runs every step).
         self._rank_alive = [
             functools.partial(self._is_rank_alive, r) for r in range(self.world_size)
@@ -275,7 +281,7 @@ class Executor:
 
     def _is_rank_alive(self, rank: int) -> bool:
         """False once rank's step socket reported a disconnect (or the launcher is gone)."""
-        return not self.monitors[rank].poll(0) and parent_alive(self.config.parent_pid)
+        return not self.peers[rank].check() and parent_alive(self.config.parent_pid)
 
     def watch(self, poller: zmq.Poller) -> None:
         """Register the ranks' disconnect monitors, for check_workers."""
@@ -285,7 +291,7 @@ class Executor:
     def check_workers(self, events: dict) -> None:
         """WorkerDied naming the rank if poller events show one disconnected."""
         for rank, monitor in enumerate(self.monitors):
-            if monitor in events:
+            if monitor in events and self.peers[rank].check():
                 raise WorkerDied(self.describe_loss(rank, "next step"))
 
     def wait_output(self, nap: bool = False) -> ModelRunnerOutput:
@@ -345,8 +351,7 @@ class Executor:
                 timeout = min(timeout, int(left * 1000) + 1)
             events = dict(self.poller.poll(timeout))
             for rank, monitor in enumerate(self.monitors):
-                if monitor in events:
-                    recv_monitor_message(monitor)
+                if monitor in events and self.peers[rank].check():
                     raise WorkerDied(self.describe_loss(rank, waiting_for))
             if self.results in events:
                 return self._take_result()
@@ -387,7 +392,7 @@ class Executor:
                     failures.append(msg)
         failed = {f.rank for f in failures}
         silent = [
-            r for r, m in enumerate(self.monitors) if (r == lost or m.poll(0)) and r not in failed
+            r for r, p in enumerate(self.peers) if (r == lost or p.check()) and r not in failed
         ]
         parts = [
             f"worker rank {r} disconnected while the core waited for its {waiting_for} "

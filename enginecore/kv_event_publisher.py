@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from protocol.kv_events import END_OF_REPLAY, KVCacheEvent, KVEventBatch
+from protocol.zmq_security import ServerKeys, secure_server
 
 log = logging.getLogger("pagedserve.core")
 
@@ -53,18 +54,22 @@ class KVEventPublisher:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         topic: str = "",
         data_parallel_rank: int | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"kv events buffer_steps must be >= 1, got {buffer_steps}")
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # Events carry tenants' token ids: only subscribers with an allowed key get them.
+        secure_server(self.pub, keys, endpoint)
         self.endpoint = _open(self.pub, endpoint)
         self.replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
             self.replay = ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            secure_server(self.replay, keys, replay_endpoint)
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = topic.encode()

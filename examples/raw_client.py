@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Drive an EngineCore with nothing but pyzmq and msgspec, as docs/protocol.md describes.
 
-    python examples/raw_client.py [--model DIR]
+    python examples/raw_client.py [--model DIR] [--zmq-curve-keys DIR]
 
-Binds the client's two sockets, starts the core and one worker as `python -m` processes
-with their configs as JSON, waits for EngineReady, adds three requests (one reusing an
-open id, which is rejected), aborts one, follows the others to their finish, and shuts
-the engine down. Prints what it sees; the last stdout line is a JSON summary.
+Binds the client's two sockets (ipc, or with keys loopback TCP spoken over CURVE), starts
+the core and one worker as `python -m MODULE -` processes with their configs as JSON on
+stdin (never in argv: a config may hold the hash seed), waits for EngineReady, adds three
+requests (one reusing an open id, which is rejected), aborts one, follows the others to
+their finish, and shuts the engine down. Prints what it sees; the last stdout line is a
+JSON summary.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.auth
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: the built-in model)")
+    p.add_argument(
+        "--zmq-curve-keys",
+        metavar="DIR",
+        help="a `pagedserve keys` directory: the client's sockets bind loopback TCP, and "
+        "the core admits this client by its key",
+    )
     a = p.parse_args(argv)
     if a.model is None:
         from launch.client.builtin_model import builtin_model_dir
@@ -56,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     to_core = ctx.socket(zmq.PUSH)  # the client binds both of its sockets
     from_core = ctx.socket(zmq.PULL)
     core, worker = configs(a.model, sockets_dir)
-    to_core.bind(core.input_address)
-    from_core.bind(core.output_address)
+    if a.zmq_curve_keys is not None:
+        core = bind_curve(to_core, from_core, core, a.zmq_curve_keys)
+    else:
+        to_core.bind(core.input_address)
+        from_core.bind(core.output_address)
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(CoreMessage).decode
-    procs = [
-        subprocess.Popen([sys.executable, "-m", mod, msgspec.json.encode(cfg).decode()])
-        for mod, cfg in (("enginecore.core", core), ("worker.main", worker))
-    ]
+    procs = [start(mod, cfg) for mod, cfg in (("enginecore.core", core), ("worker.main", worker))]
     summary: dict = {"tokens": {}, "finish": {}, "rejected": []}
     try:
         if not from_core.poll(300_000):
@@ -93,6 +102,36 @@ def main(argv: list[str] | None = None) -> int:
         ctx.destroy(linger=0)
     print(json.dumps(summary))
     return 0
+
+
+def start(module: str, config: EngineCoreConfig | WorkerConfig) -> subprocess.Popen:
+    """`python -m module -`, its config written to its stdin and closed."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "-"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.json.encode(config))
+    proc.stdin.close()
+    return proc
+
+
+def bind_curve(
+    to_core: zmq.Socket, from_core: zmq.Socket, core: EngineCoreConfig, keys: str
+) -> EngineCoreConfig:
+    """Bind both client sockets on free loopback ports as CURVE clients of the core (the
+    core is the CURVE server whichever side binds); the core's config with those ports."""
+    public, secret = zmq.auth.load_certificate(Path(keys, "client.key_secret"))
+    server_public = zmq.auth.load_certificate(Path(keys, "server.key"))[0]
+    for sock in (to_core, from_core):
+        sock.curve_serverkey = server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    inp = to_core.bind_to_random_port("tcp://127.0.0.1")
+    out = from_core.bind_to_random_port("tcp://127.0.0.1")
+    return msgspec.structs.replace(
+        core,
+        input_address=f"tcp://127.0.0.1:{inp}",
+        output_address=f"tcp://127.0.0.1:{out}",
+        zmq_curve_keys=keys,
+    )
 
 
 def configs(model: str, sockets_dir: str) -> tuple[EngineCoreConfig, WorkerConfig]:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from enginecore.block_hash import BlockHasher
 from launch import LLM, SamplingParams
 from protocol.kv_events import END_OF_REPLAY, CachedPrefixView, KVEventBatch
+from protocol.zmq_security import ClientKeys, load_client_keys, secure_client
 
 SEED = "router-demo-secret"  # every replica behind one router: the same private seed
 
@@ -46,15 +47,18 @@ class EngineView:
     """What the router knows of one engine: its event streams and, from them, the block
     hashes each KV group holds (protocol.kv_events.CachedPrefixView)."""
 
-    def __init__(self, ctx: zmq.Context, llm: LLM) -> None:
+    def __init__(self, ctx: zmq.Context, llm: LLM, keys: ClientKeys | None) -> None:
         ready = llm.engine.ready
         if ready.kv_events_endpoint is None or ready.kv_events_replay_endpoint is None:
             raise SystemExit("the engine was started without KV events")
         self.llm = llm
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # With keys the engines admit only key holders to their events (CURVE).
+        secure_client(self.sub, keys, ready.kv_events_endpoint)
         self.sub.connect(ready.kv_events_endpoint)
         self.replay = ctx.socket(zmq.DEALER)
+        secure_client(self.replay, keys, ready.kv_events_replay_endpoint)
         self.replay.connect(ready.kv_events_replay_endpoint)
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.next_seq = 0
@@ -135,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--zmq-curve-keys",
+        metavar="DIR",
+        help="a `pagedserve keys` directory: the engines' event sockets speak CURVE and "
+        "the router subscribes with its client key",
+    )
     a = p.parse_args(argv)
     if min(a.requests, a.prefixes, a.prefix_len, a.max_tokens) < 1 or a.suffix_max < 4:
         raise SystemExit("need positive sizes and --suffix-max >= 4")
@@ -155,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache_hash_seed=SEED,
         kv_events_endpoint="tcp://127.0.0.1:0",
         kv_events_replay_endpoint="tcp://127.0.0.1:0",
+        zmq_curve_keys=a.zmq_curve_keys,
     )
+    keys = None if a.zmq_curve_keys is None else load_client_keys(a.zmq_curve_keys)
     ctx = zmq.Context()
     log(f"starting two engines ({num_blocks} KV blocks of {a.block_size} tokens each)")
     with LLM(a.model, **engine_args) as e0, LLM(a.model, **engine_args) as e1:
-        views = [EngineView(ctx, e0), EngineView(ctx, e1)]
+        views = [EngineView(ctx, e0, keys), EngineView(ctx, e1, keys)]
         prompts = make_workload(a, e0.vocab_size)
         results = {}
         for policy in ("kv_aware", "round_robin"):

@@ -3,6 +3,7 @@
 pagedserve generate [--model DIR] --input FILE.jsonl --output FILE.jsonl [flags]
 pagedserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [flags]
 pagedserve replay DIR [--model DIR]
+pagedserve keys DIR [--client NAME ...]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _no_input(path: Path, command: str) -> bool:
 def generate(args: argparse.Namespace) -> int:
     from launch.client.engine_processes import EngineDeadError
     from launch.client.llm import LLM, CompletionOutput
+    from launch.output_file import OutputWriteError
     from launch.results import ResultWriter
 
     _start_command(args)
@@ -49,9 +51,6 @@ def generate(args: argparse.Namespace) -> int:
         print(f"pagedserve generate: {e}", file=sys.stderr)
         return 2
     good = [(i, n, it) for i, (n, it) in enumerate(items) if not isinstance(it, str)]
-    for i, (_, it) in enumerate(items):
-        if isinstance(it, str):
-            writer.write(i, CompletionOutput(i, [], finish_reason="error", error=it))
     # Per input line: how many results it asked for (n) and how many were written, so that
     # with n > 1 the summary counts prompts and completions apart.
     wanted = [1 if isinstance(it, str) else it.sampling_params.n for _, it in items]
@@ -69,6 +68,7 @@ def generate(args: argparse.Namespace) -> int:
 
     llm = None
     code = 0
+    output_failed = False
     try:
         llm = LLM(
             args.model,
@@ -76,10 +76,17 @@ def generate(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             **engine_kwargs(args),
         )
+        writer.start()  # the engine is up: only now may an existing file go
+        for i, (_, it) in enumerate(items):
+            if isinstance(it, str):
+                writer.write(i, CompletionOutput(i, [], finish_reason="error", error=it))
         llm.generate([it for _, _, it in good], use_tqdm=not args.no_progress, on_finish=save)
-    except (ValueError, EngineDeadError) as e:
+    except (ValueError, EngineDeadError, OutputWriteError) as e:
         print(f"pagedserve generate: {e}", file=sys.stderr)
         code = 1
+        # A failed write ends the run (the engine and its open requests close below):
+        # answers that cannot be kept are not computed, and its one line is all that is said.
+        output_failed = isinstance(e, OutputWriteError)
     except KeyboardInterrupt:
         code = 130
     except Terminated as e:
@@ -87,28 +94,65 @@ def generate(args: argparse.Namespace) -> int:
     finally:
         if llm is not None:
             llm.close()
-        writer.close(sort=code == 0)
+        code = _close_output(writer, code)
+    if output_failed:
+        return code
     # A line that failed is answered even with fewer than n results: a prompt that cannot
     # run fails once, not once per copy.
     cut_short = sum(1 for i in range(len(items)) if got[i] < wanted[i] and i not in failed_lines)
-    fanned = any(w > 1 for w in wanted)
+    return _generate_ended(llm, writer, len(items), cut_short, any(w > 1 for w in wanted), code)
+
+
+def _generate_ended(
+    llm: Any, writer: Any, num_lines: int, cut_short: int, fanned: bool, code: int
+) -> int:
+    """What a generate run that was not stopped by its output says at the end; its exit code."""
     if code >= 128:
-        done = "completions" if fanned else "results"
-        what = "prompts" if fanned else "requests"
-        print(
-            f"pagedserve generate: interrupted; {writer.written} finished {done} are in "
-            f"{args.output}, {cut_short} {what} were cut short",
-            file=sys.stderr,
-        )
+        _print_interrupted("generate", writer.output, cut_short, fanned)
         return code
     assert llm is not None or code
     if llm is not None:
         completions = writer.written if fanned else None
-        _print_summary(llm.last_summary, len(items), writer.failed, cut_short, completions)
+        _print_summary(llm.last_summary, num_lines, writer.failed, cut_short, completions)
         if llm.dead_reason is not None:
             print(f"pagedserve generate: {llm.dead_reason}", file=sys.stderr)
             code = 1
-    return _report_failures(writer, len(items), fanned, code)
+    return _report_failures(writer, num_lines, fanned, code)
+
+
+def _close_output(writer: Any, code: int) -> int:
+    """Close generate's output (in input order after a clean run); 1 if that failed."""
+    from launch.output_file import OutputWriteError
+
+    try:
+        writer.close(sort=code == 0)
+    except OutputWriteError as e:
+        print(f"pagedserve generate: {e}", file=sys.stderr)
+        return code or 1
+    except KeyboardInterrupt:  # while sorting: every result is there, in finish order
+        return 130
+    except Terminated as e:
+        return 128 + e.signum
+    return code
+
+
+def _print_interrupted(command: str, output: Any, cut_short: int, fanned: bool) -> None:
+    """The one line a stopped run ends with: where its finished results are."""
+    if not output.started:
+        print(
+            f"pagedserve {command}: interrupted before the engine was up; {output.name} "
+            "was left as it was",
+            file=sys.stderr,
+        )
+        return
+    done = "completions" if fanned else "results"
+    what = "prompts" if fanned else "requests"
+    cut = f", {cut_short} {what} were cut short" if cut_short >= 0 else ""
+    print(
+        f"pagedserve {command}: interrupted; {output.held()} finished {done} are in "
+        f"{output.name}{cut}",
+        file=sys.stderr,
+    )
 
 
 def _report_failures(writer: Any, num_lines: int, fanned: bool, code: int) -> int:
@@ -136,16 +180,18 @@ def run_batch(args: argparse.Namespace) -> int:
     from launch.openai.api_server import OpenAIServer
     from launch.openai.run_batch import run
     from launch.openai.run_server import open_engine, served_names
+    from launch.output_file import JsonLinesOutput, OutputWriteError
 
     _start_command(args)
     if _no_input(args.input, "run-batch"):
         return 2
     try:
-        args.output.touch()  # a bad output path fails before the engine starts
+        output = JsonLinesOutput(args.output)  # a bad path fails before the engine starts
     except OSError as e:
         print(f"pagedserve run-batch: {e}", file=sys.stderr)
         return 2
     engine = None
+    code = 0
     try:
         engine = open_engine(args, engine_kwargs(args))
         names = served_names(args)
@@ -157,15 +203,21 @@ def run_batch(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             aliases=names[1:],
         )
-        return run(api, args.input, args.output, not args.no_progress)
-    except (ValueError, EngineDeadError) as e:
+        code = run(api, args.input, output, not args.no_progress)
+    except (ValueError, EngineDeadError, OutputWriteError) as e:
         print(f"pagedserve run-batch: {e}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, Terminated):
-        return 130
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except Terminated as e:
+        code = 128 + e.signum
     finally:
         if engine is not None:
             engine.shutdown()
+        output.close()
+    if code >= 128:
+        _print_interrupted("run-batch", output, -1, False)
+    return code
 
 
 def _print_summary(
@@ -205,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     if args.command == "replay":
         return replay(args)
+    if args.command == "keys":
+        return keys(args)
     return 0
 
 
@@ -243,6 +297,20 @@ def worker(args: argparse.Namespace) -> int:
             log_level=args.log_level,
         )
     )
+
+
+def keys(args: argparse.Namespace) -> int:
+    """A new CURVE keys directory: the server keypair and the client keypairs asked for."""
+    from protocol.zmq_security import KeysError, make_keys
+
+    try:
+        written = make_keys(args.dir, args.client or ["client"])
+    except (KeysError, OSError) as e:
+        print(f"pagedserve keys: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
 
 
 def replay(args: argparse.Namespace) -> int:

@@ -4,8 +4,6 @@ value parsers, and how the engine's flags become EngineArgs fields."""
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -13,6 +11,9 @@ import msgspec
 
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
+from launch.flag_types import fraction, parse_bytes, positive, ranged, seconds, string_list
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
+from launch.openai.connections import ConnectionLimits
 from launch.openai.reasoning import REASONING_PARSERS
 from launch.openai.responses_store import (
     DEFAULT_MAX_STORED_RESPONSES,
@@ -29,89 +30,7 @@ from protocol.config import (
     WorkerConfig,
 )
 
-# Where `serve --api-key` takes its default: a key in argv is visible to every user of ps.
-
-
-def _string_list(value: str) -> list[str]:
-    """A list flag: a JSON list of strings, or comma-separated values."""
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            items = msgspec.json.decode(text, type=list[str])
-        except msgspec.DecodeError as e:
-            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {e}") from None
-    else:
-        items = [x.strip() for x in text.split(",")]
-    if not items or not all(items):
-        raise argparse.ArgumentTypeError(f"an empty entry in {value!r}")
-    return items
-
-
-_BYTE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-
-
-def parse_bytes(name: str):
-    """A byte count: an integer, or a number with a unit (KB, MB, GB, TB: powers of 1000;
-    KiB, MiB, GiB, TiB: powers of 1024). A bare K, M, G or T is refused: whether it meant
-    1000s or 1024s is the reader's guess."""
-
-    def parse(text: str) -> int:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-        if m is None or m.group(2).upper() not in _BYTE_UNITS:
-            hint = ""
-            if m is not None and m.group(2).upper() in ("K", "M", "G", "T"):
-                number, unit = m.group(1), m.group(2).upper()
-                hint = f" ({number}{unit}iB for powers of 1024, {number}{unit}B for 1000?)"
-            raise argparse.ArgumentTypeError(
-                f"{name} must be a byte count such as 268435456, 256MiB or 4GiB, got {text!r}{hint}"
-            )
-        number, unit = m.group(1), m.group(2).upper()
-        value = float(number) * _BYTE_UNITS[unit]
-        if value < 1 or (_BYTE_UNITS[unit] == 1 and "." in number):
-            raise argparse.ArgumentTypeError(
-                f"{name} must be a whole number of bytes >= 1, got {text!r}"
-            )
-        return int(value)
-
-    return parse
-
-
-def _ranged(name: str, kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str):
-    """An argparse type: text read as kind, then checked by ok; errors name the flag."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {text}")
-        return value
-
-    return parse
-
-
-def _positive(name: str):
-    return _ranged(name, int, lambda v: v >= 1, ">= 1")
-
-
-def _fraction(name: str):
-    return _ranged(name, float, lambda v: 0 < v <= 1, "in (0, 1]")
-
-
-_port = _ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+_port = ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
 # WorkerConfig's few own defaults (settings no launcher but this one sets).
@@ -136,7 +55,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=EngineArgs.seed, help="engine seed (unseeded requests)"
     )
-    p.add_argument("--block-size", type=_positive("--block-size"), default=EngineArgs.block_size)
+    p.add_argument("--block-size", type=positive("--block-size"), default=EngineArgs.block_size)
     p.add_argument(
         "--dtype",
         choices=get_args(DType),
@@ -151,7 +70,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction("--gpu-memory-utilization"),
+        type=fraction("--gpu-memory-utilization"),
         default=EngineArgs.gpu_memory_utilization,
         help="share of each GPU's memory a worker may hold: weights, the peak of the "
         "largest step, and the KV cache, which gets the rest; other processes' memory is "
@@ -160,13 +79,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=_positive("--max-num-batched-tokens"),
+        type=positive("--max-num-batched-tokens"),
         default=EngineArgs.max_num_batched_tokens,
         help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
     )
     p.add_argument(
         "--max-num-seqs",
-        type=_positive("--max-num-seqs"),
+        type=positive("--max-num-seqs"),
         default=EngineArgs.max_num_seqs,
         help="requests per step",
     )
@@ -176,7 +95,7 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
     """What the OpenAI-compatible routes need to know of the model (serve, run-batch)."""
     p.add_argument(
         "--stream-interval",
-        type=_positive("--stream-interval"),
+        type=positive("--stream-interval"),
         default=1,
         help="tokens per streamed chunk, but a stream's first and last (vLLM's): larger "
         "values cost the server less per token at many streams; a request's "
@@ -220,10 +139,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine's flags beyond the workers' (generate and serve share them)."""
     p.add_argument(
         "--num-gpu-blocks",
-        type=_positive("--num-gpu-blocks"),
+        type=positive("--num-gpu-blocks"),
         help="override the KV cache size in blocks (counts the null block)",
     )
-    p.add_argument("--max-model-len", type=_positive("--max-model-len"))
+    p.add_argument("--max-model-len", type=positive("--max-model-len"))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--hash", choices=get_args(HashAlgo), default=EngineArgs.hash_algo)
     p.add_argument(
@@ -233,11 +152,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="order of the waiting queue: fcfs (arrival) or priority (each request's "
         "priority, lower first, ties by arrival; preemption takes the lowest first)",
     )
-    p.add_argument(
-        "--prefix-cache-hash-seed",
-        help="secret root of the prefix-cache block hashes (default: random at each start; "
-        "replicas behind one KV-aware router need the same)",
-    )
+    _add_security_flags(p)
     _add_distributed_flags(p)
     p.add_argument(
         "--worker-timeout",
@@ -295,7 +210,7 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         "--tp",
-        type=_positive("--tensor-parallel-size"),
+        type=positive("--tensor-parallel-size"),
         default=EngineArgs.tensor_parallel_size,
     )
     p.add_argument(
@@ -317,6 +232,74 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+# -- secrets and socket security (docs/security.md) ---------------------------------------
+
+
+def _seed_in_argv(text: str) -> str:
+    raise argparse.ArgumentTypeError(
+        "a seed on the command line is visible to every user of the machine (ps): put it "
+        "in a file for --prefix-cache-hash-seed-file PATH, or in the environment variable "
+        f"{envs.PREFIX_CACHE_HASH_SEED}"
+    )
+
+
+def _seed_file(text: str) -> str:
+    """The seed a file holds (one trailing newline dropped); the file must be private."""
+    path = Path(text)
+    try:
+        seed = path.read_text().removesuffix("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the seed from {text}: {e}") from None
+    if not seed:
+        raise argparse.ArgumentTypeError(f"{text} is empty: write the seed into it")
+    return seed
+
+
+def _add_keys_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--zmq-curve-keys",
+        metavar="DIR",
+        default=envs.zmq_curve_keys(),
+        help=f"a keys directory made by `pagedserve keys DIR`: {what} (default: "
+        f"${envs.ZMQ_CURVE_KEYS}; unset: no CURVE, and a warning for a socket bound "
+        "beyond loopback)",
+    )
+
+
+def _add_security_flags(p: argparse.ArgumentParser) -> None:
+    """The hash seed, from a file or the environment only, and the CURVE keys."""
+    p.add_argument("--prefix-cache-hash-seed", type=_seed_in_argv, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--prefix-cache-hash-seed-file",
+        metavar="PATH",
+        type=_seed_file,
+        help="a file holding the secret root of the prefix-cache block hashes (default: "
+        f"${envs.PREFIX_CACHE_HASH_SEED}, else random at each start; replicas behind one "
+        "KV-aware router need the same)",
+    )
+    _add_keys_flag(
+        p,
+        "every tcp:// socket of the core (workers, KV events and replay) speaks CURVE and "
+        "admits only the directory's client keys",
+    )
+
+
+def _add_keys(sub: Any) -> None:
+    """`pagedserve keys`: a new CURVE keys directory."""
+    k = sub.add_parser(
+        "keys",
+        help="make a CURVE keys directory for --zmq-curve-keys (docs/security.md)",
+    )
+    k.add_argument("dir", type=Path, metavar="DIR", help="a new directory (made mode 0700)")
+    k.add_argument(
+        "--client",
+        action="append",
+        metavar="NAME",
+        help="a client keypair NAME.key / NAME.key_secret to make; repeatable (default: "
+        "one named client, the name workers and the examples load)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve",
@@ -329,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_batch(sub)
     _add_worker(sub)
     _add_replay(sub)
+    _add_keys(sub)
     return parser
 
 
@@ -337,8 +321,8 @@ def _add_generate(sub: Any) -> None:
     g = sub.add_parser("generate", help="offline generation over a JSON-lines file")
     _add_worker_flags(g)
     g.add_argument("--input", required=True, type=Path, help="JSON lines: {'prompt': ...}")
-    g.add_argument("--output", required=True, type=Path, help="JSON lines, in input order")
-    g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=16)
+    g.add_argument("--output", required=True, type=Path, help="JSON lines (-: stdout)")
+    g.add_argument("--max-tokens", type=positive("--max-tokens"), default=16)
     g.add_argument(
         "--temperature",
         type=float,
@@ -404,11 +388,18 @@ def _add_serve(sub: Any) -> None:
         "(default: 256MiB)",
     )
     v.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) a request body field no route declares, instead of ignoring it "
+        "with a warning as vLLM does",
+    )
+    v.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM's command lines: --tool-call-parser alone turns it on",
     )
     _add_http_flags(v)
+    _add_limit_flags(v)
     _add_api_flags(v)
     _add_worker_flags(v)
     _add_engine_flags(v)
@@ -425,13 +416,13 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--allowed-origins",
-        type=_string_list,
+        type=string_list,
         help="answer browsers' cross-origin requests (CORS) from these origins: a comma-"
         'separated list or a JSON list (vLLM\'s form), "*" for any (default: none; vLLM '
         "allows any origin by default)",
     )
-    p.add_argument("--allowed-methods", type=_string_list, default=["*"], help="with CORS")
-    p.add_argument("--allowed-headers", type=_string_list, default=["*"], help="with CORS")
+    p.add_argument("--allowed-methods", type=string_list, default=["*"], help="with CORS")
+    p.add_argument("--allowed-headers", type=string_list, default=["*"], help="with CORS")
     p.add_argument("--allow-credentials", action="store_true", help="with CORS: allow credentials")
     p.add_argument("--ssl-keyfile", type=Path, help="serve HTTPS with this private key")
     p.add_argument("--ssl-certfile", type=Path, help="... and this certificate chain")
@@ -452,6 +443,41 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """How large a request and how slow or many its connections may be."""
+    limits = ConnectionLimits()
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes("--max-request-body-bytes"),
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="a larger request body is answered 413 (default: %(default)s, 32MiB)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive("--max-connections"),
+        default=limits.max_connections,
+        help="open connections at most (fewer if the process's descriptor limit is lower); "
+        "one more closes the one waiting longest for a request (default: %(default)s)",
+    )
+    for flag, default, what in (
+        (
+            "--timeout-request-head",
+            limits.head_timeout_s,
+            "whose request head is incomplete after this long",
+        ),
+        ("--timeout-request-body", limits.body_timeout_s, "whose request body pauses this long"),
+        ("--timeout-keep-alive", 5.0, "idle this long after an answer (uvicorn's keep-alive)"),
+    ):
+        p.add_argument(
+            flag,
+            type=seconds(flag),
+            default=default,
+            metavar="SECONDS",
+            help=f"close a connection {what} (default: %(default)s)",
+        )
+
+
 def _add_run_batch(sub: Any) -> None:
     """`pagedserve run-batch`: OpenAI's Batch API file format, offline."""
     b = sub.add_parser(
@@ -459,7 +485,7 @@ def _add_run_batch(sub: Any) -> None:
         help="OpenAI's Batch API file format, run offline (launch/openai/run_batch.py)",
     )
     b.add_argument("-i", "--input", required=True, type=Path, help="JSON lines of batch requests")
-    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines, in input order")
+    b.add_argument("-o", "--output", required=True, type=Path, help="JSON lines (-: stdout)")
     b.add_argument("--no-progress", action="store_true", help="no progress lines")
     _add_api_flags(b)
     _add_worker_flags(b)
@@ -475,7 +501,7 @@ def _add_worker(sub: Any) -> None:
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
-        type=_positive("--tp"),
+        type=positive("--tp"),
         default=EngineArgs.tensor_parallel_size,
     )
     w.add_argument("--dist-init", help="torch.distributed rendezvous (needed when --tp > 1)")
@@ -487,6 +513,11 @@ def _add_worker(sub: Any) -> None:
     )
     _add_worker_flags(w)
     _add_log_level(w, "this worker")
+    _add_keys_flag(
+        w,
+        "the core's worker address is tcp://: speak CURVE to it with this "
+        "directory's client.key_secret and server.key",
+    )
 
 
 def _add_replay(sub: Any) -> None:
@@ -520,7 +551,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         hash_algo=args.hash,
         scheduling_policy=args.scheduling_policy,
-        prefix_cache_hash_seed=args.prefix_cache_hash_seed,
+        prefix_cache_hash_seed=args.prefix_cache_hash_seed_file or envs.prefix_cache_hash_seed(),
+        zmq_curve_keys=args.zmq_curve_keys,
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,

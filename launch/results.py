@@ -1,20 +1,20 @@
 """The output file of `pagedserve generate`: durable as results come, in input order at the end.
 
-The file is created before the engine starts (an unwritable path fails at once, not after
-the whole run), and every result is appended and flushed the moment its request ends, so
-Ctrl-C, SIGTERM or a dead engine keep every finished result. A run that ends normally
-rewrites the file in input order (atomically: a crash mid-rewrite leaves the old file),
-a prompt's n copies one after the other in seq_index order.
+Lines go through JsonLinesOutput (launch/output_file.py): an existing file is kept until
+the engine is up, and each result is one complete line appended the moment its request
+ends, so Ctrl-C, SIGTERM, SIGKILL or a dead engine keep every finished result. A run that
+ends normally rewrites the file in input order (atomically: a crash mid-rewrite leaves the
+old file), a prompt's n copies one after the other in seq_index order.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 
+from launch.output_file import JsonLinesOutput
 from protocol.engine import Logprobs, SamplingParams
 
 MAX_LISTED_ERRORS = 20
@@ -22,10 +22,11 @@ MAX_LISTED_ERRORS = 20
 
 class ResultWriter:
     def __init__(self, path: Path) -> None:
-        """Create (truncate) path; OSError names the path when it cannot be written."""
+        """Open path without truncating it (start() does, once the engine is up); OSError
+        names the path when it cannot be written."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] | None = open(path, "wb")  # noqa: SIM115 (kept open for the run)
+        self.output = JsonLinesOutput(path)
+        self._open = True
         self._encoder = msgspec.json.Encoder()
         self.written = 0
         self.failed = 0
@@ -36,7 +37,6 @@ class ResultWriter:
         request's: keys for what its options produce (seq_index when n > 1, stop_reason
         with stop strings) appear only when it asked for them, so plain lines keep the
         format older readers know."""
-        assert self._file is not None, "ResultWriter already closed"
         line: dict[str, Any] = {
             "index": index,
             "prompt_token_ids": out.prompt_token_ids,
@@ -59,8 +59,7 @@ class ResultWriter:
             ]
         if out.error is not None:
             line["error"] = out.error
-        self._file.write(self._encoder.encode(line) + b"\n")
-        self._file.flush()
+        self.output.write(self._encoder.encode(line))
         self.written += 1
         if out.finish_reason == "error":
             self.failed += 1
@@ -68,26 +67,25 @@ class ResultWriter:
                 which = f"request {index} (copy {out.seq_index})" if copies else f"request {index}"
                 self.errors.append(f"{which} failed: {out.error}")
 
+    def start(self) -> None:
+        """The engine is up: the file is emptied and takes results from now on."""
+        self.output.start()
+
     def close(self, sort: bool) -> None:
-        """Close the file; sort=True rewrites it in input order first."""
-        if self._file is None:
+        """Close the file; sort=True rewrites it in input order first (a regular file only:
+        a pipe or standard output keeps completion order). OutputWriteError when the
+        rewrite cannot be written (the file then still holds every result, unsorted)."""
+        if not self._open:
             return
-        self._file.close()
-        self._file = None
-        if not sort:
-            return
+        self._open = False
         decoder = msgspec.json.Decoder()
-        lines = self.path.read_bytes().splitlines()
 
         # Copies of one prompt (n > 1) finish in any order; seq_index puts them back.
-        def order(raw: bytes) -> tuple[int, int]:
+        def order(_position: int, raw: bytes) -> tuple[int, int]:
             line = decoder.decode(raw)
             return line["index"], line.get("seq_index", 0)
 
-        lines.sort(key=order)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(b"".join(raw + b"\n" for raw in lines))
-        os.replace(tmp, self.path)
+        self.output.close(order if sort else None)
 
 
 def _logprob_object(lp: Logprobs) -> dict[str, Any]:

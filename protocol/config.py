@@ -1,16 +1,20 @@
 """Start-up configuration that launch hands to the core and worker processes (as JSON on
-their command line), and the socket address helpers they share."""
+their standard input, never on their command line: the hash seed is a secret), and the
+socket address helpers they share."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
 from protocol import envs
 from protocol.envs import AttentionChoice, CpuGemmChoice
+
+ConfigT = TypeVar("ConfigT", "EngineCoreConfig", "WorkerConfig")
 
 # The choices of the start-up settings, checked when a process decodes its config.
 HashAlgo = Literal["xxh3_128", "sha256"]
@@ -57,7 +61,8 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # None: not checked.
     block_size: int | None
     parent_pid: int | None = None  # exit when this process is gone
-    # The launcher's socket folder; removed by the core if the launcher vanishes.
+    # The launcher's socket folder; the core removes it when it exits (the launcher may
+    # have been killed outright).
     private_dir: str | None = None
     # KV-cache events (protocol/kv_events.py) on a ZeroMQ PUB socket, off when None; a
     # ROUTER socket answers replay requests from the last kv_events_buffer_steps batches.
@@ -83,6 +88,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # Microseconds to poll for a step's answer before blocking (protocol/sockets.py);
     # None: the default for the machine the core runs on.
     spin_us: float | None = None
+    # A keys directory (protocol/zmq_security.py): every tcp:// socket of the core is a
+    # CURVE server admitting its client keys; None: no CURVE.
+    zmq_curve_keys: str | None = None
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).
@@ -123,6 +131,21 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # FILE.py:FUNCTION that a benchmark installs on the runner (worker/step_hooks.py);
     # None: the worker runs as it is.
     step_hooks: str | None = msgspec.field(default_factory=envs.worker_hooks)
+    # A keys directory: a tcp:// core address is reached as a CURVE client; None: no CURVE.
+    zmq_curve_keys: str | None = None
+
+
+def read_config(module: str, kind: type[ConfigT], argv: list[str]) -> ConfigT | str:
+    """A process's config: `-` reads its JSON from standard input (how launch starts
+    every process, keeping secrets out of the process list), else argv's one JSON
+    argument (by hand; visible to every user of ps); a usage or decoding error as text."""
+    if len(argv) != 1:
+        return f"usage: python -m {module} - < CONFIG.json  (or one JSON argument)"
+    text = sys.stdin.buffer.read() if argv[0] == "-" else argv[0].encode()
+    try:
+        return msgspec.json.decode(text, type=kind)
+    except msgspec.DecodeError as e:
+        return f"bad configuration: {e}"
 
 
 def ipc_dir() -> str:

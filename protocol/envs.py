@@ -23,6 +23,11 @@ PAGEDSERVE_CACHE (launch/client/builtin_model.py; ~/.cache/pagedserve): where th
     built-in model is written.
 PAGEDSERVE_API_KEY (launch/cli.py; none): `serve --api-key`'s default, kept out of the
     process list.
+PAGEDSERVE_PREFIX_CACHE_HASH_SEED (launch/cli_flags.py; none: random at each start): the
+    block hashes' secret root, kept out of the process list (the command line takes only
+    --prefix-cache-hash-seed-file).
+PAGEDSERVE_ZMQ_CURVE_KEYS (launch/cli_flags.py, `--zmq-curve-keys`' default; none): the
+    keys directory of the engine's CURVE sockets (protocol/zmq_security.py).
 PAGEDSERVE_CHECK_INVARIANTS (launch/client/engine.py; off): 1 makes the core walk the KV
     invariants every step (EngineCoreConfig.check_invariants).
 PAGEDSERVE_SPIN_US (launch/client/engine.py; per machine): microseconds the core and
@@ -50,6 +55,8 @@ WORKER_HOOKS = "PAGEDSERVE_WORKER_HOOKS"
 CACHE_DIR = "PAGEDSERVE_CACHE_DIR"
 CACHE = "PAGEDSERVE_CACHE"
 API_KEY = "PAGEDSERVE_API_KEY"
+PREFIX_CACHE_HASH_SEED = "PAGEDSERVE_PREFIX_CACHE_HASH_SEED"
+ZMQ_CURVE_KEYS = "PAGEDSERVE_ZMQ_CURVE_KEYS"
 CHECK_INVARIANTS = "PAGEDSERVE_CHECK_INVARIANTS"
 SPIN_US = "PAGEDSERVE_SPIN_US"
 BENCH_STEP_DELAY_MS = "PAGEDSERVE_BENCH_STEP_DELAY_MS"
@@ -107,6 +114,14 @@ def cache_root() -> Path:
 
 def api_key() -> str | None:
     return os.environ.get(API_KEY)
+
+
+def prefix_cache_hash_seed() -> str | None:
+    return os.environ.get(PREFIX_CACHE_HASH_SEED) or None
+
+
+def zmq_curve_keys() -> str | None:
+    return os.environ.get(ZMQ_CURVE_KEYS) or None
 
 
 def check_invariants() -> bool:

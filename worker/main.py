@@ -1,6 +1,6 @@
 """The worker process: handshake with the core, then run every step it sends.
 
-    python -m worker.main '<WorkerConfig as JSON>'
+    python -m worker.main - < config.json    (a WorkerConfig as JSON)
 
 Any failure is reported to the core (WorkerFailed, with the traceback) before exiting,
 so the core can name the rank and the reason.
@@ -19,11 +19,10 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 
 from protocol.codec import Codec
-from protocol.config import WorkerConfig, any_port, parent_alive, worker_sockets
+from protocol.config import WorkerConfig, any_port, parent_alive, read_config, worker_sockets
 from protocol.sockets import (
     DueWait,
     lower_timer_slack,
@@ -47,6 +46,7 @@ from protocol.worker import (
     WorkerRejected,
     WorkerToCore,
 )
+from protocol.zmq_security import ClientKeys, load_client_keys, secure_client
 from worker.generation_config import load_generation_config
 
 if TYPE_CHECKING:
@@ -245,19 +245,16 @@ def _wait_for_acceptance(config: WorkerConfig, pull: zmq.Socket) -> str | None:
             return "the launcher went away"
     return (
         f"no engine core answered at {config.core_address} within "
-        f"{config.core_timeout_s:g} s (--core-timeout): is it running, at that address?"
+        f"{config.core_timeout_s:g} s (--core-timeout): is it running, at that address"
+        f"{', with the same --zmq-curve-keys' if config.core_address.startswith('tcp://') else ''}?"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m worker.main '<WorkerConfig JSON>'", file=sys.stderr)
-        return 2
-    try:
-        config = msgspec.json.decode(argv[0], type=WorkerConfig)
-    except msgspec.DecodeError as e:
-        print(f"worker: bad configuration: {e}", file=sys.stderr)
+    config = read_config("worker.main", WorkerConfig, argv)
+    if isinstance(config, str):
+        print(f"worker: {config}", file=sys.stderr)
         return 2
     return run(config)
 
@@ -276,15 +273,20 @@ def run(config: WorkerConfig) -> int:
         result_address, step_addresses = worker_sockets(config.core_address, config.world_size)
         if not 0 <= config.rank < config.world_size:
             raise ValueError(f"rank {config.rank} is outside a group of {config.world_size}")
+        keys: ClientKeys | None = None
+        if config.zmq_curve_keys is not None and config.core_address.startswith("tcp://"):
+            keys = load_client_keys(config.zmq_curve_keys)  # KeysError is a ValueError
     except ValueError as e:
         print(f"worker: {e}", file=sys.stderr)
         return 2
     lower_timer_slack()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
+    secure_client(pull, keys, config.core_address)
     pull.connect(step_addresses[config.rank])
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 3000)
+    secure_client(push, keys, config.core_address)
     push.connect(result_address)
     push.send(
         Codec(WorkerToCore, "worker->core").encode(

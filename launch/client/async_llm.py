@@ -280,6 +280,9 @@ class AsyncLLM(EngineClient):
     async def _stop_engine(self, reason: str) -> EngineDeadError:
         """The engine is going down: stop its processes off the loop; the error to raise."""
         self._closing = True
+        # Known dead from now, not once its processes are gone (that may take seconds):
+        # requests and /health answer 503 with the reason at once.
+        self.dead_reason = self.engine.failure(reason)
         self._release_socket()
         return await asyncio.to_thread(self.engine.stopped, reason)
 

@@ -117,9 +117,13 @@ def _cut_at_mark(text: str) -> str:
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
-    """A conversation: a non-empty list of {"role": str, "content": str or text parts}."""
+    """A conversation: a non-empty list of {"role": str, "content": str or text parts}.
+    An assistant turn's content may be null (a turn of tool calls, as OpenAI's clients
+    send it back): the template gets "", as vLLM renders it, since templates concatenate
+    the content as a string."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {role, content} objects")
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ChatTemplateError(f"messages[{i}] must be an object, got {type(m).__name__}")
@@ -137,11 +141,14 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
                     raise ChatTemplateError(
                         f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}"
                     )
-        elif not isinstance(content, str) and not (content is None and role == "assistant"):
+        elif content is None and role == "assistant":
+            m = {**m, "content": ""}
+        elif not isinstance(content, str):
             raise ChatTemplateError(
                 f"messages[{i}].content must be a string or a list of text parts"
             )
-    return messages  # type: ignore[return-value]
+        out.append(m)
+    return out
 
 
 def load_chat_template(model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:

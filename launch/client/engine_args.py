@@ -21,6 +21,7 @@ from protocol.config import (
 )
 from protocol.kv_memory import core_memory_error
 from protocol.recording import FRAMES, MANIFEST
+from protocol.zmq_security import KeysError, load_client_keys, load_server_keys
 
 # vLLM's default share of a GPU: the rest stays for other processes and the allocator.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -39,6 +40,7 @@ WORKER_SETTINGS = (
     "max_num_seqs",
     "seed",
     "generation_config",
+    "zmq_curve_keys",
 )
 
 
@@ -79,6 +81,7 @@ CORE_SETTINGS = (
     "async_scheduling",
     "check_invariants",
     "spin_us",
+    "zmq_curve_keys",
 )
 
 
@@ -122,6 +125,8 @@ class EngineArgs:
     # The waiting queue's order: "fcfs" (arrival) or "priority" (each request's priority,
     # lower first, ties by arrival; preemption takes the lowest priority first).
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # The block hashes' secret root (None: random at each start); it travels to the core
+    # on its stdin, never in argv.
     prefix_cache_hash_seed: str | None = None
     seed: int = 0
     dtype: DType = "auto"
@@ -153,6 +158,9 @@ class EngineArgs:
     check_invariants: bool = field(default_factory=envs.check_invariants)
     # Microseconds the processes poll for a due message (None: each machine's default).
     spin_us: float | None = field(default_factory=envs.spin_us)
+    # A keys directory (`pagedserve keys DIR`): every tcp:// engine socket speaks CURVE
+    # and admits only its client keys (docs/security.md); None: no CURVE.
+    zmq_curve_keys: str | None = None
 
     def validate(self) -> None:
         for name in (
@@ -194,6 +202,7 @@ class EngineArgs:
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
+        self._check_keys()
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
         _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         if self.record_dir is not None and any(
@@ -203,3 +212,16 @@ class EngineArgs:
             raise ValueError(
                 f"{self.record_dir} already holds a recording: record into a new directory"
             )
+
+    def _check_keys(self) -> None:
+        """The keys each side will load, read once here so a bad directory fails before
+        any process starts."""
+        if self.zmq_curve_keys is None:
+            return
+        try:
+            load_server_keys(self.zmq_curve_keys)
+            address = self.worker_address or ""
+            if address.startswith("tcp://") and not self.external_workers:
+                load_client_keys(self.zmq_curve_keys)  # the spawned workers' keys
+        except KeysError as e:
+            raise ValueError(f"zmq_curve_keys: {e}") from None

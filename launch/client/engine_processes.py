@@ -8,12 +8,14 @@ exit by themselves when this process disappears).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import msgspec
 import zmq
@@ -25,6 +27,7 @@ from launch.client.engine_args import (
     log_level_name,
     worker_config,
 )
+from launch.client.signals import hurried, stop_signals_deferred
 from protocol.codec import Codec
 from protocol.config import ipc_address, ipc_dir, worker_sockets
 from protocol.engine import (
@@ -46,15 +49,28 @@ DEFAULT_EXTERNAL_WORKER_ADDRESS = "tcp://127.0.0.1:29550"
 # How long a client waits for the core to report a worker's death before giving up on it
 # (the core reports within its own poll interval; this only bounds a wedged core).
 CORE_REPORT_TIMEOUT_S = 60.0
+# Before EngineReady: how long the core may take to explain a lost worker (it knows at
+# once about one that had connected), and how often the launcher looks at its children.
+STARTUP_REPORT_S = 1.0
+STARTUP_POLL_MS = 100
+# Shutdown: how long the processes get to stop in order, then after SIGTERM before SIGKILL.
+SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_KILL_S = 3.0
+EXIT_POLL_S = 0.02
 
 
 def spawn(module: str, config: msgspec.Struct) -> subprocess.Popen:
-    """`python -m module '<config as JSON>'`: how every engine process starts (in this
-    process's environment, unchanged)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, msgspec.json.encode(config).decode()],
-        stdin=subprocess.DEVNULL,
-    )
+    """`python -m module -` with the config as JSON on its standard input: how every
+    engine process starts (in this process's environment, unchanged). Not in argv: the
+    config holds the hash seed, and every user can read a process's command line."""
+    proc = subprocess.Popen([sys.executable, "-m", module, "-"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    # A child that died at once closed the pipe: its exit status tells the watcher.
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write(msgspec.json.encode(config))
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()  # the child reads to the end
+    return proc
 
 
 class EngineDeadError(RuntimeError):
@@ -71,6 +87,7 @@ class EngineProcesses:
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.configs: dict[str, msgspec.Struct] = {}  # what each process was started with
         try:
             self.ready: EngineReady = self._start()
         except BaseException:
@@ -134,19 +151,41 @@ class EngineProcesses:
             log_level=self.log_level,
         )
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
+        self.configs["engine core"] = core
         self.procs["engine core"] = spawn("enginecore.core", core)
         for rank in range(0 if args.external_workers else n):
+            self.configs[f"worker rank {rank}"] = workers[rank]
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         return self._wait_ready()
 
     def _wait_ready(self) -> EngineReady:
         deadline = time.monotonic() + self.args.startup_timeout_s + 30
         while time.monotonic() < deadline:
-            msg = self._recv(500)
-            if isinstance(msg, EngineReady):
-                return msg
+            if self.from_core.poll(STARTUP_POLL_MS):
+                msg = self._take()
+                if isinstance(msg, EngineReady):
+                    return msg
+            elif self.lost_processes():
+                raise self._lost_in_startup()
         self.shutdown()
         raise EngineDeadError("the engine did not start in time")
+
+    def _lost_in_startup(self) -> EngineDeadError:
+        """A process exited before EngineReady. The core knows why only for a worker that
+        had connected (it says so at once); one that died before connecting it would wait
+        for until its handshake timeout: give it a moment, then stop everything."""
+        grace = time.monotonic() + STARTUP_REPORT_S
+        while self.awaiting_core_report(grace):
+            if self.from_core.poll(STARTUP_POLL_MS):
+                self._take()  # raises with the core's reason
+        return self.stopped("start-up failed")
+
+    def _take(self) -> CoreMessage:
+        """The message waiting on the output socket (EngineDeadError for EngineDead)."""
+        msg = self.decode(self.from_core.recv())
+        if isinstance(msg, EngineDead):
+            raise self.stopped(msg.reason)
+        return msg
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -199,10 +238,7 @@ class EngineProcesses:
 
     def _recv(self, timeout_ms: int) -> CoreMessage | None:
         if self.from_core.poll(timeout_ms):
-            msg = self.decode(self.from_core.recv())
-            if isinstance(msg, EngineDead):
-                raise self.stopped(msg.reason)
-            return msg
+            return self._take()
         if self.lost_processes():
             # A worker is gone but the core lives: it notices too and fails the open
             # requests with the reason before it stops. Wait for that (or for the core
@@ -233,48 +269,74 @@ class EngineProcesses:
 
     def stopped(self, reason: str = "") -> EngineDeadError:
         """Shut everything down; the error names the reason and every process that
-        failed, with its exit status."""
+        failed, with its exit status (those that failed first, not those shutdown ended)."""
+        failed = self._exit_codes()
         self.shutdown()
-        return EngineDeadError(
-            f"engine stopped:{' ' if reason else ''}{reason}{self._exit_codes()}"
-        )
+        return EngineDeadError(self.failure(reason, failed or self._exit_codes()))
+
+    def failure(self, reason: str = "", exit_codes: str | None = None) -> str:
+        """The engine's death in words: the reason and the processes that failed so far."""
+        codes = self._exit_codes() if exit_codes is None else exit_codes
+        return f"engine stopped:{' ' if reason else ''}{reason}{codes}"
 
     def _exit_codes(self) -> str:
         parts = []
         for name, p in self.procs.items():
             code = p.poll()
             if code is not None and code != 0:
-                how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-                parts.append(f"{name} (pid {p.pid}) {how}")
+                parts.append(f"{name} (pid {p.pid}) {exit_status(code)}")
         return (" [" + "; ".join(parts) + "]") if parts else ""
 
     # -- shutdown ---------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Ask the core to stop, then make sure every child is gone."""
+        """Ask the core to stop, then make sure every child is gone and the socket folder
+        with them, within SHUTDOWN_GRACE_S + SHUTDOWN_KILL_S. A stop signal meanwhile
+        (in the main thread) does not interrupt this: it only ends the grace period."""
+        with stop_signals_deferred():
+            self._stop_children()
+            if not self.ctx.closed:
+                self.ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _stop_children(self) -> None:
         core = self.procs.get("engine core")
-        if core is not None and core.poll() is None:
+        # Before EngineReady the core reads no client message: only a signal stops it.
+        graceful = hasattr(self, "ready") and core is not None and core.poll() is None
+        if graceful:
             try:
                 self.to_core.send(self.from_client.encode(ShutdownCore()), zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + 5
+                graceful = False
+        if graceful:
+            _wait_all(self.procs.values(), time.monotonic() + SHUTDOWN_GRACE_S)
         for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.terminate()
+        if not _wait_all(self.procs.values(), time.monotonic() + SHUTDOWN_KILL_S, hurry=False):
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
         for p in self.procs.values():
-            try:
-                p.wait(3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if not self.ctx.closed:
-            self.ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+            p.wait()
 
     def __enter__(self) -> EngineProcesses:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _wait_all(procs: Iterable[subprocess.Popen], deadline: float, hurry: bool = True) -> bool:
+    """Wait until every process has exited (True) or the deadline passed (False); with
+    hurry, a stop signal received meanwhile ends the wait early too."""
+    procs = list(procs)
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() >= deadline or (hurry and hurried()):
+            return False
+        time.sleep(EXIT_POLL_S)
+    return True
+
+
+def exit_status(code: int) -> str:
+    """A child's return code in words."""
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"

@@ -16,6 +16,9 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+_ENCODE_SLICE = 1 << 18
+
+
 class ByteTokenizer:
     """UTF-8 bytes are tokens 0..255; then BOS and EOS. Needs no files and no network."""
 
@@ -24,8 +27,13 @@ class ByteTokenizer:
         self.eos_token_id = eos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        bos = [self.bos_token_id] if add_special_tokens else []
-        return [*bos, *text.encode("utf-8")]
+        data = text.encode("utf-8")
+        ids = [self.bos_token_id] if add_special_tokens else []
+        # A slice at a time, so that a thread building a huge prompt's list lets the
+        # event loop's thread run between slices.
+        for start in range(0, len(data), _ENCODE_SLICE):
+            ids.extend(data[start : start + _ENCODE_SLICE])
+        return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:

@@ -2,17 +2,24 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings, POST
 /v1/responses (GET / DELETE /v1/responses/{id}, GET .../input_items), GET
-/v1/models (and /v1/models/{id}), GET /health,
+/v1/models (and /v1/models/{id}), Anthropic's POST /v1/messages and
+/v1/messages/count_tokens (serving_messages.py; `x-api-key: KEY` is accepted too), GET /health,
 GET /metrics (Prometheus, launch/openai/metrics.py), POST /reset_prefix_cache, and vLLM's POST
-/tokenize, POST /detokenize and GET /version, and GET/POST /ping (SageMaker's probe). With
-an API key (--api-key), every route but /health, /ping, /metrics and /version wants
+/tokenize, POST /detokenize, GET /version, GET /load, POST /inference/v1/generate
+(token-in/token-out), POST /v1/chat/completions/render and /v1/completions/render, POST
+/v1/responses/{id}/cancel, and GET/POST /ping (SageMaker's probe); GET /openapi.json
+describes them all (GET /docs, as a page). With
+an API key (--api-key), every route but /health, /ping, /metrics, /version, /load,
+/openapi.json and /docs wants
 `Authorization: Bearer KEY`; with CORS origins (--allowed-origins), browsers' cross-origin
 requests from them are answered, preflights without the key. Streaming answers
 are server-sent events ending in `data: [DONE]`; a request that fails mid-stream gets an
 `{"error": ...}` event first (OpenAI's clients raise it). A client that goes away, while
 streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
 Each request is one RequestStream, so a stream that falls behind writes one chunk per
-choice for all the tokens that arrived meanwhile.
+choice for all the tokens that arrived meanwhile. A body over --max-request-body-bytes is
+413 (body_limits.py), JSON nested too deep 400 (json_depth.py); requests are prepared off
+the event loop (serving_base.off_loop); connections are limited in connections.py.
 
 This module holds the app: its routes, middleware and the state they share; each
 endpoint family's work is its serving_*.py, given a ServingContext, never this server.
@@ -20,24 +27,28 @@ endpoint family's work is its serving_*.py, given a ServingContext, never this s
 
 from __future__ import annotations
 
+import functools
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import Response
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
+from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from launch.openai.http_metrics import HTTPMetricsMiddleware
 from launch.openai.metric_families import cache_config_labels
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
+from launch.openai.openapi import docs_page, openapi_document
 from launch.openai.protocol import APIError
 from launch.openai.reasoning import ReasoningParser
 from launch.openai.responses_store import (
@@ -56,32 +67,43 @@ from launch.openai.serving_base import (
 from launch.openai.serving_chat import ChatServing
 from launch.openai.serving_completions import CompletionServing
 from launch.openai.serving_embeddings import EmbeddingServing
+from launch.openai.serving_messages import MessagesServing, anthropic_error, anthropic_guard
+from launch.openai.serving_render import RenderServing
 from launch.openai.serving_responses import ResponsesServing
 from launch.openai.serving_tokenize import TokenizeServing
+from launch.openai.serving_tokens import TokensServing
 from launch.openai.tool_parsers import ToolCallParser
 
 # Probes a load balancer or a scraper calls without credentials.
-OPEN_PATHS = frozenset(("/health", "/ping", "/metrics", "/version"))
+OPEN_PATHS = frozenset(
+    ("/health", "/ping", "/metrics", "/version", "/load", "/openapi.json", "/docs")
+)
 
 
 class RequireAPIKey:
     """ASGI middleware: HTTP requests outside OPEN_PATHS need `Authorization: Bearer KEY`
-    (401 as OpenAI answers it otherwise). Pure ASGI, so a stream's chunks pass untouched."""
+    or `x-api-key: KEY` (what Anthropic's clients send); 401 otherwise, in the shape of
+    the route's API. Pure ASGI, so a stream's chunks pass untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _route_path(scope) not in OPEN_PATHS:
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(given, self._expected):
+        path = _route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] == "http" and path not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            bearer = secrets.compare_digest(headers.get(b"authorization", b""), self._expected)
+            if not (bearer or secrets.compare_digest(headers.get(b"x-api-key", b""), self._key)):
                 error = APIError(
-                    "invalid or missing API key: send Authorization: Bearer <key>",
+                    "invalid or missing API key: send Authorization: Bearer <key> "
+                    "(or x-api-key: <key>)",
                     401,
                     code="invalid_api_key",
                 )
-                await error_response(error)(scope, receive, send)
+                shape = anthropic_error if path.startswith("/v1/messages") else error_response
+                await shape(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -118,8 +140,11 @@ class OpenAIServer:
         cors: CORS | None = None,
         aliases: Sequence[str] = (),
         responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
+        strict_fields: bool = False,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.cors = cors
         self.api_key = api_key
         self.admission = Admission(max_waiting)
@@ -141,6 +166,7 @@ class OpenAIServer:
             self.admission,
             reasoning_parser,
             tool_call_parser,
+            strict_fields,
         )
         self.ctx = ctx
         self.response_store = ResponseStore(max_stored_responses, responses_store_bytes)
@@ -149,6 +175,12 @@ class OpenAIServer:
         self.responses = ResponsesServing(ctx, self.chat, self.response_store)
         self.embeddings = EmbeddingServing(ctx)
         self.tokenizing = TokenizeServing(ctx)
+        self.tokens = TokensServing(ctx)
+        self.render = RenderServing(ctx, self.chat)
+        # /v1/models' `created`: when this server started serving the model.
+        self.started_at = int(time.time())
+        self._openapi: dict[str, Any] | None = None
+        self.messages = MessagesServing(ctx, self.chat)
 
     @property
     def draining(self) -> bool:
@@ -166,6 +198,9 @@ class OpenAIServer:
             routes=[
                 Route("/v1/completions", guard(self.completions.create), methods=["POST"]),
                 Route("/v1/chat/completions", guard(self.chat.create), methods=["POST"]),
+                Route("/v1/chat/completions/render", guard(self.render.chat), methods=["POST"]),
+                Route("/v1/completions/render", guard(self.render.completion), methods=["POST"]),
+                Route("/inference/v1/generate", guard(self.tokens.generate), methods=["POST"]),
                 Route("/v1/embeddings", guard(self.embeddings.create), methods=["POST"]),
                 Route("/v1/responses", guard(self.responses.create), methods=["POST"]),
                 Route(
@@ -174,9 +209,20 @@ class OpenAIServer:
                     methods=["GET", "DELETE"],
                 ),
                 Route(
+                    "/v1/responses/{response_id}/cancel",
+                    guard(self.responses.cancel),
+                    methods=["POST"],
+                ),
+                Route(
                     "/v1/responses/{response_id}/input_items",
                     guard(self.responses.input_items),
                     methods=["GET"],
+                ),
+                Route("/v1/messages", anthropic_guard(self.messages.create), methods=["POST"]),
+                Route(
+                    "/v1/messages/count_tokens",
+                    anthropic_guard(self.messages.count_tokens),
+                    methods=["POST"],
                 ),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -187,10 +233,16 @@ class OpenAIServer:
                 Route("/tokenize", guard(self.tokenizing.tokenize), methods=["POST"]),
                 Route("/detokenize", guard(self.tokenizing.detokenize), methods=["POST"]),
                 Route("/version", self.version, methods=["GET"]),
+                Route("/load", self.load, methods=["GET"]),
+                Route("/openapi.json", self.openapi, methods=["GET"]),
+                Route("/docs", self.docs, methods=["GET"]),
             ],
         )
-        counted = HTTPMetricsMiddleware(app, self.metrics.http, app.routes)
-        guarded: ASGIApp = counted if self.api_key is None else RequireAPIKey(counted, self.api_key)
+        # Counted outside the body limit: its 413s show in http_requests_total.
+        limited = BodyLimit(app, self.max_body_bytes)
+        guarded: ASGIApp = HTTPMetricsMiddleware(limited, self.metrics.http, app.routes)
+        if self.api_key is not None:
+            guarded = RequireAPIKey(guarded, self.api_key)
         cors = self.cors
         if cors is None:
             return guarded
@@ -205,12 +257,33 @@ class OpenAIServer:
 
     # -- small routes -------------------------------------------------------------------
     def _card(self, name: str) -> dict[str, Any]:
+        """vLLM's model card: root is the checkpoint served, parent the base model of an
+        adapter (none here), permission one entry allowing what the server does."""
+        created = self.started_at
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": created,
             "owned_by": "pagedserve",
+            "root": self.engine.model,
+            "parent": None,
             "max_model_len": self.engine.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
 
     async def models(self, _request: Request) -> Response:
@@ -228,7 +301,7 @@ class OpenAIServer:
     async def health(self, _request: Request) -> Response:
         if self.engine.dead_reason is not None:
             return error_response(APIError(self.engine.dead_reason, 503))
-        if self.draining:
+        if self.draining or not self.engine.can_send():  # as requests are refused
             return error_response(stopping())
         return Response(status_code=200)
 
@@ -240,7 +313,27 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def version(self, _request: Request) -> Response:
+        """The server's version (vLLM's GET /version)."""
         return json_response({"version": package_version()})
+
+    async def load(self, _request: Request) -> Response:
+        """The requests in flight in the engine (vLLM's GET /load)."""
+        return json_response({"server_load": self.engine.num_open_requests})
+
+    async def openapi(self, request: Request) -> Response:
+        """This OpenAPI document: every route, each request body's JSON Schema."""
+        if self._openapi is None:
+            root = request.scope.get("root_path", "")
+            self._openapi = openapi_document(
+                request.app.routes, "pagedserve", package_version(), root_path=root
+            )
+        return json_response(self._openapi)
+
+    async def docs(self, request: Request) -> Response:
+        """A readable page of the OpenAPI document."""
+        await self.openapi(request)
+        assert self._openapi is not None
+        return HTMLResponse(docs_page(self._openapi))
 
 
 def _guard(
@@ -248,12 +341,18 @@ def _guard(
 ) -> Callable[[Request], Awaitable[Response]]:
     """Bad input and a dead engine become OpenAI-style errors; the server keeps on."""
 
+    @functools.wraps(handler)
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as e:
-            return error_response(e)
+            response = error_response(e)
+            if e.status == 413:  # the rest of the body would be read for nothing
+                response.headers["connection"] = "close"
+            return response
         except EngineDeadError as e:
             return error_response(APIError(str(e), 503))
+        except ClientDisconnect:  # gone, or closed for sending its body too slowly
+            return Response(status_code=499)
 
     return run

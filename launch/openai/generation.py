@@ -19,7 +19,13 @@ from launch.openai.metrics import RequestTimer
 from launch.openai.protocol import APIError, GenerationRequest
 from launch.openai.reasoning import ReasoningParser, ReasoningSplit
 from launch.openai.response_shapes import sse_event, usage, vllm_prompt_logprobs
-from launch.openai.serving_base import ServingContext, Waiting, error_response, json_response
+from launch.openai.serving_base import (
+    ServingContext,
+    Waiting,
+    error_response,
+    json_response,
+    token_id_text,
+)
 from protocol.engine import Logprobs, SamplingParams
 
 
@@ -106,7 +112,9 @@ class Generation:
         stream, request_id, params, waiting = started
         self.ctx = ctx
         # A token's text in logprobs (bound once: called per token).
-        self.token_text: Callable[[int], str] = ctx.token_text
+        self.token_text: Callable[[int], str] = (
+            token_id_text if body.return_tokens_as_token_ids else ctx.token_text
+        )
         self.body = body
         self.stream = stream
         self.id = request_id
@@ -146,8 +154,12 @@ class Generation:
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
         finally:
-            self._waiting.started()
-            self.stream.close()
+            self.close()
+
+    def close(self) -> None:
+        """Abort what is still running and free the admission ticket (idempotent)."""
+        self._waiting.started()
+        self.stream.close()
 
     def cached_tokens(self) -> int:
         """Each prompt counted once (its first copy's cache hits: later copies hit what

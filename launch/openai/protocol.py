@@ -4,9 +4,12 @@ A completions `prompt` is a text, a list of token ids, or a list of up to
 MAX_PROMPTS_PER_REQUEST of either (each its own engine request, answered as choices
 prompt-major); every prompt is checked before any is sent.
 
-Bodies are msgspec Structs with unknown fields refused, so a typo or an option this
-engine does not implement is a 400 naming the field, never silently ignored. Options the
-engine does not support (suffix, best_of) are accepted only at their neutral values.
+Bodies are msgspec Structs. A field no body declares is ignored with a warning, as vLLM
+does, or refused as a 400 naming it under --strict-request-fields
+(launch/openai/request_fields.py). OpenAI's standard fields that mean nothing here
+(metadata, store, service_tier, ...) and vLLM's extensions this engine has no use for are
+declared, so they are accepted, also as null, and logged at debug level when set. Options
+whose silent loss would change an answer (suffix, structural_tag) are refused unless null.
 Sampling options are checked by SamplingParams.validate: n in [1, 16], at most 4
 non-empty stop strings, presence and frequency penalties in [-2, 2], repetition_penalty
 > 0, min_tokens in [0, max_tokens], logprobs / top_logprobs in [0, 20], seed in [0,
@@ -23,12 +26,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from launch.openai.tools import ToolChoice, ToolDef
-from protocol.engine import SamplingParams, StructuredOutputs
+from launch.openai.json_depth import MAX_JSON_DEPTH, json_too_deep
+from launch.openai.request_fields import debug_enabled, decode_lenient, log_ignored
+from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef
+from protocol.engine import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
+
+# vLLM's request_id: the answer's id ends with it, so it is kept short and printable.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # Prompts in one completions request (a list of texts or token-id lists): each is its own
 # engine request (n of them with n > 1), all checked before any is sent. Bounded so one
@@ -139,10 +147,81 @@ class _GenerationOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     length_penalty: float = 1.0
     # vLLM's: streamed chunks carry at least this many tokens (the server's, if larger).
     stream_interval: int | None = None
+    # vLLM's: the answer's id ends with it (else a random one).
+    request_id: str | None = None
+    # vLLM's: tokens in logprobs as "token_id:N" rather than their text.
+    return_tokens_as_token_ids: bool = False
+    # OpenAI's, accepted with no effect here (see unused()).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's, accepted with no effect here: detokenizing follows the tokenizer's own
+    # rules, prompts get the tokenizer's special tokens, and this engine has no KV
+    # transfer or extra-argument plugins.
+    spaces_between_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's structural tags: not implemented; refused unless null (unsupported()).
+    structural_tag: str | dict[str, Any] | None = None
+
+    # Fields accepted without effect, each with the value that asks for nothing.
+    _UNUSED: ClassVar[tuple[tuple[str, Any], ...]] = (
+        ("metadata", None),
+        ("store", False),
+        ("service_tier", "auto"),
+        ("prompt_cache_key", None),
+        ("prompt_cache_retention", None),
+        ("safety_identifier", None),
+        ("user", None),
+        ("spaces_between_special_tokens", True),
+        ("add_special_tokens", None),
+        ("vllm_xargs", None),
+        ("kv_transfer_params", None),
+    )
 
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do yet."""
-        return []
+        return [] if self.structural_tag is None else ["structural_tag"]
+
+    def unused(self) -> list[str]:
+        """The fields set that have no effect here (logged at debug level)."""
+        return [
+            name
+            for name, neutral in self._UNUSED
+            if (value := getattr(self, name)) is not None and value != neutral
+        ]
+
+    def check(self) -> None:
+        """The rules between fields (vLLM's and OpenAI's), before any prompt is read."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options can only be given with stream: true",
+                param="stream_options",
+                code="invalid_value",
+            )
+        t = self.temperature
+        if t is not None and not 0.0 <= t <= 2.0:  # NaN too
+            raise APIError(
+                f"temperature must be in [0, 2], got {t}", param="temperature", code="invalid_value"
+            )
+        if t is not None and t < GREEDY_TEMPERATURE and self.n > 1 and not self.use_beam_search:
+            raise APIError(
+                f"n must be 1 with greedy sampling (temperature {t}): every choice would be "
+                "the same; raise the temperature for different ones",
+                param="n",
+                code="invalid_value",
+            )
+        rid = self.request_id
+        if rid is not None and _REQUEST_ID.fullmatch(rid) is None:
+            raise APIError(
+                "request_id must be 1 to 128 letters, digits or ._:-",
+                param="request_id",
+                code="invalid_value",
+            )
 
     def structured(self) -> tuple[StructuredOutputs | None, str]:
         """The wire's StructuredOutputs for response_format or structured_outputs (at most
@@ -265,11 +344,23 @@ class CompletionRequest(GenerationRequest, kw_only=True):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.best_of not in (None, 1):
-            bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
         return bad
+
+    def unused(self) -> list[str]:
+        # best_of is accepted as vLLM accepts it: n choices are sampled, not best_of.
+        extra = ["best_of"] if self.best_of not in (None, 1) else []
+        return super().unused() + extra
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and not self.n <= self.best_of:
+            raise APIError(
+                f"best_of must be at least n ({self.n}), got {self.best_of}",
+                param="best_of",
+                code="invalid_value",
+            )
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -335,6 +426,51 @@ class ChatCompletionRequest(GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: with --reasoning-parser, whether the answer carries the reasoning.
     include_reasoning: bool = True
+    # vLLM's: the answer's text starts with the last message's, when that message is the
+    # assistant's (continue_final_message).
+    echo: bool = False
+    # vLLM's (and transformers'): retrieved documents, for templates that render them.
+    documents: list[dict[str, Any]] | None = None
+    # OpenAI's legacy function calling: the same as tools and tool_choice (check()).
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    # OpenAI's, accepted with no effect here.
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    _UNUSED: ClassVar[tuple[tuple[str, Any], ...]] = (
+        *GenerationRequest._UNUSED,
+        ("reasoning_effort", None),
+        ("verbosity", None),
+        ("modalities", ["text"]),
+        ("audio", None),
+        ("prediction", None),
+        ("web_search_options", None),
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.functions is not None:
+            if self.tools is not None:
+                raise APIError(
+                    "give tools or functions (their older form), not both",
+                    param="functions",
+                    code="invalid_value",
+                )
+            self.tools = [ToolDef("function", f) for f in self.functions]
+        call = self.function_call
+        if call is not None:
+            if self.tool_choice is not None:
+                raise APIError(
+                    "give tool_choice or function_call (its older form), not both",
+                    param="function_call",
+                    code="invalid_value",
+                )
+            self.tool_choice = call if isinstance(call, str) else NamedToolChoice("function", call)
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -361,6 +497,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = None  # rendered as a chat completion's would be
+    # vLLM's: each token's text beside the ids.
+    return_token_strs: bool = False
 
 
 class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -385,12 +523,20 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[int]
 
 
-def decode_body(
-    raw: bytes, kind: type[GenerationRequest] | type[TokenizeRequest] | type[DetokenizeRequest]
-) -> Any:
-    """The request, or an APIError naming the field that is wrong."""
+def decode_body(raw: bytes, kind: type[Any], strict: bool = False) -> Any:
+    """The request, or an APIError naming the field that is wrong. strict: a field no
+    body declares is refused (--strict-request-fields), else ignored with a warning.
+    Linear in the body's size, and seconds for the largest allowed: call it off the
+    event loop."""
+    if json_too_deep(raw):
+        raise APIError(
+            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+            code="invalid_json",
+        )
     try:
-        body = msgspec.json.decode(raw, type=kind)
+        body, unknown = decode_lenient(raw, kind, strict)
+    except RecursionError:  # the check above keeps bodies shallower than this
+        raise APIError("the body nests too deeply to decode", code="invalid_json") from None
     except msgspec.ValidationError as e:
         text = str(e)
         at = re.search(r"`\$\.(\w+)", text) or re.search(r"field `(\w+)`", text)
@@ -402,11 +548,18 @@ def decode_body(
         raise APIError(text, param=at.group(1) if at else None, code=code) from None
     except msgspec.DecodeError as e:
         raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
-    bad = body.unsupported() if isinstance(body, GenerationRequest) else []
-    if bad:
-        raise APIError(
-            f"{', '.join(bad)}: not supported yet by this server (leave at the default)",
-            param=bad[0],
-            code="unsupported_parameter",
-        )
+    unused: list[str] = []
+    if isinstance(body, GenerationRequest):
+        bad = body.unsupported()
+        if bad:
+            raise APIError(
+                f"{', '.join(bad)}: not supported yet by this server (leave at the default)",
+                param=bad[0],
+                code="unsupported_parameter",
+            )
+        body.check()
+        if debug_enabled():  # the scan costs every request; its line is debug only
+            unused = body.unused()
+    if unknown or unused:
+        log_ignored(kind.__name__, unknown, unused)
     return body

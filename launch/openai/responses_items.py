@@ -87,18 +87,33 @@ def _bad_input(message: str) -> APIError:
     return APIError(message, param="input", code="invalid_value")
 
 
-def without_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """truncation "auto": the conversation less its oldest turn after any leading system
-    messages, and the tool results that answered it; None when nothing more can go."""
+def leading_system(messages: list[dict[str, Any]]) -> int:
+    """How many system messages open the conversation (truncation keeps them)."""
     head = 0
     while head < len(messages) and messages[head]["role"] == "system":
         head += 1
-    rest = messages[head + 1 :]
-    while rest and rest[0]["role"] == "tool":  # their call went with the turn
-        rest = rest[1:]
-    if not rest:
-        return None
-    return messages[:head] + rest
+    return head
+
+
+def turn_starts(messages: list[dict[str, Any]]) -> list[int]:
+    """truncation "auto": where the rest of the conversation starts once its k oldest turns
+    after the leading system messages are dropped (k = 0, 1, ...), each turn with the tool
+    results that answered it; the last entry leaves one turn. One pass."""
+    at = leading_system(messages)
+    starts = [at]
+    while True:
+        at += 1
+        while at < len(messages) and messages[at]["role"] == "tool":  # their call went too
+            at += 1
+        if at >= len(messages):
+            return starts
+        starts.append(at)
+
+
+def without_oldest_turns(messages: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
+    """The conversation's leading system messages, then its messages from start on (a
+    turn_starts entry)."""
+    return messages[: leading_system(messages)] + messages[start:]
 
 
 def new_item_id(prefix: str) -> str:

@@ -85,16 +85,21 @@ class ResponseRun:
             "prompt_cache_key": b.prompt_cache_key,
             "service_tier": b.service_tier or "default",
             "reasoning": None,
-            "background": False,
+            "background": b.background,
             "usage": self._usage() if done else None,
         }
 
     def _usage(self) -> dict[str, Any]:
         gen = self.generation
         inputs, outputs = gen.num_prompt_tokens, gen.timer.num_tokens
+        cached = gen.choices[0].num_cached
         return {
             "input_tokens": inputs,
-            "input_tokens_details": {"cached_tokens": gen.choices[0].num_cached},
+            # Written: the prompt tokens computed now (prefix caching keeps their blocks).
+            "input_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": inputs - cached,
+            },
             "output_tokens": outputs,
             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens()},
             "total_tokens": inputs + outputs,

@@ -13,12 +13,14 @@ response.failed.
 State: a response asked to be stored (`store`, true by default as at OpenAI) is kept in a
 bounded in-memory ResponseStore, oldest dropped first, so `previous_response_id` continues
 its conversation (its input and output; instructions are not carried over, as at OpenAI)
-and GET/DELETE /v1/responses/{id} find it. `truncation: "auto"` drops the oldest turns of a
+and GET/DELETE /v1/responses/{id} find it. A `background` response is answered at once
+(status "queued") and generated meanwhile; GET shows its progress and POST
+/v1/responses/{id}/cancel stops it. `truncation: "auto"` drops the oldest turns of a
 conversation that does not fit the context. The answer itself: responses_output.py; the
 store: responses_store.py; input items as chat messages: responses_items.py.
 
 Only what this engine can serve is accepted: function tools (hosted tools, images, files,
-reasoning, background runs are refused by name).
+reasoning are refused by name).
 """
 
 from __future__ import annotations
@@ -119,8 +121,6 @@ class _ResponsesOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     def unsupported(self) -> list[str]:
         """The options set to something this engine cannot do."""
         bad = []
-        if self.background:
-            bad.append("background")
         r = self.reasoning
         if r is not None and (r.effort not in (None, "none") or r.summary or r.generate_summary):
             bad.append("reasoning")  # no model served here reasons apart from its answer
@@ -139,6 +139,13 @@ class _ResponsesOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
                 + (f" (include takes only {LOGPROBS_INCLUDE!r})" if "include" in bad else ""),
                 param=bad[0],
                 code="unsupported_parameter",
+            )
+        if self.background and (self.stream or not self.store):
+            # Its answer is fetched later (GET, or cancelled): it must be kept, not streamed.
+            raise APIError(
+                "background needs store true and stream false",
+                param="background",
+                code="invalid_value",
             )
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(

@@ -2,17 +2,22 @@
 
 Each input line is a request as OpenAI's batch files hold them, `{"custom_id": ...,
 "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" |
-"/v1/responses", "body": {...}}`; each output line, in input order, is `{"id",
-"custom_id", "response": {"status_code", "request_id", "body"}, "error"}`. The requests
-go to the same routes the server answers (OpenAIServer, called in-process, no socket), all
-at once, so the engine batches them and a bad body fails alone with the 400 the server
-would give. A line that is not such a request gets `error` and no response.
+"/v1/responses", "body": {...}}`; each output line is `{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}`, written the moment its request ends
+through JsonLinesOutput, so a signal or a kill keeps every finished answer (in the order
+they finished; custom_id says which) and a write error stops the run; a run that ends
+rewrites the file in input order. The requests go to the same
+routes the server answers (OpenAIServer, called in-process, no socket), many at once, so
+the engine batches them and a bad body fails alone with the 400 the server would give. A
+line that is not such a request gets `error` and no response.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
+import signal
 import sys
 import time
 import uuid
@@ -22,11 +27,13 @@ from typing import Any
 
 import msgspec
 
+from launch.client.signals import Terminated
 from launch.openai.api_server import OpenAIServer
+from launch.output_file import JsonLinesOutput
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-# Requests handed to the server at once: the engine's queue holds the rest of them anyway,
-# this bounds the server-side objects a huge file makes.
+# Requests handed to the server at once (one worker task each): the engine's queue holds the
+# rest of them anyway, this bounds the server-side objects a huge file makes.
 MAX_IN_FLIGHT = 1024
 
 
@@ -40,22 +47,30 @@ class BatchLine(msgspec.Struct, forbid_unknown_fields=True):
 async def run_batch(
     api: OpenAIServer,
     lines: list[bytes],
+    write: Callable[[int, dict[str, Any]], None],
     progress: Callable[[int], None] = lambda done: None,
-) -> list[dict[str, Any]]:
-    """Every line's output object, in input order."""
-    limit = asyncio.Semaphore(MAX_IN_FLIGHT)
+) -> None:
+    """Answer every line, write(line number, output object) as its request ends. An
+    exception from write cancels the requests still open (the engine aborts them) and
+    is raised."""
     app = api.app()
+    todo = iter(enumerate(lines))  # shared: each line is taken by one worker
     done = 0
 
-    async def one(raw: bytes) -> dict[str, Any]:
+    async def worker() -> None:
         nonlocal done
-        async with limit:
-            out = await _answer(app, raw)
-        done += 1
-        progress(done)
-        return out
+        for number, raw in todo:
+            write(number, await _answer(app, raw))
+            done += 1
+            progress(done)
 
-    return await asyncio.gather(*(one(raw) for raw in lines))
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(MAX_IN_FLIGHT, len(lines)))]
+    try:
+        await asyncio.gather(*workers)
+    finally:  # after a failure or a cancel: the rest stop (their requests are aborted)
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
 
 
 async def _answer(app: Any, raw: bytes) -> dict[str, Any]:
@@ -127,35 +142,87 @@ async def _post(app: Any, path: str, body: bytes) -> tuple[int, Any]:
         return status, data.decode(errors="replace")
 
 
-def run(api: OpenAIServer, input_path: Path, output_path: Path, progress: bool = True) -> int:
+def run(api: OpenAIServer, input_path: Path, output: JsonLinesOutput, progress: bool = True) -> int:
     """Run the file's requests through api (its engine started here); 0 when every line got
-    an output line (failed requests included), as vLLM's run-batch."""
+    an output line (failed requests included), as vLLM's run-batch. Terminated or
+    KeyboardInterrupt after a stop signal, OutputWriteError when the output fails; the
+    engine is closed and every finished answer is in the output either way."""
     lines = [line for line in input_path.read_bytes().splitlines() if line.strip()]
     start = time.monotonic()
     every = max(1, len(lines) // 20)
+    encoder = msgspec.json.Encoder()
+    failed = 0
+    numbers = array.array("q")  # the input line of each output line, to sort them at the end
+
+    def write(number: int, out: dict[str, Any]) -> None:
+        nonlocal failed
+        output.write(encoder.encode(out))
+        numbers.append(number)
+        if out["error"] is not None or out["response"]["status_code"] != 200:
+            failed += 1
 
     def report(done: int) -> None:
         if progress and (done % every == 0 or done == len(lines)):
             print(f"run-batch: {done}/{len(lines)} requests", file=sys.stderr)
 
-    async def main() -> list[dict[str, Any]]:
+    async def main() -> None:
+        stop.attach()
         await api.engine.start()
+        output.start()  # the engine is up: only now may an existing file go
         try:
-            return await run_batch(api, lines, report)
+            await run_batch(api, lines, write, report)
         finally:
             await api.engine.aclose()
 
-    outputs = asyncio.run(main())
-    encoder = msgspec.json.Encoder()
-    with output_path.open("wb") as f:
-        for out in outputs:
-            f.write(encoder.encode(out) + b"\n")
-    failed = sum(
-        1 for o in outputs if o["error"] is not None or o["response"]["status_code"] != 200
-    )
+    with _StopOnSignal() as stop:
+        try:
+            asyncio.run(main())
+        except asyncio.CancelledError:
+            if stop.signum is None:
+                raise
+        if stop.signum is not None:
+            raise Terminated(stop.signum)
+    output.close(lambda position, _raw: numbers[position])  # in input order
     seconds = time.monotonic() - start
     print(
-        f"run-batch: {len(outputs)} requests, {failed} failed, {seconds:.1f} s -> {output_path}",
+        f"run-batch: {len(lines)} requests, {failed} failed, {seconds:.1f} s -> {output.name}",
         file=sys.stderr,
     )
     return 0
+
+
+class _StopOnSignal:
+    """SIGTERM and SIGHUP during the run cancel its main task from the event loop, so the
+    requests and the engine close in order (as asyncio.run does for SIGINT) instead of an
+    exception raised inside whichever task happens to run. A second signal, or one before
+    the loop runs, goes to the handler that was there before."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopOnSignal:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def attach(self) -> None:
+        """Called in the main task, once the loop runs."""
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is None and self._task is not None and self._loop is not None:
+            self.signum = signum
+            self._loop.call_soon_threadsafe(self._task.cancel)
+            return
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)

@@ -27,16 +27,20 @@ import uvicorn
 
 from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
-from launch.client.signals import Terminated
+from launch.client.signals import STOP_SIGNALS, Terminated, hurried, hurry, restore_handlers
 from launch.openai.api_server import CORS, OpenAIServer
+from launch.openai.connections import MAX_HEAD_BYTES, ConnectionLimits, guarded_protocol
 from launch.openai.metrics import STATS_LOGGER, StatsLog
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
 
 log = logging.getLogger("pagedserve.serve")
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After the engine died, or a stop signal, how long open connections may take to end.
 GRACEFUL_S = 3
+# How long a thread preparing a request (a chat template renders in Python) keeps the GIL
+# while the event loop waits for it: the loop wants it many times to answer one request,
+# so 1 ms (Python's default is 5) keeps /health quick.
+SWITCH_INTERVAL_S = 0.001
 # How often a draining server looks whether its open requests have finished.
 DRAIN_POLL_S = 0.05
 
@@ -45,7 +49,7 @@ class _Server(uvicorn.Server):
     """uvicorn, with our own signal handling: a stop signal aborts open requests so
     their streams end now (after draining them for up to drain_s: new requests get 503
     meanwhile), and is not re-raised after shutdown (uvicorn would). A second signal
-    stops at once."""
+    ends the drain and hurries the engine's shutdown; no signal interrupts it."""
 
     def __init__(
         self, config: uvicorn.Config, api: OpenAIServer, name: str, drain_s: float = 0.0
@@ -65,8 +69,8 @@ class _Server(uvicorn.Server):
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            # Serving is over: a stop signal from here on only hurries the engine's shutdown.
+            restore_handlers(previous)
 
     def _on_signal(self, sig: int, _frame: FrameType | None) -> None:
         first = self.stop_signal is None
@@ -75,7 +79,9 @@ class _Server(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._drain)
             return
         if not first:
-            self.force_exit = True  # a second signal: stop waiting for connections
+            # A second signal ends the drain and hurries the engine's processes. Not
+            # uvicorn's force_exit: that skips the lifespan's end, which stops the engine.
+            hurry()
         self.should_exit = True
         if self._loop is not None:
             # Not from inside the handler: it may interrupt the loop between two steps
@@ -108,6 +114,21 @@ class _Server(uvicorn.Server):
             scheme = "https" if self.config.is_ssl else "http"
             print(f"pagedserve serve: {self.name} on {scheme}://{host}:{port}", file=sys.stderr)
             asyncio.get_running_loop().create_task(self._watch_engine())
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ender = asyncio.get_running_loop().create_task(self._end_open_requests())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_open_requests(self) -> None:
+        """Open requests were aborted, but an engine stuck in a step cannot answer: end
+        the rest before uvicorn's grace period cancels them (it logs a traceback)."""
+        deadline = time.monotonic() + GRACEFUL_S / 2
+        while self.engine.num_open_requests and time.monotonic() < deadline and not hurried():
+            await asyncio.sleep(DRAIN_POLL_S)
+        self.engine.fail_open(EngineDeadError("the server is stopping; the engine did not answer"))
 
     async def _watch_engine(self) -> None:
         self.engine_died = await self.engine.wait_dead()
@@ -167,6 +188,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         names = served_names(args)
         api = _api(engine, names, args)
         server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         server.run(sockets=[sock])
     except (ValueError, EngineDeadError) as e:
         print(f"pagedserve serve: {e}", file=sys.stderr)
@@ -210,6 +232,8 @@ def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAI
         args.reasoning_parser,
         aliases=names[1:],
         responses_store_bytes=args.responses_store_bytes,
+        strict_fields=args.strict_request_fields,
+        max_body_bytes=args.max_request_body_bytes,
         cors=None
         if args.allowed_origins is None
         else CORS(
@@ -238,10 +262,17 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
     return uvicorn.Config(
         api.app(lifespan),
         loop=_loop(),
-        # httptools (a dependency; h11 only where it cannot be imported). Both report ASGI
-        # spec 2.3 from uvicorn 0.33, so Starlette watches for a client's disconnect
-        # while a stream waits for tokens, not only when it next writes.
-        http="auto",
+        # httptools (a dependency; h11 only where it cannot be imported), under our
+        # connection limits. Both report ASGI spec 2.3 from uvicorn 0.33, so Starlette
+        # watches for a client's disconnect while a stream waits for tokens, not only when
+        # it next writes.
+        http=guarded_protocol(
+            ConnectionLimits(
+                args.max_connections, args.timeout_request_head, args.timeout_request_body
+            )
+        ),
+        timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         lifespan="on",
         log_level=args.log_level.lower(),
         access_log=False,

@@ -88,7 +88,9 @@ def _max_tokens(
     max_model_len: int,
     which: str,
 ) -> int:
-    """max_tokens, or the endpoint's default, if the prompt leaves room for it."""
+    """max_tokens, or the endpoint's default, capped at the room the prompt leaves (as
+    vLLM does: the answer stops by length there); only a prompt that fills the context is
+    refused."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise APIError(
@@ -100,13 +102,8 @@ def _max_tokens(
     if max_tokens is None:
         chat = isinstance(body, ChatCompletionRequest)
         max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    elif max_tokens > room and max_tokens >= 1:
-        raise APIError(
-            f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
-            f"({which}) + {max_tokens} (max_tokens) were asked for",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    elif max_tokens > room:
+        max_tokens = room
     return max_tokens
 
 

@@ -6,8 +6,11 @@ streamed, aborting it when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -15,12 +18,29 @@ from starlette.responses import Response, StreamingResponse
 
 from launch.client.async_llm import AsyncLLM
 from launch.openai.metrics import ServerMetrics
-from launch.openai.protocol import APIError
+from launch.openai.protocol import APIError, decode_body
 from launch.openai.reasoning import ReasoningParser
 from launch.openai.tool_parsers import ToolCallParser
 from protocol.engine import truncation_error
 
 _json = msgspec.json.Encoder()
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Preparing a request (decoding its body, rendering its chat, tokenizing) takes seconds for
+# the largest: it runs on these threads so that the event loop answers everyone else
+# meanwhile. A few: Jinja holds the GIL while it renders (tokenizers let go of it).
+PREPARE_THREADS = 4
+_prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pagedserve-prepare")
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """fn(*args, **kwargs) on the preparing threads."""
+    call = functools.partial(fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_prepare, call)
+
+
+T = TypeVar("T")
 
 
 def json_response(body: object, status: int = 200) -> Response:
@@ -97,6 +117,8 @@ class ServingContext:
     admission: Admission
     reasoning_parser: ReasoningParser | None = None
     tool_call_parser: ToolCallParser | None = None
+    # --strict-request-fields: a body field no route declares is a 400, not a warning.
+    strict_fields: bool = False
 
     @property
     def model_name(self) -> str:
@@ -105,7 +127,12 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         """One token's text in logprobs (its id when the model has no tokenizer)."""
         tok = self.engine.tokenizer
-        return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
+        return tok.decode([token_id]) if tok is not None else token_id_text(token_id)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids writes it in logprobs."""
+    return f"token_id:{token_id}"
 
 
 class OpenAIServing:
@@ -116,8 +143,15 @@ class OpenAIServing:
         self.engine = ctx.engine
 
     def check_model(self, model: str | None) -> None:
+        """A model this server does not serve is a 404, as OpenAI and vLLM answer it."""
         if model is not None and model not in self.ctx.model_names:
-            raise unknown_model(self.ctx.model_names, model, 400)
+            raise unknown_model(self.ctx.model_names, model, 404)
+
+    async def read(self, request: Request, kind: type[T]) -> T:
+        """A route's body, checked (launch/openai/protocol.decode_body) off the event loop,
+        under this server's rule for fields it does not know."""
+        body: T = await off_loop(decode_body, await request.body(), kind, self.ctx.strict_fields)
+        return body
 
     @staticmethod
     async def answer(

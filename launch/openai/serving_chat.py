@@ -13,9 +13,9 @@ from launch.client.chat import ChatTemplateError
 from launch.client.inputs import Prompt
 from launch.client.request_stream import StreamOutput
 from launch.openai.generation import Choice, ChoicesAnswer, Started
-from launch.openai.protocol import APIError, ChatCompletionRequest, decode_body
+from launch.openai.protocol import APIError, ChatCompletionRequest
 from launch.openai.response_shapes import chat_logprobs, sse_event
-from launch.openai.serving_base import ServingContext
+from launch.openai.serving_base import ServingContext, off_loop
 from launch.openai.serving_generation import GenerationServing
 from launch.openai.tool_parsers import new_call_id
 from launch.openai.tools import ToolError, ToolPlan, plan_tools, template_messages
@@ -23,9 +23,9 @@ from launch.openai.tools import ToolError, ToolPlan, plan_tools, template_messag
 
 class ChatServing(GenerationServing):
     async def create(self, request: Request) -> Response:
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         self.check_model(body.model)
-        ids, tools = self.prompt(body, "messages")
+        ids, tools = await off_loop(self.prompt, body, "messages")
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -45,10 +45,13 @@ class ChatServing(GenerationServing):
             raise APIError(str(e), param=e.param, code="invalid_value") from None
         if tools is not None and tools.keeps_special_tokens:
             body.skip_special_tokens = False
+        kwargs = body.chat_template_kwargs
+        if body.documents is not None:  # the template's documents, as transformers passes them
+            kwargs = {**(kwargs or {}), "documents": body.documents}
         prompt = Prompt(
             messages=template_messages(body.messages),
             add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=kwargs,
             tools=tools.template_tools() if tools is not None else None,
             continue_final_message=body.continue_final_message,
         )
@@ -79,6 +82,7 @@ class ChatCompletion(ChoicesAnswer):
         self.tools = tools if tools is not None and tools.choice != "none" else None
         # The answer's reasoning field (the reasoning is told apart either way).
         self.show_reasoning = reasoning is not None and body.include_reasoning
+        self.echo = _echo(body)
 
     def _logprobs(self, c: Choice, start: int, offset: int) -> dict[str, Any] | None:
         if c.logprobs is None:
@@ -88,7 +92,7 @@ class ChatCompletion(ChoicesAnswer):
     def _whole_choice(self, index: int, c: Choice) -> dict[str, Any]:
         text = "".join(c.texts)
         finish = c.finish
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": self.echo + text}
         if self.show_reasoning:
             message["reasoning"] = "".join(c.thoughts) or None
         if self.tools is not None:
@@ -107,7 +111,7 @@ class ChatCompletion(ChoicesAnswer):
             answer["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
 
     def _opening_events(self) -> list[bytes]:
-        first = {"role": "assistant", "content": ""}
+        first = {"role": "assistant", "content": self.echo}
         return [
             sse_event(self._envelope([self._chunk(i, first, None, None)], None))
             for i in range(len(self.choices))
@@ -174,3 +178,15 @@ class ChatCompletion(ChoicesAnswer):
             delta["tool_calls"] = [{"index": k, **call.body()} for k, call in enumerate(calls)]
             finish = "tool_calls" if finish == "stop" else finish
         return delta, finish, fresh
+
+
+def _echo(body: ChatCompletionRequest) -> str:
+    """vLLM's echo: the last message's text, when the answer continues it (the last
+    message is the assistant's); else ""."""
+    last = body.messages[-1] if body.echo and body.messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""

@@ -11,36 +11,23 @@ from starlette.responses import Response
 
 from launch.client.request_stream import StreamOutput
 from launch.openai.generation import Choice, ChoicesAnswer, Started
-from launch.openai.protocol import APIError, CompletionRequest, decode_body
+from launch.openai.protocol import APIError, CompletionRequest
 from launch.openai.response_shapes import completion_logprobs, sse_event
-from launch.openai.serving_base import ServingContext
+from launch.openai.serving_base import ServingContext, off_loop
 from launch.openai.serving_generation import GenerationServing
 
 
 class CompletionServing(GenerationServing):
     async def create(self, request: Request) -> Response:
-        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = await self.read(request, CompletionRequest)
         self.check_model(body.model)
-        prompts = body.prompt_inputs()
-        several = len(prompts) > 1
-        ids = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids.append(self.engine.prompt_token_ids(prompt))
-            except (TypeError, ValueError) as e:
-                message = f"prompt {i}: {e}" if several else str(e)
-                raise APIError(message, param="prompt", code="invalid_value") from None
-        echo = None
-        if body.echo:  # each prompt as given; token ids as the tokenizer reads them
-            try:
-                echo = [p if isinstance(p, str) else self.engine.inputs.decode(p) for p in prompts]
-            except ValueError as e:
-                raise APIError(str(e), param="echo", code="invalid_value") from None
+        ids, echo = await off_loop(self._prompts, body)
         max_tokens = body.max_tokens
         prompt_only = max_tokens == 0 and body.echo
         if prompt_only:
             # Scoring a text (its echo and, with logprobs, its tokens' logprobs): the engine
-            # generates at least one token, which the answer leaves out.
+            # generates at least one token, which the answer leaves out (its usage counts
+            # it, as vLLM's does).
             if body.stream:
                 raise APIError(
                     "max_tokens 0 (echo only) is not streamed: send stream false",
@@ -51,6 +38,32 @@ class CompletionServing(GenerationServing):
         started = await self.start(body, ids, max_tokens, "cmpl", prompt_only=prompt_only)
         answer = TextCompletion(self.ctx, body, started, echo, prompt_only)
         return await self.answer(request, body.stream, answer.events, answer.complete)
+
+    def _prompts(self, body: CompletionRequest) -> tuple[list[list[int]], list[str] | None]:
+        """Each prompt's token ids, and, to echo, each prompt as given (token ids as the
+        tokenizer reads them)."""
+        prompts = body.prompt_inputs()
+        several = len(prompts) > 1
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self.engine.prompt_token_ids(prompt))
+            except (TypeError, ValueError) as e:
+                message = f"prompt {i}: {e}" if several else str(e)
+                raise APIError(message, param="prompt", code="invalid_value") from None
+            if not ids[-1]:  # "" encodes to no tokens without a BOS: nothing to continue
+                which = f"prompt {i}" if several else "the prompt"
+                raise APIError(
+                    f"{which} is empty: give at least one token",
+                    param="prompt",
+                    code="invalid_value",
+                )
+        if not body.echo:
+            return ids, None
+        try:
+            return ids, [p if isinstance(p, str) else self.engine.inputs.decode(p) for p in prompts]
+        except ValueError as e:
+            raise APIError(str(e), param="echo", code="invalid_value") from None
 
 
 class TextCompletion(ChoicesAnswer):
@@ -74,9 +87,6 @@ class TextCompletion(ChoicesAnswer):
         self.echo = echo
         self.prompt_only = prompt_only
         self._echoed: set[int] = set()  # choices whose echo (with logprobs) is streamed
-
-    def _generated_tokens(self) -> int:
-        return 0 if self.prompt_only else self.timer.num_tokens
 
     def _logprobs(self, c: Choice, start: int, offset: int) -> dict[str, Any] | None:
         if c.logprobs is None:

@@ -14,11 +14,12 @@ from starlette.responses import Response
 
 from launch.client.engine_processes import EngineDeadError
 from launch.client.inputs import truncated
-from launch.openai.protocol import APIError, EmbeddingRequest, decode_body
+from launch.openai.protocol import APIError, EmbeddingRequest
 from launch.openai.serving_base import (
     OpenAIServing,
     checked_truncation,
     json_response,
+    off_loop,
     until_disconnect,
 )
 from protocol.engine import EmbeddingParams, SamplingParams
@@ -26,7 +27,7 @@ from protocol.engine import EmbeddingParams, SamplingParams
 
 class EmbeddingServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
-        body: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
+        body: EmbeddingRequest = await self.read(request, EmbeddingRequest)
         self.check_model(body.model)
         engine = self.engine
         if body.dimensions is not None and not 1 <= body.dimensions <= engine.inputs.hidden_size:
@@ -36,7 +37,7 @@ class EmbeddingServing(OpenAIServing):
                 param="dimensions",
                 code="invalid_value",
             )
-        prompts = self._prompts(body)
+        prompts = await off_loop(self._prompts, body)
         self.ctx.admission.check_open()
         params = SamplingParams(
             max_tokens=1,
@@ -81,6 +82,12 @@ class EmbeddingServing(OpenAIServing):
                 ids = truncated(engine.prompt_token_ids(item), k, engine.max_model_len)
             except (TypeError, ValueError) as e:
                 raise APIError(f"input {i}: {e}", param="input", code="invalid_value") from None
+            if not ids:
+                raise APIError(
+                    f"input {i} is empty: give at least one token",
+                    param="input",
+                    code="invalid_value",
+                )
             if len(ids) >= engine.max_model_len:
                 raise APIError(
                     f"input {i} has {len(ids)} tokens; this model's context is "

@@ -50,10 +50,25 @@ class GenerationServing(OpenAIServing):
         except ValueError as e:
             raise APIError(str(e), 400, param="priority", code="invalid_value") from None
         admission.check_room()
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream: RequestStream | BeamSearchStream
+        request_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+        try:
+            stream = self._stream(body, request_id, prompts, params, beam)
+        except ValueError as e:  # e.g. vLLM's request_id naming a request still open
+            param = "request_id" if body.request_id is not None else None
+            raise APIError(str(e), param=param, code="invalid_value") from None
+        return Started(stream, request_id, params[0], admission.admit())
+
+    def _stream(
+        self,
+        body: GenerationRequest,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        beam: BeamSearchParams | None,
+    ) -> RequestStream | BeamSearchStream:
+        """The request sent to the engine: a beam search, or one stream of its prompts."""
         if beam is not None:
-            stream = BeamSearchStream(
+            return BeamSearchStream(
                 self.engine,
                 request_id,
                 prompts,
@@ -62,16 +77,14 @@ class GenerationServing(OpenAIServing):
                 body.cache_salt,
                 body.priority,
             )
-        else:
-            stream = self.engine.generate_many(
-                prompts,
-                params,
-                request_id,
-                cache_salt=body.cache_salt,
-                priority=body.priority,
-                stream_interval=body.stream_interval,
-            )
-        return Started(stream, request_id, params[0], admission.admit())
+        return self.engine.generate_many(
+            prompts,
+            params,
+            request_id,
+            cache_salt=body.cache_salt,
+            priority=body.priority,
+            stream_interval=body.stream_interval,
+        )
 
     async def _params(
         self,

@@ -8,19 +8,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from launch.client.inputs import Prompt
-from launch.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, decode_body
-from launch.openai.serving_base import OpenAIServing, json_response
+from launch.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from launch.openai.serving_base import OpenAIServing, json_response, off_loop
 from launch.openai.tools import template_messages
 
 
 class TokenizeServing(OpenAIServing):
     async def tokenize(self, request: Request) -> Response:
         """The ids a completion (prompt) or a chat completion (messages) would send."""
-        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+        body: TokenizeRequest = await self.read(request, TokenizeRequest)
         self.check_model(body.model)
-        inputs = self.engine.inputs
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", code="invalid_value")
+        ids = await off_loop(self._token_ids, body)
+        answer = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:  # vLLM's: each token's own text
+            answer["token_strs"] = [self.ctx.token_text(t) for t in ids]
+        return json_response(answer)
+
+    def _token_ids(self, body: TokenizeRequest) -> list[int]:
+        inputs = self.engine.inputs
         try:
             if body.prompt is not None:
                 special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -37,15 +44,15 @@ class TokenizeServing(OpenAIServing):
         except (TypeError, ValueError) as e:
             param = "prompt" if body.prompt is not None else "messages"
             raise APIError(str(e), param=param, code="invalid_value") from None
-        return json_response(
-            {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
-        )
+        return ids
 
     async def detokenize(self, request: Request) -> Response:
-        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+        body: DetokenizeRequest = await self.read(request, DetokenizeRequest)
         self.check_model(body.model)
+        return json_response({"prompt": await off_loop(self._text, body.tokens)})
+
+    def _text(self, tokens: list[int]) -> str:
         try:  # the range check every token-id prompt gets
-            text = self.engine.inputs.decode(self.engine.prompt_token_ids(body.tokens))
+            return self.engine.inputs.decode(self.engine.prompt_token_ids(tokens))
         except (TypeError, ValueError) as e:
             raise APIError(str(e), param="tokens", code="invalid_value") from None
-        return json_response({"prompt": text})

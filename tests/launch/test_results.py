@@ -20,6 +20,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def test_each_result_is_on_disk_before_the_file_is_closed(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "out.jsonl"
     writer = ResultWriter(path)
+    writer.start()
     assert path.read_text() == ""  # created at once, folders too
     writer.write(3, CompletionOutput(3, [1, 2], [9], text="x", finish_reason="stop"))
     assert _lines(path) == [
@@ -38,6 +39,7 @@ def test_each_result_is_on_disk_before_the_file_is_closed(tmp_path: Path) -> Non
 
 def test_keys_for_options_appear_only_when_the_request_asked_for_them(tmp_path: Path) -> None:
     writer = ResultWriter(tmp_path / "out.jsonl")
+    writer.start()
     plain = CompletionOutput(0, [1], [2], finish_reason="length", stop_reason="never shown")
     writer.write(0, plain, SamplingParams())
     lp = Logprobs(-0.5, [2, 4], [-0.5, -1.5])
@@ -65,6 +67,7 @@ def test_keys_for_options_appear_only_when_the_request_asked_for_them(tmp_path: 
 
 def test_failed_requests_are_counted_and_the_first_ones_listed(tmp_path: Path) -> None:
     writer = ResultWriter(tmp_path / "out.jsonl")
+    writer.start()
     writer.write(0, CompletionOutput(0, [1], [2], finish_reason="length"))
     for i in range(1, MAX_LISTED_ERRORS + 3):
         out = CompletionOutput(i, [1], finish_reason="error", error=f"bad {i}", seq_index=1)
@@ -80,6 +83,7 @@ def test_failed_requests_are_counted_and_the_first_ones_listed(tmp_path: Path) -
 
 def test_the_final_sort_keeps_copies_in_seq_order(tmp_path: Path) -> None:
     writer = ResultWriter(tmp_path / "out.jsonl")
+    writer.start()
     two = SamplingParams(n=2)
     # Finish order: copies out of order, and interleaved with other prompts.
     for index, seq in ((1, 1), (0, 0), (1, 0), (2, 0)):

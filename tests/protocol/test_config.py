@@ -38,8 +38,10 @@ CHECKS_ON = "pagedserve.core: engine core: checking the KV invariants after ever
 
 
 def _core_config(llm: LLM) -> EngineCoreConfig:
-    """The config the running core was started with: the JSON on its command line."""
-    return msgspec.json.decode(llm.engine.procs["engine core"].args[-1], type=EngineCoreConfig)
+    """The config the running core was started with (sent on its stdin)."""
+    config = llm.engine.configs["engine core"]
+    assert isinstance(config, EngineCoreConfig)
+    return config
 
 
 @pytest.mark.parametrize(("level", "logged"), [("info", True), ("WARNING", False)])
@@ -105,8 +107,9 @@ NONE_FOR_THIS_LAUNCH = {
         "record_dir",
         "record_worker",
         "spin_us",
+        "zmq_curve_keys",
     },
-    WorkerConfig: {"dist_init", "parent_pid", "spin_us"},
+    WorkerConfig: {"dist_init", "parent_pid", "spin_us", "zmq_curve_keys"},
 }
 ONLY_COPY = {
     EngineCoreConfig: {"kv_events_buffer_steps", "kv_events_topic"},

@@ -10,20 +10,29 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from launch.client.engine_args import EngineArgs
 from launch.client.engine_processes import EngineProcesses
 from protocol.engine import SamplingParams
+from protocol.zmq_security import make_keys
 from tests.helpers.cli_helpers import CPU, run_json_script
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def test_router_example_beats_round_robin(llama_dir: Path) -> None:
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_router_example_beats_round_robin(curve: bool, llama_dir: Path, tmp_path: Path) -> None:
+    """With keys, the router reads both engines' events as an admitted CURVE client."""
+    flags: tuple[str, ...] = ()
+    if curve:
+        make_keys(tmp_path / "keys", ["client"])
+        flags = ("--zmq-curve-keys", str(tmp_path / "keys"))
     result = run_json_script(
         "examples/router.py",
         *("--model", str(llama_dir), "--requests", "24", "--prefixes", "4"),
-        *("--prefix-len", "48", "--block-size", "8", "--device", CPU),
+        *("--prefix-len", "48", "--block-size", "8", "--device", CPU, *flags),
     )
     kv, rr = result["kv_aware"], result["round_robin"]
     assert kv["prompt_tokens"] == rr["prompt_tokens"]
@@ -100,8 +109,16 @@ def test_log_kv_prints_a_line_per_step(llama_dir: Path, tmp_path: Path) -> None:
     assert all("free " in ln for ln in lines)
 
 
-def test_raw_client_example_speaks_the_documented_protocol(llama_dir: Path) -> None:
-    """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says."""
-    summary = run_json_script("examples/raw_client.py", "--model", str(llama_dir))
+@pytest.mark.parametrize("curve", [False, True], ids=["ipc", "tcp-curve"])
+def test_raw_client_example_speaks_the_documented_protocol(
+    curve: bool, llama_dir: Path, tmp_path: Path
+) -> None:
+    """examples/raw_client.py: only pyzmq, msgspec and protocol/, as docs/protocol.md says;
+    with keys, over loopback TCP where the core (connecting) is the CURVE server."""
+    flags: tuple[str, ...] = ()
+    if curve:
+        make_keys(tmp_path / "keys", ["client"])
+        flags = ("--zmq-curve-keys", str(tmp_path / "keys"))
+    summary = run_json_script("examples/raw_client.py", "--model", str(llama_dir), *flags)
     assert summary["finish"] == {"a": "length", "b": "abort"}
     assert len(summary["tokens"]["a"]) == 8 and summary["rejected"] == ["a"]

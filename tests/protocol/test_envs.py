@@ -20,7 +20,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_variable_is_documented_in_the_module_docstring() -> None:
-    assert len(NAMES) == 13
+    assert len(NAMES) == 15
     doc = envs.__doc__ or ""
     for name in NAMES:
         assert re.search(rf"\b{name}\b", doc), name
@@ -30,7 +30,14 @@ def test_defaults_when_nothing_is_set() -> None:
     assert envs.attention() == "auto" and envs.cpu_gemm() == "auto"
     assert envs.native_kernels() is True
     assert envs.check_invariants() is False
-    for reader in (envs.dist_init, envs.worker_hooks, envs.cache_dir, envs.api_key):
+    for reader in (
+        envs.dist_init,
+        envs.worker_hooks,
+        envs.cache_dir,
+        envs.api_key,
+        envs.prefix_cache_hash_seed,
+        envs.zmq_curve_keys,
+    ):
         assert reader() is None
     assert envs.spin_us() is None and envs.bench_step_delay_ms() is None
     assert envs.bench_skip() is None and envs.bench_worker_timing() is None

@@ -6,6 +6,7 @@ which the test reads before starting workers; ranks meet through a rendezvous fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -14,7 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
 
+from protocol.config import worker_sockets
+from protocol.zmq_security import make_keys
 from tests.helpers.cli_helpers import CPU, ENV, StderrWatch, generate_cli, generate_cmd
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11, 12], [30, 31]]
@@ -112,20 +116,46 @@ def _write_lines(tmp: Path, lines: list[str]) -> tuple[Path, Path]:
     return inp, out
 
 
-def test_external_workers_give_the_spawned_outputs(llama_dir: Path, tmp_path: Path) -> None:
+def _strangers(ctx: zmq.Context, core: str, tp: int) -> list[zmq.Socket]:
+    """Sockets without keys on every port of the core: a PULL on each rank's steps (to
+    steal them) and a PUSH on the results (to forge answers)."""
+    results, steps = worker_sockets(core, tp)
+    socks = []
+    for kind, address in [(zmq.PULL, a) for a in steps] + [(zmq.PUSH, results)]:
+        sock = ctx.socket(kind)
+        sock.linger = 0
+        sock.connect(address)
+        socks.append(sock)
+    with contextlib.suppress(zmq.Again):  # queued until admitted: never, with keys
+        socks[-1].send(b"forged", zmq.NOBLOCK)
+    return socks
+
+
+def test_external_workers_with_keys_give_the_spawned_outputs_and_strangers_nothing(
+    llama_dir: Path, tmp_path: Path
+) -> None:
     spawned_dir, external_dir = tmp_path / "spawned", tmp_path / "external"
     spawned_dir.mkdir()
     external_dir.mkdir()
     proc, spawned = generate_cli(llama_dir, TP_LINES, spawned_dir, "--tp", "2", "--block-size", "4")
     assert proc.returncode == 0, proc.stderr
     _check_prompt_logprobs(llama_dir, spawned[-1])
+    keys = ("--zmq-curve-keys", str(tmp_path / "keys"))
+    make_keys(tmp_path / "keys", ["client"])
     cluster = Cluster(2, tmp_path, tcp=True)
+    ctx = zmq.Context()
     try:
         inp, out = _write_lines(external_dir, TP_LINES)
-        gen, watch = cluster.start_core(inp, out, "--model", str(llama_dir), "--block-size", "4")
+        gen, watch = cluster.start_core(
+            inp, out, "--model", str(llama_dir), "--block-size", "4", *keys
+        )
+        # Strangers connect first: without CURVE they would take rank 0's acceptance
+        # and steps, and their departure would read as a lost rank.
+        strangers = _strangers(ctx, cluster.core, 2)
         for rank in (1, 0):  # any order: the core waits for both
-            cluster.start(rank, llama_dir, "--block-size", "4")
+            cluster.start(rank, llama_dir, "--block-size", "4", *keys)
         assert gen.wait(timeout=600) == 0, watch.join()
+        assert not any(s.poll(0) for s in strangers[:-1]), "a stranger got a step"
         external = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(external) == len(spawned) == len(TP_LINES)
         assert [r["token_ids"] for r in external] == [r["token_ids"] for r in spawned]
@@ -136,6 +166,7 @@ def test_external_workers_give_the_spawned_outputs(llama_dir: Path, tmp_path: Pa
             assert worker.wait(timeout=60) == 0
     finally:
         cluster.stop()
+        ctx.destroy(linger=0)
 
 
 def _check_prompt_logprobs(model: Path, result: dict) -> None:

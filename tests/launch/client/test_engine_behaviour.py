@@ -107,15 +107,23 @@ def test_idle_engine_does_not_spin(llama_dir: Path) -> None:
         assert all(u < 0.3 for u in used), used
 
 
-def test_a_pool_too_small_for_max_model_len_refuses_to_start(llama_dir: Path) -> None:
+def test_a_pool_too_small_for_an_explicit_max_model_len_refuses_to_start(
+    llama_dir: Path,
+) -> None:
     # 8 blocks of 4 tokens, 7 usable: 28 tokens, while the model allows 256.
     with pytest.raises(EngineDeadError) as info:
-        LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4)
+        LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4, max_model_len=256)
     message = str(info.value)
     assert "the KV cache holds 7 blocks, but one request of max_model_len 256" in message
     assert "needs 64" in message and "--max-model-len" in message
     assert "(at most 28 fits)" in message
-    # Within what the pool holds, it serves.
-    with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4, max_model_len=28) as llm:
+
+
+def test_without_max_model_len_a_small_pool_serves_the_longest_request_it_holds(
+    llama_dir: Path,
+) -> None:
+    # The same pool: the length fits itself to the 28 tokens the pool holds.
+    with LLM(str(llama_dir), device=CPU, num_gpu_blocks=8, block_size=4) as llm:
+        assert llm.max_model_len == 28
         (out,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
         assert out.finish_reason == "length" and len(out.token_ids) == 12

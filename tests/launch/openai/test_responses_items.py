@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launch.openai.protocol import APIError
-from launch.openai.responses_items import input_messages, without_oldest_turn
+from launch.openai.responses_items import input_messages, turn_starts, without_oldest_turns
 
 
 def test_input_items_become_chat_messages() -> None:
@@ -40,7 +40,10 @@ def test_input_items_become_chat_messages() -> None:
 
 def test_the_oldest_turn_goes_with_the_tool_results_that_answered_it() -> None:
     s, u, a, t = ({"role": r, "content": r} for r in ("system", "user", "assistant", "tool"))
-    assert without_oldest_turn([s, u, a, u]) == [s, a, u]
-    assert without_oldest_turn([s, a, t, t, u]) == [s, u]
-    assert without_oldest_turn([s, u]) is None
-    assert without_oldest_turn([u]) is None
+    assert turn_starts([s, u, a, u]) == [1, 2, 3]
+    assert without_oldest_turns([s, u, a, u], 2) == [s, a, u]
+    assert turn_starts([s, a, t, t, u]) == [1, 4]
+    assert without_oldest_turns([s, a, t, t, u], 4) == [s, u]
+    assert turn_starts([s, u]) == [1]  # one turn: nothing more can go
+    assert turn_starts([u]) == [0]
+    assert turn_starts([s, s, u, a, t, a]) == [2, 3, 5]

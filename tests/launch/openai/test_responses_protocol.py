@@ -62,7 +62,8 @@ def test_logprobs_are_asked_by_include_or_top_logprobs(body: dict[str, Any], top
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({"background": True}, "background", "background: not supported"),
+        ({"background": True, "stream": True}, "background", "background needs store"),
+        ({"background": True, "store": False}, "background", "background needs store"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning: not supported"),
         ({"text": {"verbosity": "low"}}, "text.verbosity", "text.verbosity: not supported"),
         ({"include": ["file_search_call.results"]}, "include", "include takes only"),

@@ -60,7 +60,7 @@ def test_tool_calls_through_the_openai_client(builtin_server: Callable[..., Serv
     args: dict[str, Any] = dict(model="pagedserve-builtin", tools=TOOLS, temperature=0)
     # The template got the tools, and a call's arguments as an object.
     status, tokens = post(f"{server.url}/tokenize", {"messages": CALLED, "tools": TOOLS})
-    want = '[get_weather][now]user:Weather?assistant:None<now {"z": 1}>tool:noon'  # trim_blocks
+    want = '[get_weather][now]user:Weather?assistant:<now {"z": 1}>tool:noon'  # trim_blocks
     assert status == 200 and bytes(tokens["tokens"]).decode() == want, tokens
     named = {"type": "function", "function": {"name": "get_weather"}}
     answer = client.chat.completions.create(messages=ASK, tool_choice=named, max_tokens=300, **args)

@@ -74,7 +74,6 @@ def test_tokenize_and_detokenize_give_what_generation_uses(
         ("tokenize", {"prompt": "x", "messages": CONVERSATION}, None),
         ("tokenize", {}, None),
         ("tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-        ("tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("detokenize", {"tokens": [1, 10**6]}, "tokens"),
         ("detokenize", {"tokens": "abc"}, "tokens"),
     ):
