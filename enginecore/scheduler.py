@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 
+from msgspec.structs import replace
+
 from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
@@ -143,6 +145,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_prompt_computed_tokens = self.num_prompt_cached_tokens = self.num_sampled = 0
         # (step id, requests due to sample) of each step sent and not yet answered, oldest
         # first (two with async scheduling): each answer must name exactly those.
         self._due: deque[tuple[int, int]] = deque()
@@ -428,8 +431,10 @@ class Scheduler:
                 running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit + num_new
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first scheduled: its prompt counts once
                 request.num_cached_tokens = num_hit
+                self.num_prompt_cached_tokens += num_hit
+                self.num_prompt_computed_tokens += request.num_prompt_tokens - num_hit
             table = kv.get_block_ids(request.request_id)
             if request.known_to_worker:
                 # Resumed after preemption: the worker kept its tokens; the table is new.
@@ -544,6 +549,12 @@ class Scheduler:
                 if token in request.stop_token_set or num_tokens >= request.max_num_tokens
                 else None
             )
+            if lp is None:
+                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
+            else:
+                outputs.append(
+                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
+                )
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
@@ -551,12 +562,9 @@ class Scheduler:
                 else:  # preempted by a step scheduled while this one ran: blocks are free
                     self.waiting.remove(request)
                 self._finish(request, reason)
-            if lp is None:
-                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
-            else:
-                outputs.append(
-                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
-                )
+                if request.num_preemptions:  # rare: only the last output carries it
+                    outputs[-1] = replace(outputs[-1], num_preemptions=request.num_preemptions)
+        self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
         return attach_first_token_extras(outputs, self._queue_times, answered, output)
@@ -572,6 +580,9 @@ class Scheduler:
             prefix_cache_hits=pc.hits + pc.preempted_hits,
             num_preemptions=self.num_preemptions,
             step=self.step_id,
+            num_prompt_computed_tokens=self.num_prompt_computed_tokens,
+            num_prompt_cached_tokens=self.num_prompt_cached_tokens,
+            num_sampled_tokens=self.num_sampled,
         )
 
 

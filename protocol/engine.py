@@ -415,6 +415,8 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     # With the request's first token: seconds it waited in the core before it was first
     # scheduled (its queue time; a preemption's wait is not counted).
     queued_s: float | None = None
+    # With the request's last token: how many times it was preempted (0 is not sent).
+    num_preemptions: int = 0
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -425,6 +427,11 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefix_cache_hits: int
     num_preemptions: int
     step: int
+    # Cumulative since start: prompt tokens computed here and those served from the
+    # prefix cache (counted once, when a request is first scheduled); tokens sampled.
+    num_prompt_computed_tokens: int = 0
+    num_prompt_cached_tokens: int = 0
+    num_sampled_tokens: int = 0
 
 
 class Rejection(msgspec.Struct, frozen=True, array_like=True):

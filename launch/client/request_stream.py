@@ -39,6 +39,8 @@ class StreamOutput:
     embedding: list[float] | None = None
     # On a sequence's first output: seconds the core queued it before first scheduling it.
     queued_s: float | None = None
+    # On a sequence's last output: how many times the core preempted it.
+    num_preemptions: int = 0
 
 
 class Inbox:
@@ -182,6 +184,7 @@ class RequestStream:
             out.prompt_logprobs,
             out.embedding,
             o.queued_s,
+            last.num_preemptions,
         )
 
     def _process(self, seq: SequenceState, o: RequestOutput) -> SequenceOutput:

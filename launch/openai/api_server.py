@@ -45,6 +45,8 @@ from launch.client.async_llm import AsyncLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
 from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from launch.openai.http_metrics import HTTPMetricsMiddleware
+from launch.openai.metric_families import cache_config_labels
 from launch.openai.metrics import CONTENT_TYPE, ServerMetrics
 from launch.openai.openapi import docs_page, openapi_document
 from launch.openai.protocol import APIError
@@ -146,9 +148,16 @@ class OpenAIServer:
         self.cors = cors
         self.api_key = api_key
         self.admission = Admission(max_waiting)
+        args, ready = engine.engine.args, engine.engine.ready
+        cache_info = cache_config_labels(
+            ready.block_size, ready.num_gpu_blocks, ready.max_model_len,
+            args.enable_prefix_caching, args.hash_algo, args.gpu_memory_utilization,
+            args.kv_cache_memory, args.num_gpu_blocks,
+        )  # fmt: skip
         self.metrics = ServerMetrics(
-            model_name, engine.max_model_len, lambda: engine.num_open_requests
+            model_name, engine.max_model_len, lambda: engine.num_open_requests, cache_info
         )
+        self.admission.on_reject = self.metrics.rejected
         engine.on_stats = self.metrics.on_stats
         ctx = ServingContext(
             engine,
@@ -229,7 +238,9 @@ class OpenAIServer:
                 Route("/docs", self.docs, methods=["GET"]),
             ],
         )
-        guarded: ASGIApp = BodyLimit(app, self.max_body_bytes)
+        # Counted outside the body limit: its 413s show in http_requests_total.
+        limited = BodyLimit(app, self.max_body_bytes)
+        guarded: ASGIApp = HTTPMetricsMiddleware(limited, self.metrics.http, app.routes)
         if self.api_key is not None:
             guarded = RequireAPIKey(guarded, self.api_key)
         cors = self.cors

@@ -141,7 +141,7 @@ class Generation:
                 self._waiting.started()
                 if out.queued_s is not None:
                     self.timer.queued(out.queued_s)
-                self.timer.tokens(len(out.new_token_ids))
+                self.timer.tokens(len(out.new_token_ids), out.num_preemptions)
                 if out.finish_reason == "error":
                     raise APIError(out.error or "the request failed", 500)
                 if out.finish_reason == "abort":

@@ -1,107 +1,182 @@
-"""The server's Prometheus metrics, under vLLM's names so existing dashboards work.
+"""The server's Prometheus metrics, under vLLM's names, types, labels and buckets, so a
+dashboard made for vLLM works unchanged (docs/serving.md lists them).
 
-Every metric is named `vllm:<name>` as vLLM (v1) names it, labelled model_name; the one
-metric of our own is `pagedserve:open_requests`. Engine-side values (queue lengths, KV
-usage, prefix-cache tokens, preemptions) come from the SchedulerStats the core sends
-with each step's outputs; request latencies and token counts are measured in the server
-as it streams each request.
-
-| metric | type | what |
-| --- | --- | --- |
-| vllm:num_requests_running / _waiting | gauge | the core's queues, last step |
-| vllm:kv_cache_usage_perc | gauge | fraction of KV blocks in use (0..1) |
-| vllm:prefix_cache_queries_total / _hits_total | counter | prompt tokens looked up / hit |
-| vllm:num_preemptions_total | counter | requests preempted |
-| vllm:prompt_tokens_total / generation_tokens_total | counter | tokens in / out |
-| vllm:request_success_total{finished_reason} | counter | requests that ended |
-| vllm:time_to_first_token_seconds | histogram | arrival to first token |
-| vllm:inter_token_latency_seconds | histogram | between tokens of a request |
-| vllm:e2e_request_latency_seconds | histogram | arrival to last token |
-| vllm:request_queue_time_seconds | histogram | waiting in the core before first scheduled |
-| vllm:request_prefill_time_seconds | histogram | first scheduled to first token |
-| vllm:request_decode_time_seconds | histogram | first token to last |
-| vllm:request_inference_time_seconds | histogram | first scheduled to last token |
-| vllm:request_time_per_output_token_seconds | histogram | decode time per later token |
-| vllm:request_prompt_tokens / _generation_tokens | histogram | tokens per request |
-| vllm:request_max_num_generation_tokens | histogram | the longest sequence's tokens |
-| vllm:request_params_n / _max_tokens | histogram | what requests asked for |
-| vllm:prompt_tokens_cached_total | counter | prompt tokens served from the prefix cache |
-| pagedserve:open_requests | gauge | requests the server has open in the engine |
+Every vllm: series is labelled model_name and engine ("0": one engine per server); the
+one metric of our own is pagedserve:open_requests. Engine-side values (queues, KV usage,
+prefix-cache lookups, preemptions, prompt tokens computed or cached, tokens sampled)
+come from the SchedulerStats the core sends with each step's outputs, as cumulative
+counts: the server adds what is new. Request latencies and token counts are measured
+in the server as it streams each request; HTTP traffic by http_metrics.py. The served
+registry also holds prometheus_client's standard process_* and python_* collectors.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import prometheus_client as prom
 
+from launch.openai.http_metrics import HTTPMetrics
+from launch.openai.metric_families import (
+    ADMISSION_REASONS,
+    CACHED_SOURCES,
+    ENGINE,
+    FINISH_REASONS,
+    INTER_TOKEN_LATENCY_BUCKETS,
+    ITERATION_TOKENS_BUCKETS,
+    LABELS,
+    PROMPT_SOURCES,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    SLEEP_STATES,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    WAITING_REASONS,
+    token_buckets,
+)
 from protocol.engine import SchedulerStats
 
-# Latency buckets from 1 ms (a cached decode on a GPU) to 10 min (a long CPU request).
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 600)
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
-
-
-def token_buckets(max_model_len: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50... up to max_model_len."""
-    buckets: list[float] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_model_len:
-                return buckets
-            buckets.append(m * scale)
-        scale *= 10
+_NO_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0)  # before the core's first step
 
 
 class ServerMetrics:
     def __init__(
-        self, model_name: str, max_model_len: int, open_requests: Callable[[], int]
+        self,
+        model_name: str,
+        max_model_len: int,
+        open_requests: Callable[[], int],
+        cache_info: Mapping[str, str] | None = None,
     ) -> None:
         prom.disable_created_metrics()  # the *_created series only double the output
-        self.registry = prom.CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-
-        def gauge(name: str, doc: str) -> prom.Gauge:
-            return prom.Gauge(name, doc, labels, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(name, doc, labels, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: tuple | list) -> prom.Histogram:
-            return prom.Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
-
-        def latency(name: str, doc: str) -> prom.Histogram:
-            return histogram(f"vllm:{name}_seconds", doc, LATENCY_BUCKETS)
-
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to run.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
-        self.queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.")
-        self.hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
-        self.preemptions = counter("vllm:num_preemptions", "Preempted requests.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.success = prom.Counter(
-            "vllm:request_success",
-            "Requests that ended, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
-        )
+        self.registry = r = prom.CollectorRegistry()
+        # What prometheus_client's default registry holds (vLLM serves that one).
+        prom.ProcessCollector(registry=r)
+        prom.PlatformCollector(registry=r)
+        prom.GCCollector(registry=r)
+        self.http = HTTPMetrics(r)
         self.model_name = model_name
-        self.ttft = latency("time_to_first_token", "Arrival to first token.")
-        self.itl = latency("inter_token_latency", "Time between tokens.")
-        self.e2e = latency("e2e_request_latency", "Arrival to last token.")
-        self.queue = latency(
-            "request_queue_time", "Time in the core's queue before first scheduled."
+        self._define_engine(model_name)
+        self._define_requests(model_name, max_model_len)
+        if cache_info is not None:
+            prom.Gauge(
+                "vllm:cache_config_info",
+                "The engine's KV-cache configuration, as labels (always 1).",
+                list(cache_info),
+                registry=r,
+            ).labels(**cache_info).set(1)
+        prom.Gauge(
+            "pagedserve:open_requests",
+            "Requests the server has open in the engine.",
+            registry=r,
+        ).set_function(open_requests)
+        self._last = _NO_STATS
+        self._has_stats = False
+        # Plain totals for the periodic log line (StatsLog), beside the Prometheus series.
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+
+    def _metric(self, kind: type, name: str, doc: str, extra: Sequence[str] = (), **kw: Any) -> Any:
+        """A vllm: family labelled model_name and engine (plus extra), in this registry."""
+        return kind(name, doc, [*LABELS, *extra], registry=self.registry, **kw)
+
+    def _define_engine(self, model: str) -> None:
+        """The families fed by the core's per-step stats."""
+
+        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
+            return self._metric(kind, name, doc, **kw).labels(model, ENGINE)
+
+        def by(kind: type, name: str, doc: str, label: str, values: Sequence[str]) -> dict:
+            metric = self._metric(kind, name, doc, [label])
+            return {v: metric.labels(model, ENGINE, v) for v in values}
+
+        gauge, counter = prom.Gauge, prom.Counter
+        self.running = one(gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = one(gauge, "vllm:num_requests_waiting", "Requests waiting to run.")
+        self.waiting_by_reason = by(
+            gauge,
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason: capacity (no room yet) or deferred (never here).",
+            "reason",
+            WAITING_REASONS,
         )
-        self.prefill = latency("request_prefill_time", "First scheduled to first token.")
-        self.decode = latency("request_decode_time", "First token to last.")
-        self.inference = latency("request_inference_time", "First scheduled to last token.")
-        self.tpot = latency(
-            "request_time_per_output_token", "Decode time per token after the first."
+        sleep = by(gauge, "vllm:engine_sleep_state", "Always awake.", "sleep_state", SLEEP_STATES)
+        sleep["awake"].set(1)
+        self.kv_usage = one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
+        self.queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
+        self.hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.preemptions = one(counter, "vllm:num_preemptions", "Preempted requests.")
+        self.prompt_by_source = by(
+            counter,
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by source: computed here or served from the prefix cache.",
+            "source",
+            PROMPT_SOURCES,
+        )
+        self.prompt_cached = one(
+            counter, "vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
+        )
+        self.cached_by_source = by(
+            counter,
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by tier (device only here), counted at lookup.",
+            "source",
+            CACHED_SOURCES,
+        )
+        self.iteration_tokens = one(
+            prom.Histogram,
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step: prompt tokens computed (of requests first scheduled) "
+            "plus tokens sampled.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )
+
+    def _define_requests(self, model: str, max_model_len: int) -> None:
+        """The families the server measures per request."""
+
+        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
+            return self._metric(kind, name, doc, **kw).labels(model, ENGINE)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
+            return one(prom.Histogram, name, doc, buckets=buckets)
+
+        counter = prom.Counter
+        self.prompt_tokens = one(counter, "vllm:prompt_tokens", "Prompt tokens of requests.")
+        self.generation_tokens = one(counter, "vllm:generation_tokens", "Generated tokens.")
+        success = self._metric(
+            counter, "vllm:request_success", "Requests that ended, by finish reason.",
+            ["finished_reason"],
+        )  # fmt: skip
+        self.success = {r: success.labels(model, ENGINE, r) for r in FINISH_REASONS}
+        self._success_metric = success
+        rejections = prom.Counter(
+            "vllm:admission_rejections",
+            "Requests refused by a queue limit, by reason (--max-waiting-requests: "
+            "max_num_queued_reqs).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        self.rejections = {r: rejections.labels(model, r) for r in ADMISSION_REASONS}
+        latency, ttft = REQUEST_LATENCY_BUCKETS, TIME_TO_FIRST_TOKEN_BUCKETS
+        itl = INTER_TOKEN_LATENCY_BUCKETS
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", ttft)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", itl)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", latency)
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "In the core's queue before first run.", latency
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.", latency
+        )
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last.", latency)
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "First scheduled to last token.", latency
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds", "Decode time per later token.", itl
         )
         tokens = token_buckets(max_model_len)
         self.request_prompt = histogram(
@@ -115,37 +190,51 @@ class ServerMetrics:
             "Generated tokens of a request's longest sequence.",
             tokens,
         )
-        self.params_n = histogram("vllm:request_params_n", "Requests' n.", (1, 2, 5, 10, 20))
+        self.params_n = histogram("vllm:request_params_n", "Requests' n.", REQUEST_PARAMS_N_BUCKETS)
         self.params_max_tokens = histogram(
             "vllm:request_params_max_tokens", "Requests' max_tokens.", tokens
         )
-        self.prompt_cached = counter(
-            "vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
+        self.request_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Times each finished request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
         )
-        prom.Gauge(
-            "pagedserve:open_requests",
-            "Requests the server has open in the engine.",
-            registry=r,
-        ).set_function(open_requests)
-        self._last: SchedulerStats | None = None
-        # Plain totals for the periodic log line (StatsLog), beside the Prometheus series.
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
+        self.prefill_kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens each request computed (prefix-cache hits excluded).",
+            tokens,
+        )
 
     @property
     def last_stats(self) -> SchedulerStats | None:
-        return self._last
+        return self._last if self._has_stats else None
 
     def on_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.waiting_by_reason["capacity"].set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         # The core's counts are cumulative since it started: count what is new.
         last = self._last
-        self.queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
-        self.hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
-        self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        self.hits.inc(hits)
+        self.cached_by_source["device"].inc(hits)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        computed = stats.num_prompt_computed_tokens - last.num_prompt_computed_tokens
+        cached = stats.num_prompt_cached_tokens - last.num_prompt_cached_tokens
+        self.prompt_by_source["local_compute"].inc(computed)
+        self.prompt_by_source["local_cache_hit"].inc(cached)
+        self.prompt_cached.inc(cached)
+        step_tokens = computed + stats.num_sampled_tokens - last.num_sampled_tokens
+        if step_tokens:  # outputs without a step (an abort's) ran nothing
+            self.iteration_tokens.observe(step_tokens)
         self._last = stats
+        self._has_stats = True
+
+    def rejected(self, reason: str = "max_num_queued_reqs") -> None:
+        """A request refused by a queue limit (vLLM's admission reasons)."""
+        self.rejections[reason].inc()
 
     def request(self, num_prompt_tokens: int, n: int = 1, max_tokens: int = 0) -> RequestTimer:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -154,7 +243,13 @@ class ServerMetrics:
         self.params_n.observe(n)
         if max_tokens:
             self.params_max_tokens.observe(max_tokens)
-        return RequestTimer(self)
+        return RequestTimer(self, num_prompt_tokens)
+
+    def finished(self, reason: str) -> None:
+        counter = self.success.get(reason)
+        if counter is None:  # a reason vLLM does not pre-create
+            counter = self._success_metric.labels(self.model_name, ENGINE, reason)
+        counter.inc()
 
     def exposition(self) -> bytes:
         return prom.generate_latest(self.registry)
@@ -163,14 +258,19 @@ class ServerMetrics:
 class RequestTimer:
     """One request's latencies, fed as its outputs arrive."""
 
-    __slots__ = ("_first", "_last", "_metrics", "_queued", "_start", "num_tokens")
+    __slots__ = (
+        "_first", "_last", "_metrics", "_queued", "_start", "num_preemptions",
+        "num_prompt_tokens", "num_tokens",
+    )  # fmt: skip
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int = 0) -> None:
         self._metrics = metrics
         self._start = self._last = time.monotonic()
         self._first: float | None = None
         self._queued: float | None = None
         self.num_tokens = 0
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_preemptions = 0  # of its sequences, summed
 
     def queued(self, seconds: float) -> None:
         """The core's queue time, with the first output (of the first sequence, with n)."""
@@ -178,8 +278,10 @@ class RequestTimer:
             self._queued = seconds
             self._metrics.queue.observe(seconds)
 
-    def tokens(self, n: int) -> None:
-        """n new tokens arrived now (one step's worth: n is 1 but for the first)."""
+    def tokens(self, n: int, preemptions: int = 0) -> None:
+        """n new tokens arrived now (one step's worth: n is 1 but for the first);
+        preemptions: a sequence's count, with its last output."""
+        self.num_preemptions += preemptions
         if n <= 0:
             return
         now = time.monotonic()
@@ -203,8 +305,9 @@ class RequestTimer:
         m.e2e.observe(self._last - self._start)  # to its last token
         m.request_generation.observe(self.num_tokens)
         m.request_max_generation.observe(longest or self.num_tokens)
-        m.success.labels(m.model_name, finish_reason).inc()
-        m.prompt_cached.inc(cached_tokens)
+        m.finished(finish_reason)
+        m.request_preemptions.observe(self.num_preemptions)
+        m.prefill_kv_computed.observe(max(self.num_prompt_tokens - cached_tokens, 0))
         first = self._first
         if first is None:
             return
@@ -222,7 +325,7 @@ class StatsLog:
     usage and the prefix-cache hit rate over the interval. An idle interval after an
     idle one says nothing, so a quiet server's log stays quiet."""
 
-    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics = metrics
         self.clock = clock
         self._at = clock()

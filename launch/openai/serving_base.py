@@ -66,6 +66,7 @@ class Admission:
         self.max_waiting = max_waiting
         self.draining = False
         self.num_waiting = 0
+        self.on_reject: Callable[[], None] | None = None  # the metrics' count of refusals
 
     def check_open(self) -> None:
         if self.draining:
@@ -73,6 +74,8 @@ class Admission:
 
     def check_room(self) -> None:
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            if self.on_reject is not None:
+                self.on_reject()
             raise APIError(
                 f"{self.num_waiting} requests are already waiting (--max-waiting-requests "
                 f"{self.max_waiting}); retry later",

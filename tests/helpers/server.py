@@ -87,7 +87,9 @@ def metrics(url: str) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
+            )
             samples[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return samples
 
