@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -166,3 +168,16 @@ def processes_mentioning(text: str) -> list[int]:
             if text.encode() in cmdline:
                 pids.append(int(entry))
     return pids
+
+
+def reap(children: list[int], tmp: Path) -> bool:
+    """Whether every process of the group exited within a generous bound. Survivors are
+    killed, so that a failing run ends instead of hanging on a stopped orphan that holds
+    the stderr pipe open."""
+    pids = children + processes_mentioning(str(tmp))
+    if all_gone(pids, timeout=30):
+        return True
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return False

@@ -5,7 +5,6 @@ exit status, the message, no "Traceback", no process of the group alive, no sock
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,10 +17,9 @@ import pytest
 from tests.helpers.cli_helpers import (
     ENV,
     StderrWatch,
-    all_gone,
     children_of,
     generate_cmd,
-    processes_mentioning,
+    reap,
 )
 
 # Two quick requests and one that runs for minutes on the built-in model.
@@ -70,21 +68,8 @@ def _finished_lines(out: Path, want: int, timeout: float = 300) -> None:
     raise AssertionError(f"{out} never held {want} results")
 
 
-def _reap(children: list[int], tmp: Path) -> bool:
-    """Whether every process of the group exited within a generous bound. Survivors are
-    killed, so that a failing run ends instead of hanging on a stopped orphan that holds
-    the stderr pipe open."""
-    pids = children + processes_mentioning(str(tmp))
-    if all_gone(pids, timeout=30):
-        return True
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return False
-
-
 def _check_nothing_left(children: list[int], tmp: Path) -> None:
-    assert _reap(children, tmp), "orphan processes"
+    assert reap(children, tmp), "orphan processes"
     assert not os.listdir(tmp), "socket folder left behind"
 
 
@@ -138,7 +123,7 @@ def test_a_second_signal_during_shutdown_exits_cleanly(delay: float, tmp_path: P
     time.sleep(delay)  # the delay under test, not a wait for an event
     proc.send_signal(signal.SIGINT)
     code = proc.wait(timeout=60)
-    gone = _reap([*children, worker], tmp)
+    gone = reap([*children, worker], tmp)
     stderr = watch.join()
     assert code == 143, stderr
     assert "Traceback" not in stderr, stderr

@@ -25,7 +25,7 @@ from tests.helpers.cli_helpers import (
     StderrWatch,
     all_gone,
     children_of,
-    processes_mentioning,
+    reap,
 )
 from tests.helpers.server import Server, nothing_left, start_server
 
@@ -72,19 +72,6 @@ def _open_stream(server: Server) -> threading.Thread:
     return thread
 
 
-def _reap(children: list[int], tmp: Path) -> bool:
-    """Whether every process of the group exited within a generous bound. Survivors are
-    killed, so that a failing run ends instead of hanging on a stopped orphan that holds
-    the stderr pipe open."""
-    pids = children + processes_mentioning(str(tmp))
-    if all_gone(pids, timeout=30):
-        return True
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return False
-
-
 def _gone_within(path: Path, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,7 +93,7 @@ def test_a_second_signal_while_the_server_stops_exits_cleanly(delay: float, tmp_
     time.sleep(delay)  # the delay under test, not a wait for an event
     server.proc.send_signal(signal.SIGINT)
     code = server.proc.wait(timeout=60)
-    gone = _reap(children, server.tmp)
+    gone = reap(children, server.tmp)
     stderr = server.watch.join()
     assert code == 0, stderr
     assert "Traceback" not in stderr, stderr
@@ -236,7 +223,7 @@ def test_a_second_signal_while_run_batch_stops_exits_cleanly(tmp_path: Path) -> 
     time.sleep(0.5)  # the delay under test
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-    gone = _reap(children, tmp)
+    gone = reap(children, tmp)
     stderr = watch.join()
     assert "Traceback" not in stderr, stderr
     assert gone, "orphan processes"
