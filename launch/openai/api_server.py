@@ -18,7 +18,8 @@ are server-sent events ending in `data: [DONE]`; a request that fails mid-stream
 streaming or not, aborts its request (every prompt and copy of it) in the engine at once.
 Each request is one RequestStream, so a stream that falls behind writes one chunk per
 choice for all the tokens that arrived meanwhile. A body over --max-request-body-bytes is
-413 (body_limits.py), JSON nested too deep 400 (json_depth.py); requests are prepared off
+413 (body_limits.py), JSON nested too deep or holding
+too many values 400 (json_shape.py); requests are prepared off
 the event loop (serving_base.off_loop); connections are limited in connections.py.
 
 This module holds the app: its routes, middleware and the state they share; each

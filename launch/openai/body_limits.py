@@ -1,6 +1,6 @@
 """How large a request body may be: at most --max-request-body-bytes, else 413, told by its
 Content-Length before a byte of it is read, or counted as a chunked body streams in. (How
-deep its JSON may nest: launch/openai/json_depth.py.)"""
+deep its JSON may nest: launch/openai/json_shape.py.)"""
 
 from __future__ import annotations
 

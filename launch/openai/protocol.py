@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from launch.openai.json_depth import MAX_JSON_DEPTH, json_too_deep
+from launch.openai.json_shape import json_shape_error
 from launch.openai.request_fields import debug_enabled, decode_lenient, log_ignored
 from launch.openai.tools import FunctionDef, FunctionName, NamedToolChoice, ToolChoice, ToolDef
 from protocol.engine import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
@@ -528,11 +528,9 @@ def decode_body(raw: bytes, kind: type[Any], strict: bool = False) -> Any:
     body declares is refused (--strict-request-fields), else ignored with a warning.
     Linear in the body's size, and seconds for the largest allowed: call it off the
     event loop."""
-    if json_too_deep(raw):
-        raise APIError(
-            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
-            code="invalid_json",
-        )
+    shape_error = json_shape_error(raw)
+    if shape_error is not None:
+        raise APIError(shape_error, code="invalid_json")
     try:
         body, unknown = decode_lenient(raw, kind, strict)
     except RecursionError:  # the check above keeps bodies shallower than this

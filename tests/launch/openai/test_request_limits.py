@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
-from launch.openai.json_depth import MAX_JSON_DEPTH
+from launch.openai.json_shape import MAX_JSON_DEPTH, MAX_JSON_VALUES, json_shape_error
 from tests.helpers.server import Server, post, start_server
 
 # Each message on a line of its own, so a conversation's tokens grow with its turns; with
@@ -192,6 +192,37 @@ def test_nesting_is_judged_at_the_limit(server: Server, depth: int) -> None:
     )
     status, answer = post(f"{server.url}/v1/chat/completions", raw.encode())
     assert status == (200 if depth <= MAX_JSON_DEPTH else 400), answer
+
+
+def test_a_body_of_millions_of_values_is_400_while_health_keeps_answering(
+    server: Server,
+) -> None:
+    """The decoder holds the GIL for the whole body: millions of token ids would stall every
+    connection for as long, so they are refused before decoding."""
+    raw = json.dumps({"prompt": [7] * (MAX_JSON_VALUES + 1), "max_tokens": 1}).encode()
+    with HealthPoll(server.url) as health:
+        status, answer = post(f"{server.url}/v1/completions", raw)
+    assert status == 400
+    assert answer["error"]["code"] == "invalid_json"
+    assert f"more than {MAX_JSON_VALUES} array items" in answer["error"]["message"]
+    health.check("a body of a million values is refused")
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        (b'{"a": [1, 2, 3]}', None),  # 4 values: the object's member, 3 items
+        (b'{"a": [1, 2, 3, 4]}', "items"),
+        (b'{"a": "1,2,3,4,5,6"}', None),  # commas in a string are text
+        (b'{"a": "\\\\", "b": [1, 2, 3, 4]}', "items"),  # an escaped backslash ends no string
+        (b'{"a": "\\", [1, 2, 3, 4]"}', None),  # an escaped quote does not end it
+        (b'{"a": [[[[1]]]]}', "levels"),
+    ],
+)
+def test_values_and_depth_are_counted_outside_strings(raw: bytes, error: str | None) -> None:
+    json.loads(raw)  # each case is valid JSON
+    found = json_shape_error(raw, max_depth=4, max_values=4)
+    assert (found is None) if error is None else (error in (found or "")), found
 
 
 def test_the_server_prepares_off_the_event_loop_for_every_family(server: Server) -> None:
