@@ -411,9 +411,9 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=envs.api_key(),
-        help="every route but /health, /metrics and /version wants `Authorization: Bearer "
-        f"KEY` (default: ${envs.API_KEY}, which keeps the key out of the process list; "
-        "unset: no key)",
+        help="every route but /health, /ping, /metrics, /version, /load, /openapi.json and "
+        "/docs wants `Authorization: Bearer KEY` or `x-api-key: KEY` (default: "
+        f"${envs.API_KEY}, which keeps the key out of the process list; unset: no key)",
     )
     p.add_argument(
         "--allowed-origins",
