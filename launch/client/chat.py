@@ -50,6 +50,9 @@ class ChatTemplate:
             raise ValueError(f"{origin}: the chat template does not parse: {e}") from None
         self.origin = origin
         self.special_tokens = dict(special_tokens)
+        # Templates that concatenate content as a string get text parts joined, as vLLM
+        # renders them; those that loop over a message's content get the parts.
+        self.takes_parts = _loops_over_content(env.parse(source))
 
     def render(
         self,
@@ -63,7 +66,7 @@ class ChatTemplate:
         begun for it) instead of starting a new turn; not with add_generation_prompt."""
         import jinja2
 
-        checked = check_messages(messages)
+        checked = check_messages(messages, join_parts=not self.takes_parts)
         if continue_final_message:
             if add_generation_prompt:
                 raise ChatTemplateError(
@@ -116,11 +119,31 @@ def _cut_at_mark(text: str) -> str:
     return text[:at].rstrip()
 
 
-def check_messages(messages: object) -> list[dict[str, Any]]:
+def _loops_over_content(tree: Any) -> bool:
+    """Whether a parsed template iterates over a message's content (message['content'],
+    message.content, or a variable named content), i.e. takes OpenAI's list of parts."""
+    from jinja2 import nodes
+
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:
+            it = it.node
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const):
+            if it.arg.value == "content":
+                return True
+        elif isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        elif isinstance(it, nodes.Name) and it.name == "content":
+            return True
+    return False
+
+
+def check_messages(messages: object, join_parts: bool = False) -> list[dict[str, Any]]:
     """A conversation: a non-empty list of {"role": str, "content": str or text parts}.
     An assistant turn's content may be null (a turn of tool calls, as OpenAI's clients
     send it back): the template gets "", as vLLM renders it, since templates concatenate
-    the content as a string."""
+    the content as a string. join_parts: text parts become one string, joined by
+    newlines (for a template that concatenates content)."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {role, content} objects")
     out: list[dict[str, Any]] = []
@@ -141,6 +164,8 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
                     raise ChatTemplateError(
                         f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}"
                     )
+            if join_parts:
+                m = {**m, "content": "\n".join(part["text"] for part in content)}
         elif content is None and role == "assistant":
             m = {**m, "content": ""}
         elif not isinstance(content, str):

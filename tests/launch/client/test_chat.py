@@ -109,3 +109,33 @@ def test_an_assistant_message_may_carry_no_content() -> None:
     # (The template gets "", as vLLM renders it: templates add the content to a string.)
     calls = [*HELLO, {"role": "assistant", "content": None}]
     assert check_messages(calls) == [*HELLO, {"role": "assistant", "content": ""}]
+
+
+PARTS = [
+    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+]
+
+
+def test_text_parts_reach_a_concatenating_template_as_one_string() -> None:
+    """OpenAI's clients (and vLLM's benchmark client) send content as text parts; a template
+    that adds content to a string gets them joined by newlines, as vLLM renders them."""
+    concatenating = ChatTemplate(
+        "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}", {}, "t"
+    )
+    assert not concatenating.takes_parts
+    assert concatenating.render(PARTS, False) == "<user>a\nb"
+    assert ChatTemplate(PLAIN, {}, "t").render(PARTS, False) == "[user]a\nb"
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        "{% for p in m['content'] %}{{ p.text }}|{% endfor %}",
+        "{% for p in m.content %}{{ p.text }}|{% endfor %}",
+        "{% set content = m.content %}{% for p in content %}{{ p.text }}|{% endfor %}",
+    ],
+)
+def test_a_template_that_loops_over_content_gets_the_parts(loop: str) -> None:
+    template = ChatTemplate("{% for m in messages %}" + loop + "{% endfor %}", {}, "t")
+    assert template.takes_parts
+    assert template.render(PARTS, False) == "a|b|"

@@ -108,3 +108,20 @@ def test_token_in_token_out_equals_chat_and_completions_on_the_real_model(
     assert status == 200, completion
     assert completion["usage"]["completion_tokens"] == len(ids)
     assert completion["choices"][0]["text"] == text["prompt"]
+
+
+def test_text_parts_chat_equals_string_chat_on_the_real_model(server: Server) -> None:
+    """SmolLM2's template adds content to a string: text parts (what OpenAI's clients and
+    vLLM's benchmark send) are joined for it, so both forms give the same answer."""
+    answers = []
+    for content in ("What is 2+2?", [{"type": "text", "text": "What is 2+2?"}]):
+        body = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        status, chat = post(f"{server.url}/v1/chat/completions", body)
+        assert status == 200, chat
+        answers.append(chat["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
