@@ -268,7 +268,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.shapes = dict(SHAPES)
     if a.quick:
         a.concurrency, a.pairs, a.num_prompts, a.warmup_prompts = [4], 1, 8, 0
-        a.shapes = {n: Shape(n, s.prefix // 8, max(8, s.input // 8), 8) for n, s in SHAPES.items()}
+        a.shapes = {
+            n: Shape(n, s.prefix // 8, max(8, s.input // 8), max(8, s.output // 32))
+            for n, s in SHAPES.items()
+        }
     a.shapes.update(dict(a.shape))
     return a
 
@@ -301,9 +304,16 @@ def start(a: argparse.Namespace, stack: contextlib.ExitStack) -> list[Side]:
     a.ours_log = ours.lines
     if peer is not None:
         started = time.perf_counter()
-        sides.append(Side("peer", peer.wait_ready(a.startup_timeout), peer.proc.pid))
-        log(f"vllm serve ready ({time.perf_counter() - started:.0f} s after ours)")
         a.peer_log = peer.lines
+        try:
+            sides.append(Side("peer", peer.wait_ready(a.startup_timeout), peer.proc.pid))
+        except (RuntimeError, OSError) as e:
+            # Ours is still measured, under the same client; the report says why alone.
+            a.peer_failure = f"vllm serve failed to start: {str(e)[-1500:]}"
+            log(a.peer_failure)
+            peer.stop()
+            return sides
+        log(f"vllm serve ready ({time.perf_counter() - started:.0f} s after ours)")
     return sides
 
 
@@ -339,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         result["placement"] = {s.name: placement(s.pid) for s in sides}
         result["placement_log"] = placement_log(a)
         run_pairs(a, sides, work, runs)
-    summary = summarize(runs, [s.name for s in sides])
+    names = [s.name for s in sides]
+    if getattr(a, "peer_failure", None):
+        result["peer_status"] = a.peer_failure
+    summary = summarize(runs, names)
     result["summary"] = summary
-    result["targets"] = targets(summary) if a.peer_ok else None
-    result["table_md"] = table(summary, a.peer_ok)
+    result["targets"] = targets(summary) if "peer" in names else None
+    result["table_md"] = table(summary, "peer" in names)
     if a.table:
         a.table.write_text(result["table_md"])
     result["all_completed"] = all(
