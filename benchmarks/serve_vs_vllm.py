@@ -71,6 +71,8 @@ from tests.helpers.real_model import fetch_real_model  # noqa: E402
 
 PEER_PYTHON = PEERS_DIR / "vllm-full-venv" / "bin" / "python"
 PEER_SCRIPT = PEER_SCRIPTS / "serve.py"
+# Below this many streams a run sends --low-concurrency-prompts requests, not --num-prompts.
+LOW_CONCURRENCY = 4
 
 
 class Side:
@@ -92,13 +94,13 @@ def run_once(
     side: Side,
     other: Side | None,
     shape: Shape,
-    c: int,
-    seed: int,
+    run: tuple[int, int, int],
     work: Path,
 ) -> dict[str, Any]:
-    """One run of a cell on one server: bench serve's figures, or (peer absent)
-    serve_bench's client's, plus preemptions and both servers' CPU seconds."""
-    n = a.num_prompts if c >= a.low_concurrency else min(a.num_prompts, a.low_concurrency_prompts)
+    """One run of a cell on one server, run = (requests, concurrency, seed): bench
+    serve's figures, or (peer absent) serve_bench's client's, plus preemptions and both
+    servers' CPU seconds."""
+    n, c, seed = run
     p0, cpu0 = preemptions(side.url), side.cpu()
     idle0 = other.cpu() if other else None
     if a.peer_ok:
@@ -165,10 +167,11 @@ def run_pairs(
                 "seed": seed,
                 "order": [s.name for s in order],
             }
+            n = a.num_prompts if c >= LOW_CONCURRENCY else a.low_concurrency_prompts
             for side in order:
                 other = next((s for s in sides if s is not side), None)
                 try:
-                    row[side.name] = run_once(a, side, other, shape, c, seed, work)
+                    row[side.name] = run_once(a, side, other, shape, (n, c, seed), work)
                 except RuntimeError as e:
                     row[side.name] = {"error": str(e)[-2000:]}
                     log(f"{side.name} {shape.name} c={c} pair {pair} failed: {str(e)[-800:]}")
@@ -192,12 +195,7 @@ def warm_up(a: argparse.Namespace, sides: list[Side], work: Path) -> None:
     c = max(a.concurrency)
     for side in sides:
         log(f"warm-up: {side.name}, {a.warmup_prompts} prompts of {shape.name} at c={c}")
-        saved = a.num_prompts
-        a.num_prompts = a.warmup_prompts
-        try:
-            run_once(a, side, None, shape, c, a.seed - 1, work)
-        finally:
-            a.num_prompts = saved
+        run_once(a, side, None, shape, (a.warmup_prompts, c, a.seed - 1), work)
 
 
 def parse_shape(text: str) -> tuple[str, Shape]:
@@ -234,12 +232,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 4, 16, 64])
     p.add_argument("--pairs", type=int, default=3, help="runs of every cell on each server")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
-    p.add_argument("--low-concurrency", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument(
         "--low-concurrency-prompts",
         type=int,
         default=16,
-        help="requests per run below 4 streams (default 16: one stream runs them one by one)",
+        help=f"requests per run below {LOW_CONCURRENCY} streams (default 16: one stream "
+        "runs them one by one)",
     )
     p.add_argument("--shape", type=parse_shape, action="append", default=[])
     p.add_argument("--peer-kv-gib", type=int, default=1, help="vLLM's CPU KV space, whole GiB")
@@ -260,7 +258,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(a.workloads) - set(SHAPES)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; known: {sorted(SHAPES)}")
-    for name, value in (("--pairs", a.pairs), ("--num-prompts", a.num_prompts)):
+    counts = (
+        ("--pairs", a.pairs),
+        ("--num-prompts", a.num_prompts),
+        ("--low-concurrency-prompts", a.low_concurrency_prompts),
+    )
+    for name, value in counts:
         if value < 1:
             p.error(f"{name} must be >= 1")
     if a.peer_kv_gib < 1:

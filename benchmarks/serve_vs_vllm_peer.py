@@ -128,6 +128,7 @@ def bench_serve(
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)
+    out.unlink(missing_ok=True)  # a kept directory may hold an earlier run's file
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
@@ -141,6 +142,9 @@ def bench_serve(
     got["output_tok_s"] = round(got["output_tok_s"], 2)
     got["request_s"] = round(got["request_s"], 4)
     got["duration_s"] = round(got["duration_s"], 3)
+    if got["failed"]:
+        # The result file keeps no per-request errors unless detailed; the client prints them.
+        got["client_output_tail"] = proc.stdout[-1500:]
     return got
 
 
