@@ -15,10 +15,9 @@ falls on both. Each run reports how much CPU the idle server used meanwhile.
 Workloads (vLLM's datasets; sizes are PREFIX,INPUT,OUTPUT tokens, --shape NAME=P,I,O):
 - random: vLLM's random dataset, a 128-token prefix shared by all, 384 random tokens
   after it, 128 output tokens.
-- chat: the text chat requests become (the model's chat template: a system prompt, a user
-  question, the assistant's turn opened), 4 long system prompts (1024 tokens) each shared
-  by a quarter of the requests, 64-token questions, 128 output tokens; vLLM's custom
-  dataset with --skip-chat-template, so both servers get the same text.
+- chat: chat completions (/v1/chat/completions, each server applying its chat template),
+  vLLM's repeated-prefix dataset: 4 long prefixes (1024 tokens) each shared by a quarter
+  of the requests, a 64-token question after it, 128 output tokens.
 - long-output: random, 32-token prompts, 512 output tokens.
 Greedy, ignore_eos: every request generates exactly OUTPUT tokens. Each run has a seed of
 its own (pair, workload, concurrency), the same for both servers: the prompts of one run
@@ -54,7 +53,7 @@ from peer import PEER_SCRIPTS, PEERS_DIR  # noqa: E402
 from serve_bench_runs import server_run  # noqa: E402
 from serve_bench_server import ServerProcess  # noqa: E402
 from serve_bench_workloads import Workload  # noqa: E402
-from serve_vs_vllm_loads import SHAPES, Shape, dataset_args, token_prompts  # noqa: E402
+from serve_vs_vllm_loads import SHAPES, Shape, client_args, token_prompts  # noqa: E402
 from serve_vs_vllm_peer import (  # noqa: E402
     PeerServer,
     bench_serve,
@@ -105,7 +104,7 @@ def run_once(
     idle0 = other.cpu() if other else None
     if a.peer_ok:
         out = work / f"{side.name}-{shape.name}-c{c}-s{seed}.json"
-        args = dataset_args(shape, n, seed, work, a.model)
+        args = client_args(shape, n)
         got = bench_serve(
             a.peer_python, a.peer_script, side.url, side.served, a.model, args, c, seed, out
         )

@@ -4,7 +4,6 @@ either as `bench serve` dataset flags or, without the peer, as token ids."""
 from __future__ import annotations
 
 import functools
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 from serve_bench_workloads import WORDS
 
-# Chat requests: this many distinct system prompts, each shared by a share of the requests.
+# Chat requests: this many distinct long prefixes, each shared by a share of the requests.
 CHAT_SYSTEMS = 4
 # Random token ids start past the special tokens, which sit at the start of the vocabulary.
 FIRST_PLAIN_ID = 256
@@ -21,7 +20,7 @@ FIRST_PLAIN_ID = 256
 @dataclass(frozen=True)
 class Shape:
     """Token counts of a workload's requests: prefix (shared: one for random, one of
-    CHAT_SYSTEMS system prompts for chat), input after it, output generated."""
+    CHAT_SYSTEMS for chat), input after it, output generated."""
 
     name: str
     prefix: int
@@ -51,45 +50,53 @@ def _text(tok: Any, rng: random.Random, head: str, n: int) -> str:
 
 
 def chat_texts(shape: Shape, n: int, seed: int, model: Path) -> list[str]:
-    """n chat requests as the model's chat template renders them (system prompt, user
-    question, the assistant's turn opened): request i uses system prompt i mod 4."""
+    """n chat requests as the model's chat template renders them (one user message, a long
+    shared text then a question, the assistant's turn opened), request i on shared text
+    i mod CHAT_SYSTEMS: what a server makes of the chat workload, for a client that sends
+    token ids."""
     tok = _tokenizer(model)
     rng = random.Random(f"chat-{seed}")
     systems = [
-        _text(tok, rng, f"System {seed}-{j}: you are assistant {j}. Rules:", shape.prefix)
-        for j in range(CHAT_SYSTEMS)
+        _text(tok, rng, f"Manual {seed}-{j}. Rules:", shape.prefix) for j in range(CHAT_SYSTEMS)
     ]
     texts = []
     for i in range(n):
-        messages = [
-            {"role": "system", "content": systems[i % CHAT_SYSTEMS]},
-            {"role": "user", "content": _text(tok, rng, f"Question {i}:", shape.input)},
-        ]
+        content = systems[i % CHAT_SYSTEMS] + _text(tok, rng, f" Question {i}:", shape.input)
+        messages = [{"role": "user", "content": content}]
         texts.append(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return texts
 
 
-def dataset_args(shape: Shape, n: int, seed: int, work: Path, model: Path) -> list[str]:
-    """`bench serve` flags for n requests of this shape (its random dataset, or a custom
-    JSONL of rendered chats written under work)."""
-    common = ["--num-prompts", str(n)]
+def client_args(shape: Shape, n: int) -> list[str]:
+    """`bench serve` flags for n requests of this shape: the random dataset on
+    /v1/completions, or for chat vLLM's repeated-prefix dataset on /v1/chat/completions
+    (each prompt one user message, so each server applies its own chat template)."""
     if shape.name == "chat":
-        path = work / f"chat-{seed}-{n}.jsonl"
-        rows = (json.dumps({"prompt": t}) for t in chat_texts(shape, n, seed, model))
-        path.write_text("\n".join(rows) + "\n")
         return [
-            *common,
+            "--backend",
+            "openai-chat",
+            "--endpoint",
+            "/v1/chat/completions",
+            "--num-prompts",
+            str(n),
             "--dataset-name",
-            "custom",
-            "--dataset-path",
-            str(path),
-            "--skip-chat-template",
-            "--disable-shuffle",
-            "--custom-output-len",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(shape.prefix),
+            "--prefix-repetition-suffix-len",
+            str(shape.input),
+            "--prefix-repetition-num-prefixes",
+            str(CHAT_SYSTEMS),
+            "--prefix-repetition-output-len",
             str(shape.output),
         ]
     return [
-        *common,
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--num-prompts",
+        str(n),
         "--dataset-name",
         "random",
         "--random-prefix-len",

@@ -119,9 +119,9 @@ def bench_serve(
     seed: int,
     out: Path,
 ) -> dict[str, Any]:
-    """One run of vLLM's `bench serve` against url: its result file's figures."""
-    cmd = [str(python), str(script), "bench", "serve", "--backend", "openai"]
-    cmd += ["--base-url", url, "--endpoint", "/v1/completions", "--model", served]
+    """One run of vLLM's `bench serve` against url (dataset: its backend, endpoint and
+    dataset flags): its result file's figures."""
+    cmd = [str(python), str(script), "bench", "serve", "--base-url", url, "--model", served]
     cmd += ["--tokenizer", str(model), *dataset, "--max-concurrency", str(concurrency)]
     cmd += ["--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm"]
     cmd += ["--percentile-metrics", ",".join(PERCENTILE_METRICS), "--metric-percentiles", "50,99"]
