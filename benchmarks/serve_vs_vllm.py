@@ -134,6 +134,8 @@ def fallback_run(
         seed=seed,
     )
     r, _ = server_run(side.url, side.served, Workload(shape.name, prompts), ns, c)
+    if not r["finished"]:
+        raise RuntimeError(f"no request completed: {r['errors']}")
     got: dict[str, Any] = {
         "output_tok_s": r["output_tok_s"],
         "request_s": r["request_s"],

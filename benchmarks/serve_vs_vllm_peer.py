@@ -144,7 +144,10 @@ def bench_serve(
     got["duration_s"] = round(got["duration_s"], 3)
     if got["failed"]:
         # The result file keeps no per-request errors unless detailed; the client prints them.
-        got["client_output_tail"] = proc.stdout[-1500:]
+        got["errors"] = [x for x in proc.stdout.splitlines() if x.startswith("Error ")][:3]
+    if not got["completed"]:
+        # Latencies of a run with no request are zeros, not figures to summarize.
+        raise RuntimeError(f"no request completed: {got.get('errors')}")
     return got
 
 
