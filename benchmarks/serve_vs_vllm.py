@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peer-kv-gib must be >= 1 (vLLM reads a whole number of GiB)")
     a.shapes = dict(SHAPES)
     if a.quick:
-        a.concurrency, a.pairs, a.num_prompts, a.warmup_prompts = [4], 1, 8, 0
+        a.concurrency, a.pairs, a.num_prompts, a.warmup_prompts = [4], 1, 8, 4
         a.shapes = {
             n: Shape(n, s.prefix // 8, max(8, s.input // 8), max(8, s.output // 32))
             for n, s in SHAPES.items()
