@@ -72,3 +72,47 @@ def test_serve_vs_vllm_quick_without_peer(tmp_path: Path) -> None:
     text = table.read_text()
     assert text == report["table_md"] and "vLLM absent" in text
     assert len(re.findall(r"^\| (random|chat|long-output) \| 4 \|", text, re.M)) == 3
+
+
+def _run(tok_s: float, ttft: float, itl99: float, preempt: float = 0.0) -> dict[str, float]:
+    return {
+        "output_tok_s": tok_s,
+        "ttft_p50_ms": ttft,
+        "ttft_p99_ms": 2 * ttft,
+        "itl_p99_ms": itl99,
+        "preemptions": preempt,
+    }
+
+
+def test_the_report_takes_medians_over_pairs_and_reads_the_targets_from_them() -> None:
+    from benchmarks.serve_vs_vllm_report import summarize, table, targets
+
+    runs = [
+        {"workload": "random", "concurrency": 16, "ours": _run(o, t, 50), "peer": _run(p, 100, 60)}
+        for o, p, t in ((200, 100, 90), (260, 120, 80), (230, 110, 120))
+    ]
+    # A failed run is left out of the medians, not read as zeros.
+    runs.append(
+        {
+            "workload": "random",
+            "concurrency": 16,
+            "ours": {"error": "x"},
+            "peer": _run(110, 100, 60),
+        }
+    )
+    runs.append(
+        {"workload": "chat", "concurrency": 1, "ours": _run(10, 300, 40), "peer": _run(10, 200, 30)}
+    )
+    summary = summarize(runs, ["ours", "peer"])
+    random16 = next(s for s in summary if s["workload"] == "random")
+    assert random16["ours"]["output_tok_s"] == {"median": 230, "min": 200, "max": 260}
+    assert random16["ours"]["runs"] == 3 and random16["peer"]["runs"] == 4
+    assert random16["ours_over_peer"]["output_tok_s"] == round(230 / 110, 3)
+    assert random16["ours_over_peer"]["ttft_p50_ms"] == 0.9
+    got = targets(summary)
+    # Throughput counts at 16 and 64 streams only; latencies at every concurrency.
+    assert got["throughput_met"] and got["throughput_ratio_min"] == round(230 / 110, 3)
+    assert got["ttft_p50_ms_ratio_max"] == 1.5 and got["ttft_p50_ms_met"] is False
+    assert got["itl_p99_ms_met"] is False and got["no_preemption_met"] is True
+    md = table(summary, True)
+    assert "| random | 16 | 230.0 / 110.0 (2.09x) | 90 / 100 |" in md
