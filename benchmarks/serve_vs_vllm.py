@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -321,6 +322,10 @@ def start(a: argparse.Namespace, stack: contextlib.ExitStack) -> list[Side]:
     return sides
 
 
+def _interrupt(_sig: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.model = a.model or fetch_real_model()
@@ -347,12 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     work = a.keep or Path(tempfile.mkdtemp(prefix="pagedserve-svv-"))
     work.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        sides = start(a, stack)
-        warm_up(a, sides, work)
-        result["placement"] = {s.name: placement(s.pid) for s in sides}
-        result["placement_log"] = placement_log(a)
-        run_pairs(a, sides, work, runs)
+    # SIGTERM ends us as Ctrl-C does, so the ExitStack stops both servers' process groups.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with contextlib.ExitStack() as stack:
+            sides = start(a, stack)
+            warm_up(a, sides, work)
+            result["placement"] = {s.name: placement(s.pid) for s in sides}
+            result["placement_log"] = placement_log(a)
+            run_pairs(a, sides, work, runs)
+    except KeyboardInterrupt:
+        log("interrupted: both servers are stopped")
+        return 130
     names = [s.name for s in sides]
     if getattr(a, "peer_failure", None):
         result["peer_status"] = a.peer_failure
