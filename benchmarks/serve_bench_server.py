@@ -28,7 +28,9 @@ class ServerProcess:
     """`pagedserve serve` on a free port, in its own process group so the terminal's
     Ctrl-C reaches only us, and we stop it in order (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, a: argparse.Namespace, prefix_caching: bool) -> None:
+    def __init__(
+        self, a: argparse.Namespace, prefix_caching: bool, extra: tuple[str, ...] = ()
+    ) -> None:
         # INFO: the CPU worker logs its thread-count choices (reported per run); nothing
         # is logged per step or per request at that level.
         cmd = [sys.executable, "-m", "launch.cli", "serve", "--port", "0", "--log-level", "INFO"]
@@ -40,6 +42,7 @@ class ServerProcess:
         cmd += ["--stream-interval", str(a.stream_interval)]
         if a.model is not None:
             cmd += ["--model", a.model]
+        cmd += extra
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
