@@ -58,6 +58,8 @@ from protocol.zmq_security import (
 )
 
 log = logging.getLogger("pagedserve.core")
+# Pools up to this many blocks are checked every step (PAGEDSERVE_CHECK_INVARIANTS).
+_CHECKED_BLOCKS = 16384
 
 
 # The scheduler's settings that EngineCoreConfig and EngineArgs both carry, by name.
@@ -122,6 +124,7 @@ class EngineCore:
         self._pending: EngineOutputs | None = None  # the last answer's, until _flush
         self._max_in_flight = 2 if config.async_scheduling else 1
         self._check = config.check_invariants
+        self._check_every = 1
         if config.log_kv:
             kv_log.setLevel(logging.INFO)
 
@@ -144,6 +147,9 @@ class EngineCore:
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
         )
         self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
+        # The invariant walk is linear in the pool: a large one is walked every few steps,
+        # so that checking costs each step about what a pool of _CHECKED_BLOCKS does.
+        self._check_every = -(-kv_config.num_blocks // _CHECKED_BLOCKS)
         max_model_len = self.scheduler.config.max_model_len
         if self.config.kv_events_endpoint is not None:
             self._start_kv_events(self.config.kv_events_endpoint)
@@ -361,7 +367,7 @@ class EngineCore:
                 raise  # the core's own bug: not the worker's answer
             except ValueError as e:
                 raise WorkerDied(f"worker rank 0 answered step {so.step_id} wrongly: {e}") from None
-            if self._check:
+            if self._check and so.step_id % self._check_every == 0:
                 scheduler.check_invariants()
             # Published once the next step is on its way (_flush): the workers start on
             # it while the client's outputs are encoded and sent, instead of after.

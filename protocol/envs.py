@@ -29,7 +29,8 @@ PAGEDSERVE_PREFIX_CACHE_HASH_SEED (launch/cli_flags.py; none: random at each sta
 PAGEDSERVE_ZMQ_CURVE_KEYS (launch/cli_flags.py, `--zmq-curve-keys`' default; none): the
     keys directory of the engine's CURVE sockets (protocol/zmq_security.py).
 PAGEDSERVE_CHECK_INVARIANTS (launch/client/engine.py; off): 1 makes the core walk the KV
-    invariants every step (EngineCoreConfig.check_invariants).
+    invariants every step, every few steps on a pool over 16,384 blocks (the walk is
+    linear in the pool) (EngineCoreConfig.check_invariants).
 PAGEDSERVE_SPIN_US (launch/client/engine.py; per machine): microseconds the core and
     workers poll for a due message before blocking, 0: off (the configs' spin_us).
 PAGEDSERVE_BENCH_STEP_DELAY_MS, PAGEDSERVE_BENCH_WORKER_TIMING, PAGEDSERVE_BENCH_SKIP
