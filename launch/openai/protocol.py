@@ -273,7 +273,7 @@ class _GenerationOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 # logit_bias maps token ids (JSON keys, strings of digits) to values in [-100, 100];
 # prompt_logprobs (vLLM's) asks for the prompt's tokens' logprobs. logprobs is each
 # endpoint's own (a count, or chat's bool with top_logprobs).
-_SAMPLING_FIELDS = (
+SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
     "top_p",
@@ -326,7 +326,7 @@ def sampling_fields(names: Sequence[str]) -> list[tuple[str, Any, Any]]:
 
 GenerationRequest = msgspec.defstruct(
     "GenerationRequest",
-    sampling_fields(_SAMPLING_FIELDS),
+    sampling_fields(SAMPLING_FIELDS),
     bases=(_GenerationOptions,),
     module=__name__,
     kw_only=True,

@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from launch.openai.generation import Generation, Started
 from launch.openai.protocol import (
+    SAMPLING_FIELDS,
     APIError,
     CompletionRequest,
     GenerationRequest,
@@ -34,31 +35,9 @@ from launch.openai.serving_generation import GenerationServing
 # A client's request_id is echoed, not kept: bounded so an answer cannot be made to grow.
 MAX_REQUEST_ID = 512
 
-# The SamplingParams fields the body's sampling_params takes (vLLM's SamplingParams names).
-TOKEN_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "ignore_eos",
-    "n",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "prompt_logprobs",
-    "truncate_prompt_tokens",
-    "structured_outputs",
-)
+# The body's sampling_params takes the SamplingParams fields every completion body takes
+# (vLLM's SamplingParams names).
+TOKEN_SAMPLING_FIELDS = SAMPLING_FIELDS
 
 TokenSamplingParams = msgspec.defstruct(
     "TokenSamplingParams",
