@@ -4,7 +4,7 @@
     python benchmarks/attention_bench.py check [--quick | --small] [--emulate] [--out FILE]
     python benchmarks/attention_bench.py bench [--quick] [--emulate] [--out FILE]
 
-check: kernels.cuda_kernels against kernels.reference over a sweep (batch 1-256, contexts
+check: pagedkernels.cuda_kernels against pagedkernels.reference over a sweep (batch 1-256, contexts
 1 to 32k, mixed prefill/extend/decode, GQA 1/4/8, head dims 64/128/256, window on/off,
 soft cap, fp16/bf16, block sizes 16 and 32, padding rows, released out-of-window blocks
 pointing at a NaN null block), plus the cache write. Exit status 1 if any case fails.
@@ -16,7 +16,7 @@ and against the torch reference gathering pages; prefill and extend TFLOP/s agai
 `targets` says whether decode at batch >= 16 and context >= 4k reaches 75% of the copy
 bandwidth and is no slower than SDPA.
 
---emulate runs both on the CPU through kernels.cuda_emulator with small shapes: it proves
+--emulate runs both on the CPU through pagedkernels.cuda_emulator with small shapes: it proves
 this script's own code paths without a GPU (the tests run it); its numbers mean nothing.
 
 The last line printed is the JSON object (also written to --out).
@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.cuda_kernels import paged_attention_with, plan_for  # noqa: E402
-from kernels.testing import random_paged_batch  # noqa: E402
+from pagedkernels import reference  # noqa: E402
+from pagedkernels.cuda_kernels import paged_attention_with, plan_for  # noqa: E402
+from pagedkernels.testing import random_paged_batch  # noqa: E402
 
 # Split counts every decode row is also timed with (each split at least 256 keys).
 SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
@@ -87,7 +87,7 @@ class Target:
 
     device: str
     kernels: Any  # a module with paged_attention and write_kv_cache
-    backend: Any  # its launch backend (kernels.cuda_kernels.Backend)
+    backend: Any  # its launch backend (pagedkernels.cuda_kernels.Backend)
     shapes: Shapes
 
     @property
@@ -104,13 +104,13 @@ class Target:
 
 
 def gpu_target() -> Target:
-    from kernels import cuda_kernels
+    from pagedkernels import cuda_kernels
 
     return Target("cuda", cuda_kernels, cuda_kernels.cuda_backend(), GPU_SHAPES)
 
 
 def emulated_target() -> Target:
-    from kernels import cuda_emulator
+    from pagedkernels import cuda_emulator
 
     return Target("cpu", cuda_emulator, cuda_emulator.backend(), EMULATED_SHAPES)
 

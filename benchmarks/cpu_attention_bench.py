@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""CPU paged attention: kernels.cpu with the C kernel (kernels.cpu_native, decode and short
-extends), kernels.cpu gathering everything for torch, and kernels.reference (a loop per
-request).
+"""CPU paged attention: pagedkernels.cpu with the C kernel (pagedkernels.cpu_native, decode
+and short extends), pagedkernels.cpu gathering everything for torch, and pagedkernels.reference
+(a loop per request).
 
     python benchmarks/cpu_attention_bench.py [--threads N] [--rounds R] [--quick] [--out FILE]
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kernels import cpu, cpu_native, reference  # noqa: E402
-from kernels.testing import random_paged_batch  # noqa: E402
+from pagedkernels import cpu, cpu_native, reference  # noqa: E402
+from pagedkernels.testing import random_paged_batch  # noqa: E402
 
 BLOCK_SIZE = 16
 

@@ -59,8 +59,8 @@ from enginecore.core import scheduler_config  # noqa: E402
 from enginecore.kv_cache_config import make_kv_cache_config, with_num_blocks  # noqa: E402
 from enginecore.request import Request  # noqa: E402
 from enginecore.scheduler import Scheduler  # noqa: E402
-from kernels.selection import AttentionKernels  # noqa: E402
 from launch.client.engine_args import EngineArgs, runner_config  # noqa: E402
+from pagedkernels.selection import AttentionKernels  # noqa: E402
 from protocol.codec import Codec  # noqa: E402
 from protocol.engine import SamplingParams  # noqa: E402
 from protocol.kv_cache import NULL_BLOCK_ID  # noqa: E402

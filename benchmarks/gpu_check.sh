@@ -80,7 +80,7 @@ run() {  # run NAME CMD...: log the output, remember the exit status
   echo "=== $name: exit ${status[$name]} in $((SECONDS - start))s"
 }
 
-run nvrtc "$PY" -m kernels.nvrtc_check
+run nvrtc "$PY" -m pagedkernels.nvrtc_check
 run pytest "$PY" -m pytest -q -p no:cacheprovider -k "not emulated" \
   tests/kernels/test_cuda_kernels.py tests/kernels/test_reference.py tests/worker/test_input_batch.py \
   tests/worker/test_kv_cache_memory.py

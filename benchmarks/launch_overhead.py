@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time of preparing one CUDA kernel launch (kernels.cuda_kernels), on the CPU, as JSON.
+"""Host time of preparing one CUDA kernel launch (pagedkernels.cuda_kernels), on the CPU, as JSON.
 
     python benchmarks/launch_overhead.py [--calls 5000]
 
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kernels import cuda_kernels  # noqa: E402
-from kernels.testing import random_paged_batch  # noqa: E402
+from pagedkernels import cuda_kernels  # noqa: E402
+from pagedkernels.testing import random_paged_batch  # noqa: E402
 
 LAYERS = 32
 

@@ -123,7 +123,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Microseconds to poll for the next step before blocking (protocol/sockets.py);
     # None: the default for the machine the worker runs on.
     spin_us: float | None = None
-    # Attention kernel family and the CPU C kernel (kernels/selection.py), and the CPU
+    # Attention kernel family and the CPU C kernel (pagedkernels/selection.py), and the CPU
     # dense products (worker/gemm.py).
     attention: AttentionChoice = msgspec.field(default_factory=envs.attention)
     native_kernels: bool = msgspec.field(default_factory=envs.native_kernels)

@@ -8,16 +8,16 @@ environment.
 Variable (who reads it; default): what it does.
 
 PAGEDSERVE_ATTENTION (WorkerConfig.attention; auto): the attention kernel family, one of
-    AttentionChoice (kernels/selection.py).
+    AttentionChoice (pagedkernels/selection.py).
 PAGEDSERVE_NATIVE_KERNELS (WorkerConfig.native_kernels; 1): 0 never builds or loads the
-    CPU C kernel (kernels/cpu_native.py).
+    CPU C kernel (pagedkernels/cpu_native.py).
 PAGEDSERVE_CPU_GEMM (WorkerConfig.cpu_gemm; auto): CPU dense products, one of
     CpuGemmChoice (worker/gemm.py).
 PAGEDSERVE_DIST_INIT (worker/parallel.py when WorkerConfig.dist_init is None; none): the
     torch.distributed init method of tensor-parallel ranks started by hand.
 PAGEDSERVE_WORKER_HOOKS (WorkerConfig.step_hooks; none): FILE.py:FUNCTION a benchmark
     installs on the worker (worker/step_hooks.py).
-PAGEDSERVE_CACHE_DIR (kernels/cpu_native.py; $XDG_CACHE_HOME/pagedserve): where built
+PAGEDSERVE_CACHE_DIR (pagedkernels/cpu_native.py; $XDG_CACHE_HOME/pagedserve): where built
     C kernels are cached (a place, not a behaviour).
 PAGEDSERVE_CACHE (launch/client/builtin_model.py; ~/.cache/pagedserve): where the
     built-in model is written.

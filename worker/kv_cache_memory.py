@@ -26,7 +26,7 @@ CPU_KV_HOST_SHARE = 0.25
 # would otherwise get millions of blocks that nothing fills.
 CPU_KV_PREFIX_CACHE_FACTOR = 2
 # Kept free beyond the profiled step: decode steps' split-K scratch (a prefill profile
-# allocates none; kernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
+# allocates none; pagedkernels.cuda_kernels bounds it at 512 MiB) and allocator fragmentation.
 GPU_STEP_MARGIN_BYTES = 768 << 20
 KVCaches = dict[str, tuple[torch.Tensor, torch.Tensor]]
 

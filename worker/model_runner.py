@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.selection import select_kernels
+from pagedkernels.selection import select_kernels
 from protocol.config import WorkerConfig, available_host_memory
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from benchmarks import bench_clock
-from kernels import reference
-from kernels.selection import AttentionKernels
+from pagedkernels import reference
+from pagedkernels.selection import AttentionKernels
 
 
 class Attention:

@@ -102,7 +102,7 @@ MUTATIONS = [
     ),
     Mutation(
         "null block read as a real block (keys before the window are read, masked)",
-        "kernels/reference.py",
+        "pagedkernels/reference.py",
         "first_key = 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)",
         "first_key = 0",
         SLIDING,

@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-PRODUCTION_PACKAGES = ("enginecore", "protocol", "worker", "kernels", "launch")
+PRODUCTION_PACKAGES = ("enginecore", "protocol", "worker", "pagedkernels", "launch")
 HOT_PATH_MARK = "# hot path:"
 
 

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels.cpu, with and without the C kernel of kernels.cpu_native)
+"""The CPU kernels (pagedkernels.cpu, with and without the C kernel of pagedkernels.cpu_native)
 against the torch reference, their oracle."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu, cpu_native, reference
-from kernels.selection import KERNELS_ENV, select_kernels
-from kernels.testing import random_paged_batch
+from pagedkernels import cpu, cpu_native, reference
+from pagedkernels.selection import KERNELS_ENV, select_kernels
+from pagedkernels.testing import random_paged_batch
 
 BLOCK_SIZES = (1, 8, 16, 32)
 # Hq / Hkv: one query head per kv head, GQA 2 and 4, and all query heads on one kv head.

@@ -1,4 +1,4 @@
-"""Building and loading the C attention kernel (kernels.cpu_native): cached per source and
+"""Building and loading the C attention kernel (pagedkernels.cpu_native): cached per source and
 machine, and a build that fails leaves the gather path running with the same results.
 Its numbers are tested against the reference in tests/kernels/test_cpu.py."""
 
@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_native
+from pagedkernels import cpu_native
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Loads the library in a fresh process (the loaded library is cached per process), runs
-# one mixed batch through kernels.cpu and prints whether the C kernel served it.
+# one mixed batch through pagedkernels.cpu and prints whether the C kernel served it.
 PROBE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from kernels import cpu, cpu_native, reference
-from kernels.testing import random_paged_batch
+from pagedkernels import cpu, cpu_native, reference
+from pagedkernels.testing import random_paged_batch
 gen = torch.Generator().manual_seed(3)
 args = random_paged_batch(gen, [40, 300, 7], [1, 2, 7], 16, 2, 4, 64, torch.float32)
 got = cpu.paged_attention(*args, 0.125)

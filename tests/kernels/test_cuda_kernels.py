@@ -1,8 +1,8 @@
-"""The CUDA kernels against the torch reference (kernels.reference).
+"""The CUDA kernels against the torch reference (pagedkernels.reference).
 
 Two runners for the same comparisons:
-- on a CUDA GPU, kernels.cuda_kernels (CuPy); skipped when no CUDA GPU is present;
-- on the CPU, kernels.cuda_emulator, which builds the same .cu sources as C++ and runs
+- on a CUDA GPU, pagedkernels.cuda_kernels (CuPy); skipped when no CUDA GPU is present;
+- on the CPU, pagedkernels.cuda_emulator, which builds the same .cu sources as C++ and runs
   every CTA thread by thread through the same launchers: indexing, masking, GQA packing,
   the split-K reduction and the cache write are checked here on every CI run (only speed
   and the hardware's own behaviour need the GPU).
@@ -16,9 +16,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cuda_kernels import choose_splits, plan_attention, supports
-from kernels.testing import random_paged_batch
+from pagedkernels import reference
+from pagedkernels.cuda_kernels import choose_splits, plan_attention, supports
+from pagedkernels.testing import random_paged_batch
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -26,7 +26,7 @@ HAS_CUDA = torch.cuda.is_available()
 def _emulator():
     """The emulator; a machine without a C++ compiler is broken, as one without NVRTC is:
     the tests fail there, saying what to install, instead of skipping."""
-    from kernels import cuda_emulator
+    from pagedkernels import cuda_emulator
 
     if cuda_emulator.compiler() is None:
         pytest.fail(cuda_emulator.MISSING_COMPILER)
@@ -36,7 +36,7 @@ def _emulator():
 def _cuda_or_skip():
     if not HAS_CUDA:
         pytest.skip("no CUDA GPU present: the CuPy kernels run only on a GPU")
-    from kernels import cuda_kernels
+    from pagedkernels import cuda_kernels
 
     return cuda_kernels
 
@@ -158,7 +158,7 @@ def test_cupy_argument_conversion() -> None:
     # the C type the kernel declares.)
     import numpy as np
 
-    from kernels.cuda_kernels import _numpy_converters
+    from pagedkernels.cuda_kernels import _numpy_converters
 
     t = torch.zeros(4)
     converters = _numpy_converters("pilf")
@@ -171,7 +171,7 @@ def test_cupy_argument_conversion() -> None:
 
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels.selection import KERNELS_ENV, select_kernels
+    from pagedkernels.selection import KERNELS_ENV, select_kernels
 
     cpu = torch.device("cpu")
     assert select_kernels(cpu, torch.bfloat16, 128).name.startswith("torch cpu (batched)")

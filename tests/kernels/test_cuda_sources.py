@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from kernels import nvrtc_check
-from kernels.cuda_sources import CHECK_ARCHS, all_builds, expand_source
+from pagedkernels import nvrtc_check
+from pagedkernels.cuda_sources import CHECK_ARCHS, all_builds, expand_source
 
 
 def _require_nvrtc() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.reference import paged_attention, write_kv_cache
+from pagedkernels.reference import paged_attention, write_kv_cache
 
 HEAD_DIM = 8
 

@@ -1,4 +1,4 @@
-"""kernels/selection.py: which kernel family a worker's attention choice gets on a device,
+"""pagedkernels/selection.py: which kernel family a worker's attention choice gets on a device,
 and every combination that cannot run refused by name (the environment's part is in
 test_cpu.py and test_cuda_kernels.py)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, cuda_emulator, reference
-from kernels.selection import KERNELS_ENV, select_kernels
+from pagedkernels import cpu, cuda_emulator, reference
+from pagedkernels.selection import KERNELS_ENV, select_kernels
 
 CPU = torch.device("cpu")
 

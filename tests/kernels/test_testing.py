@@ -1,11 +1,11 @@
-"""kernels/testing.py: the random paged batches kernels are checked on hold what their
+"""pagedkernels/testing.py: the random paged batches kernels are checked on hold what their
 docstring promises: pages no two requests share, a NaN null block, poisoned tails."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.testing import random_paged_batch
+from pagedkernels.testing import random_paged_batch
 
 BLOCK = 4
 

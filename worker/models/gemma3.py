@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.selection import AttentionKernels
+from pagedkernels.selection import AttentionKernels
 from worker.attention import AttentionMetadata
 from worker.layers import GatedMLP, GemmaRMSNorm
 from worker.model_config import ModelConfig

@@ -12,7 +12,7 @@ Sliding-window convention (checked in transformers 5.24, masking_utils
 `sliding_window_overlay`: key kv_idx is visible to query q_idx iff
 kv_idx > q_idx - sliding_window, on top of the causal kv_idx <= q_idx): a query at
 position p sees keys p - W + 1 .. p, i.e. W keys counting itself. That is exactly the
-meaning of `sliding_window` in kernels.reference.paged_attention and in
+meaning of `sliding_window` in pagedkernels.reference.paged_attention and in
 protocol.kv_cache.SlidingWindowSpec, so config.json's value is passed through unchanged.
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kernels.selection import AttentionKernels, select_kernels
+from pagedkernels.selection import AttentionKernels, select_kernels
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
 from worker.layers import (

@@ -1,9 +1,9 @@
 /* Paged attention on the CPU, reading K/V in place through the block table.
 
-   kernels.reference.paged_attention's semantics for the rows of the requests it is given:
+   pagedkernels.reference.paged_attention's semantics for the rows of the requests it is given:
    request b's queries are rows query_start_loc[b] .. query_start_loc[b+1]-1 at positions
    ending at seq_lens[b]-1; a query at p reads keys max(0, p-window+1) .. p. The batched torch
-   path (kernels/cpu.py) gathers every key into a padded buffer first and reads it again in
+   path (pagedkernels/cpu.py) gathers every key into a padded buffer first and reads it again in
    scaled_dot_product_attention; for a decode step that copy is most of the time, and this
    kernel reads each key and value once.
 

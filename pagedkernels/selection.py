@@ -9,7 +9,7 @@ from typing import Any, get_args
 
 import torch
 
-from kernels import cpu, reference
+from pagedkernels import cpu, reference
 from protocol import envs
 from protocol.envs import AttentionChoice
 
@@ -32,7 +32,7 @@ def select_kernels(
     choice: AttentionChoice | None = None,
     native: bool | None = None,
 ) -> AttentionKernels:
-    """choice and native (the CPU C kernel for decode rows, kernels.cpu_native) come from
+    """choice and native (the CPU C kernel for decode rows, pagedkernels.cpu_native) come from
     the worker's config; None reads them from the environment (protocol/envs.py)."""
     choice = envs.attention() if choice is None else choice
     if choice not in get_args(AttentionChoice):
@@ -42,7 +42,7 @@ def select_kernels(
     if choice == "emulated":
         return _emulated(device, dtype, head_dim)
     if device.type == "cuda" and choice != "reference":
-        from kernels import cuda_kernels  # CuPy: only where a GPU runs
+        from pagedkernels import cuda_kernels  # CuPy: only where a GPU runs
 
         if cuda_kernels.supports(dtype, head_dim):
             return AttentionKernels(
@@ -60,7 +60,7 @@ def select_kernels(
 
 
 def _cpu(native: bool) -> AttentionKernels:
-    from kernels import cpu_native
+    from pagedkernels import cpu_native
 
     name = "torch cpu (batched)"
     if not native:
@@ -73,7 +73,7 @@ def _cpu(native: bool) -> AttentionKernels:
 
 
 def _emulated(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernels:
-    from kernels import cuda_emulator, cuda_kernels
+    from pagedkernels import cuda_emulator, cuda_kernels
 
     if device.type != "cpu" or not cuda_kernels.supports(dtype, head_dim):
         raise ValueError(

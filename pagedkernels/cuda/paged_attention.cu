@@ -1,5 +1,5 @@
 // Paged attention over a mixed batch (decode, prefill, extend after a cached prefix) in
-// one launch, with the semantics of kernels.reference.paged_attention:
+// one launch, with the semantics of pagedkernels.reference.paged_attention:
 //
 //   request b owns query rows query_start_loc[b] .. query_start_loc[b+1] (n_b rows) at
 //   positions seq_lens[b]-n_b .. seq_lens[b]-1 and keys 0 .. seq_lens[b]-1 through

@@ -1,8 +1,8 @@
 """Where the CUDA kernel sources live and how each one is built.
 
-One place for the build matrix, shared by the CuPy launchers (kernels.cuda_kernels), the
-compile check that CI runs without a GPU (kernels.nvrtc_check) and the CPU emulator the
-tests use (kernels.cuda_emulator). Nothing here imports CuPy or needs a GPU.
+One place for the build matrix, shared by the CuPy launchers (pagedkernels.cuda_kernels), the
+compile check that CI runs without a GPU (pagedkernels.nvrtc_check) and the CPU emulator the
+tests use (pagedkernels.cuda_emulator). Nothing here imports CuPy or needs a GPU.
 """
 
 from __future__ import annotations

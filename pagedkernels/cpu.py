@@ -1,4 +1,4 @@
-"""Batched CPU paged attention: kernels.reference's semantics and signatures, without a
+"""Batched CPU paged attention: pagedkernels.reference's semantics and signatures, without a
 Python loop per request in every layer.
 
 Decode requests (one query row each) are sorted by key count and cut into chunks of about
@@ -12,7 +12,7 @@ request's own last block or key; a mask hides what is not a visible key, and the
 keys of whole blocks are zeroed after the gather (a block's tail past the request's keys
 may hold anything).
 
-Where the C kernel (kernels.cpu_native) is built, requests with at most
+Where the C kernel (pagedkernels.cpu_native) is built, requests with at most
 NATIVE_MAX_QUERIES queries skip all of that: it reads their keys in place through the block
 table, without the copy, in one call for all of them.
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
-from kernels.reference import write_kv_cache as _reference_write_kv_cache
+from pagedkernels import cpu_native
+from pagedkernels.reference import write_kv_cache as _reference_write_kv_cache
 
 # Gathered K (and again V) per decode chunk, bytes: the gathered K/V are still in cache
 # when attention reads them, and the scratch buffers stay small. One layer, 32/8 heads,
@@ -157,7 +157,7 @@ def paged_attention(
     *,
     allow_native: bool = True,
 ) -> torch.Tensor:
-    """kernels.reference.paged_attention, batched (see the module docstring); allow_native
+    """pagedkernels.reference.paged_attention, batched (see the module docstring); allow_native
     False never calls the C kernel (the worker's config turned it off)."""
     _, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

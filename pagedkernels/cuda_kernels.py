@@ -1,11 +1,11 @@
-"""CUDA launchers for the paged KV cache kernels, with kernels.reference's signatures.
+"""CUDA launchers for the paged KV cache kernels, with pagedkernels.reference's signatures.
 
-    from kernels import cuda_kernels as K
+    from pagedkernels import cuda_kernels as K
     K.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
     out = K.paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
                             seq_lens, scale, sliding_window=None, soft_cap=None)
 
-The CUDA C sources in kernels/cuda/ are compiled by CuPy's NVRTC at first use (one
+The CUDA C sources in pagedkernels/cuda/ are compiled by CuPy's NVRTC at first use (one
 module per element type and head dim) and cached by CuPy on disk; nothing is built at
 install time. CuPy is imported inside the functions, never at module import, so this
 module imports on a machine without CUDA. Tensors are passed by device address
@@ -14,10 +14,10 @@ module imports on a machine without CUDA. Tensors are passed by device address
 from tensor shapes and the kernels find their work on the device.
 
 Supported: fp16 and bf16 (fp32 accumulate), the head dims of
-kernels.cuda_sources.ATTENTION_HEAD_DIMS (64/128/256 among them), any block size, GQA with
+pagedkernels.cuda_sources.ATTENTION_HEAD_DIMS (64/128/256 among them), any block size, GQA with
 any group size, sliding window, soft cap, caches that are strided views (head_dim
 contiguous, 16-byte aligned rows). `supports()` says whether a (dtype, head_dim) has a
-kernel; callers fall back to kernels.reference otherwise.
+kernel; callers fall back to pagedkernels.reference otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.cuda_sources import (
+from pagedkernels.cuda_sources import (
     ATTENTION_HEAD_DIMS,
     ATTN_BLOCK_M,
     ATTN_THREADS,
@@ -532,7 +532,7 @@ def _check_attention_args(
     if not supports(query.dtype, head_dim):
         raise NotImplementedError(
             f"no CUDA paged_attention for {query.dtype} with head_dim {head_dim}; "
-            "use kernels.reference"
+            "use pagedkernels.reference"
         )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -542,7 +542,7 @@ def _check_attention_args(
 
 @dataclass(frozen=True)
 class BoundKernels:
-    """The kernels with kernels.reference's signatures, launched through one backend
+    """The kernels with pagedkernels.reference's signatures, launched through one backend
     (looked up at each call, so it is made at first use)."""
 
     backend: Callable[[], Backend]
@@ -571,7 +571,7 @@ class BoundKernels:
         soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of a mixed batch over paged K/V; see
-        kernels.reference.paged_attention."""
+        pagedkernels.reference.paged_attention."""
         return paged_attention_with(
             self.backend(),
             query,

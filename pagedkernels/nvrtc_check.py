@@ -5,8 +5,8 @@ sm_90 is the source the launchers will load. The Python bindings come from `cuda
 (module cuda.bindings.nvrtc), the compiler library from `nvidia-cuda-nvrtc` and the
 cuda_fp16.h / cuda_bf16.h headers from `nvidia-cuda-runtime`; none of them needs a driver.
 
-    python -m kernels.nvrtc_check            # every build, sm_80 and sm_90
-    python -m kernels.nvrtc_check -v         # with ptxas register / spill report
+    python -m pagedkernels.nvrtc_check            # every build, sm_80 and sm_90
+    python -m pagedkernels.nvrtc_check -v         # with ptxas register / spill report
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from kernels.cuda_sources import CHECK_ARCHS, KernelBuild, all_builds, base_options
-from kernels.cuda_sources import cuda_include_dirs as _cuda_include_dirs
+from pagedkernels.cuda_sources import CHECK_ARCHS, KernelBuild, all_builds, base_options
+from pagedkernels.cuda_sources import cuda_include_dirs as _cuda_include_dirs
 
 INSTALL_HINT = (
     "pip install 'cuda-bindings>=13,<14' 'nvidia-cuda-nvrtc>=13,<14' 'nvidia-cuda-runtime>=13,<14'"

@@ -1,6 +1,6 @@
 // Cache write: token t's new K and V rows [num_kv_heads, head_dim] go to flat slot
 // slot_mapping[t] (block slot / block_size, offset slot % block_size); slot -1 is padding
-// and is skipped. Same semantics as kernels.reference.write_kv_cache.
+// and is skipped. Same semantics as pagedkernels.reference.write_kv_cache.
 //
 // A pure copy, so it is dtype-agnostic: the launcher picks the widest unit U (16, 8, 4, 2
 // or 1 bytes) that divides the row size, every byte stride and both base addresses, and

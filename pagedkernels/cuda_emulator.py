@@ -1,13 +1,13 @@
 """Run the CUDA kernel sources on the CPU, for tests on machines without a GPU.
 
-The .cu files build as C++ with -DPS_EMULATE (kernels/cuda/ps_emulate.h stands in for
+The .cu files build as C++ with -DPS_EMULATE (pagedkernels/cuda/ps_emulate.h stands in for
 the CUDA intrinsics: threads as fibers, real barriers, warp shuffles and mma.sync through
 an exchange buffer with the PTX fragment layouts, cp.async deferred to its wait). The
-launchers are kernels.cuda_kernels' own, so the grid planning, the split-K reduction and
+launchers are pagedkernels.cuda_kernels' own, so the grid planning, the split-K reduction and
 every index the kernels compute are exercised; only speed and the hardware itself are
 not. Slow (every thread is a fiber): keep problems small.
 
-    from kernels import cuda_emulator as E
+    from pagedkernels import cuda_emulator as E
     out = E.paged_attention(...)   # CPU fp16/bf16 tensors, same signature as the reference
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from kernels.cuda_kernels import BoundKernels
-from kernels.cuda_sources import CUDA_DIR, KernelBuild
+from pagedkernels.cuda_kernels import BoundKernels
+from pagedkernels.cuda_sources import CUDA_DIR, KernelBuild
 
 # A small device, so that tests reach the split-K path with little work: 8 SMs that each
 # hold 2 attention CTAs, as an H100's shared memory allows for head_dim 128.

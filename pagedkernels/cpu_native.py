@@ -1,10 +1,10 @@
-"""The CPU paged-attention kernel in C (kernels/csrc/paged_attention_cpu.c), built with the
+"""The CPU paged-attention kernel in C (pagedkernels/csrc/paged_attention_cpu.c), built with the
 machine's C compiler at first use and cached, called through ctypes.
 
-It reads K/V in place through the block table. The batched torch path (kernels.cpu) copies
+It reads K/V in place through the block table. The batched torch path (pagedkernels.cpu) copies
 every key of a decode batch into a padded buffer and reads it again; for SmolLM2's decode
 step of 64 requests that copy was half of the attention time. Without a compiler (or with
-PAGEDSERVE_NATIVE_KERNELS=0) kernels.cpu runs alone, with the same results.
+PAGEDSERVE_NATIVE_KERNELS=0) pagedkernels.cpu runs alone, with the same results.
 
 The library links libgomp by soname; loaded into a process that already holds torch, it
 shares torch's OpenMP runtime, so torch.set_num_threads (worker/cpu_threads.py) sizes its
@@ -173,7 +173,7 @@ def paged_attention(
     out: torch.Tensor,
 ) -> None:
     """Attention of the requests `reqs` (int32) into their rows of `out`, with
-    kernels.reference.paged_attention's semantics. query and out: float32 [T, Hq, D], last
+    pagedkernels.reference.paged_attention's semantics. query and out: float32 [T, Hq, D], last
     dimension contiguous; block_table, query_start_loc, seq_lens: int32, rows contiguous."""
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
