@@ -187,6 +187,7 @@ class EngineCore:
                 sampling_defaults=first.sampling_defaults,
                 kv_events_endpoint=self.kv_events and self.kv_events.endpoint,
                 kv_events_replay_endpoint=self.kv_events and self.kv_events.replay_endpoint,
+                device=first.device,
             )
         )
 

@@ -29,6 +29,7 @@ from protocol.config import (
     SchedulingPolicy,
     WorkerConfig,
 )
+from protocol.cpu_placement import CpuPlacement
 
 _port = ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
@@ -213,6 +214,20 @@ def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=positive("--tensor-parallel-size"),
         default=EngineArgs.tensor_parallel_size,
+    )
+    p.add_argument(
+        "--cpu-placement",
+        choices=get_args(CpuPlacement),
+        default=EngineArgs.cpu_placement,
+        help="CPU workers only. reserve: the API server and engine core get "
+        "--cpu-reserved-cores cores, each worker the rest, one thread per core; shared: "
+        "every process on any core, the worker's thread count tuned while it runs",
+    )
+    p.add_argument(
+        "--cpu-reserved-cores",
+        type=positive("--cpu-reserved-cores"),
+        default=EngineArgs.cpu_reserved_cores,
+        help="cores kept for the API server and engine core with --cpu-placement reserve",
     )
     p.add_argument(
         "--external-workers",
@@ -563,6 +578,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         log_kv=args.log_kv,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_placement=args.cpu_placement,
+        cpu_reserved_cores=args.cpu_reserved_cores,
+        pin_launcher=True,
         external_workers=args.external_workers,
         worker_address=args.worker_address,
         dist_init=args.dist_init,

@@ -133,6 +133,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     step_hooks: str | None = msgspec.field(default_factory=envs.worker_hooks)
     # A keys directory: a tcp:// core address is reached as a CURVE client; None: no CURVE.
     zmq_curve_keys: str | None = None
+    # The cores this worker's threads run on, one torch thread each, when it runs on the
+    # CPU (protocol/cpu_placement.py); None: any core, the thread count tuned by timing.
+    cpus: list[int] | None = None
 
 
 def read_config(module: str, kind: type[ConfigT], argv: list[str]) -> ConfigT | str:

@@ -462,6 +462,7 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     # Where KV events are published and replayed (ports resolved), when they are on.
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    device: str = "cpu"  # the workers' ("cpu", "cuda:0", ...)
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):

@@ -199,10 +199,13 @@ class CpuThreadTuner:
         return self._decode.switches + self._large.switches
 
     @classmethod
-    def for_worker(cls, device: torch.device, world_size: int) -> CpuThreadTuner | None:
-        """A tuner for a CPU worker alone on its machine's cores (tensor-parallel ranks
-        and a user's OMP_NUM_THREADS keep their fixed counts)."""
-        if device.type != "cpu" or world_size != 1 or "OMP_NUM_THREADS" in os.environ:
+    def for_worker(
+        cls, device: torch.device, world_size: int, pinned: bool = False
+    ) -> CpuThreadTuner | None:
+        """A tuner for a CPU worker alone on its machine's cores (tensor-parallel ranks,
+        a worker pinned to cores of its own and a user's OMP_NUM_THREADS keep their fixed
+        counts)."""
+        if device.type != "cpu" or world_size != 1 or pinned or "OMP_NUM_THREADS" in os.environ:
             return None
         cores = usable_cores()
         if cores < 2:

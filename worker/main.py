@@ -106,8 +106,10 @@ def _start_runner(
             )
         )
     )
-    # Alone on the cores: between one core less and all of them, whichever runs faster.
-    runner.cpu_threads = CpuThreadTuner.for_worker(runner.device, config.world_size)
+    # Unpinned and alone on the cores: one core less or all of them, whichever runs faster.
+    runner.cpu_threads = CpuThreadTuner.for_worker(
+        runner.device, config.world_size, pinned=bool(config.cpus)
+    )
     if runner.cpu_threads is not None:
         runner.cpu_threads.calibrate()
     if runner.device.type == "cpu":

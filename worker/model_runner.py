@@ -23,6 +23,7 @@ import torch
 
 from pagedkernels.selection import select_kernels
 from protocol.config import WorkerConfig, available_host_memory
+from protocol.cpu_placement import pin_process
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec
 from protocol.worker import (
@@ -101,8 +102,13 @@ class ModelRunner:
         self._free_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(pick_cpu_threads(config.world_size))
+        if self.device.type == "cpu":
+            if config.cpus:
+                pin_process(os.getpid(), config.cpus)
+            if "OMP_NUM_THREADS" not in os.environ:
+                # Pinned: a thread per core of its own; else a share of every core.
+                threads = len(config.cpus) if config.cpus else pick_cpu_threads(config.world_size)
+                torch.set_num_threads(threads)
         # Set by the worker process (worker/cpu_threads.py); a runner used in-process
         # keeps its thread count.
         self.cpu_threads: CpuThreadTuner | None = None

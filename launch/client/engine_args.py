@@ -19,6 +19,7 @@ from protocol.config import (
     SchedulingPolicy,
     WorkerConfig,
 )
+from protocol.cpu_placement import DEFAULT_CPU_PLACEMENT, DEFAULT_RESERVED_CORES, CpuPlacement
 from protocol.kv_memory import core_memory_error
 from protocol.recording import FRAMES, MANIFEST
 from protocol.zmq_security import KeysError, load_client_keys, load_server_keys
@@ -138,6 +139,12 @@ class EngineArgs:
     generation_config: GenerationConfigMode = "auto"
     startup_timeout_s: float = 300.0
     step_timeout_s: float = 300.0
+    # Where CPU workers and the front (API server, core) run (protocol/cpu_placement.py).
+    cpu_placement: CpuPlacement = DEFAULT_CPU_PLACEMENT
+    cpu_reserved_cores: int = DEFAULT_RESERVED_CORES
+    # The launching process (the CLI's API server) goes on the front's cores too; a
+    # program that embeds the engine keeps its own.
+    pin_launcher: bool = False
     # Workers started elsewhere (`pagedserve worker`) connect to worker_address instead
     # of being spawned here; dist_init is their torch.distributed rendezvous.
     external_workers: bool = False
@@ -168,6 +175,7 @@ class EngineArgs:
             "block_size",
             "max_num_batched_tokens",
             "max_num_seqs",
+            "cpu_reserved_cores",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -193,6 +201,7 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         _check_choice("dtype", self.dtype, DType)
+        _check_choice("cpu_placement", self.cpu_placement, CpuPlacement)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

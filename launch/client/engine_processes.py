@@ -30,6 +30,7 @@ from launch.client.engine_args import (
 from launch.client.signals import hurried, stop_signals_deferred
 from protocol.codec import Codec
 from protocol.config import ipc_address, ipc_dir, worker_sockets
+from protocol.cpu_placement import CpuPlan, describe, pin_process, plan_cpus, usable_cpus
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -122,6 +123,7 @@ class EngineProcesses:
             # Local ranks meet through a file in the engine's private directory: no port
             # to pick, so none that another process can take first.
             dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
+        self.cpu_plan = self._cpu_plan()
         workers = [
             worker_config(
                 args,
@@ -133,6 +135,7 @@ class EngineProcesses:
                 parent_pid=os.getpid(),
                 log_level=self.log_level,
                 spin_us=args.spin_us,
+                cpus=None if self.cpu_plan is None else self.cpu_plan.workers[rank],
             )
             for rank in range(n)
         ]
@@ -156,7 +159,35 @@ class EngineProcesses:
         for rank in range(0 if args.external_workers else n):
             self.configs[f"worker rank {rank}"] = workers[rank]
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
-        return self._wait_ready()
+        ready = self._wait_ready()
+        if self.cpu_plan is not None and ready.device == "cpu":
+            # The workers pinned themselves (a GPU worker ignores its cores); the front
+            # leaves their cores to them.
+            pin_process(self.procs["engine core"].pid, self.cpu_plan.front)
+            if self.args.pin_launcher:
+                pin_process(os.getpid(), self.cpu_plan.front)
+            log.info(describe(self.cpu_plan))
+        return ready
+
+    def _cpu_plan(self) -> CpuPlan | None:
+        """Cores for the workers and the front when the placement reserves them, the
+        workers are ours to start and there are enough cores (else None: all shared)."""
+        args = self.args
+        if (
+            args.cpu_placement != "reserve"
+            or args.external_workers
+            or (args.device != "auto" and args.device != "cpu")
+        ):
+            return None
+        plan = plan_cpus(usable_cpus(), args.tensor_parallel_size, args.cpu_reserved_cores)
+        if plan is None:
+            log.info(
+                "CPU placement: %d usable core(s) cannot keep %d for the front and one per "
+                "worker; every process shares them",
+                len(usable_cpus()),
+                args.cpu_reserved_cores,
+            )
+        return plan
 
     def _wait_ready(self) -> EngineReady:
         deadline = time.monotonic() + self.args.startup_timeout_s + 30
