@@ -31,7 +31,12 @@ from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
-from protocol.config import EngineCoreConfig, parent_alive, read_config
+from protocol.config import (
+    EngineCoreConfig,
+    max_num_batched_tokens_for,
+    parent_alive,
+    read_config,
+)
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -70,13 +75,16 @@ SCHEDULER_SETTINGS = (
 )
 
 
-def scheduler_config(settings: object, **fields: Any) -> SchedulerConfig:
+def scheduler_config(settings: object, *, device: str = "cpu", **fields: Any) -> SchedulerConfig:
     """A scheduler's config: SCHEDULER_SETTINGS read from settings (the core's
     EngineCoreConfig, or EngineArgs where a test or tool runs a Scheduler in-process),
-    plus the fields known only once the workers answered (max_model_len, ...)."""
-    return SchedulerConfig(
-        **{name: getattr(settings, name) for name in SCHEDULER_SETTINGS}, **fields
+    plus the fields known only once the workers answered (max_model_len, ...); an unset
+    token budget takes the default of the workers' device."""
+    values = {name: getattr(settings, name) for name in SCHEDULER_SETTINGS}
+    values["max_num_batched_tokens"] = max_num_batched_tokens_for(
+        device, values["max_num_batched_tokens"]
     )
+    return SchedulerConfig(**values, **fields)
 
 
 class ClientGone(RuntimeError):
@@ -138,6 +146,7 @@ class EngineCore:
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
         sched_config = scheduler_config(
             self.config,
+            device=first.device,
             max_model_len=max_model_len,
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
