@@ -177,6 +177,7 @@ class EngineCore:
             max_model_len,
             kv.num_usable_blocks // max(per_request, 1),
         )
+        self._warn_concurrency(kv.num_usable_blocks // max(per_request, 1), max_model_len)
         if self._check:
             # The checks slow every step: the log says why a run is slower than it should be.
             log.info("engine core: checking the KV invariants after every step")
@@ -192,6 +193,21 @@ class EngineCore:
                 kv_events_replay_endpoint=self.kv_events and self.kv_events.replay_endpoint,
             )
         )
+
+    def _warn_concurrency(self, fits: int, max_model_len: int) -> None:
+        """Say so when max_num_seqs requests of max_model_len tokens cannot all hold their
+        KV at once: running that many that long preempts and recomputes some of them."""
+        seqs = self.scheduler.config.max_num_seqs
+        if fits < seqs:
+            log.warning(
+                "the KV cache holds %d request(s) of max_model_len %d at once, fewer than "
+                "max_num_seqs %d: requests that long, that many at once, are preempted and "
+                "recomputed; --kv-cache-memory (or --num-gpu-blocks) makes room, a lower "
+                "--max-num-seqs or --max-model-len asks for less",
+                fits,
+                max_model_len,
+                seqs,
+            )
 
     def _fitted_scheduler(
         self, config: SchedulerConfig, kv_config: KVCacheConfig, first: WorkerHello
