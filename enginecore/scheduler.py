@@ -335,15 +335,13 @@ class Scheduler:
             if pending and computed + remaining >= request.max_num_tokens:
                 i += 1  # its token in flight ends it by length: running it on is waste
                 continue
-            if num_new > 1:
+            if num_new > 1:  # a decode (one token) always fits: the loop needs budget > 0
                 # A prefill chunk leaves a token for each running request after it, so
                 # decodes never wait a step behind a prefill (one token when not even
-                # that fits, so the chunk still moves).
+                # that fits, so the chunk still moves). cap <= budget.
                 cap = budget - (len(running) - i - 1)
                 if num_new > cap:
                     num_new = cap if cap > 1 else 1
-            if num_new > budget:
-                num_new = budget
             if computed + num_new > max_len:
                 num_new = max_len - computed
             if num_new <= 0:
