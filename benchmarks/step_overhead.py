@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hash", choices=("xxh3_128", "sha256"), default=EngineArgs.hash_algo)
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--device", default="cpu", help="worker device (cpu, cuda, auto)")
     p.add_argument("--seed", type=int, default=1, help="synthetic prompts")
     p.add_argument(

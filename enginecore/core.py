@@ -31,7 +31,12 @@ from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
-from protocol.config import EngineCoreConfig, parent_alive, read_config
+from protocol.config import (
+    EngineCoreConfig,
+    max_num_batched_tokens_for,
+    parent_alive,
+    read_config,
+)
 from protocol.engine import (
     AbortRequests,
     AddRequest,
@@ -72,13 +77,16 @@ SCHEDULER_SETTINGS = (
 )
 
 
-def scheduler_config(settings: object, **fields: Any) -> SchedulerConfig:
+def scheduler_config(settings: object, *, device: str = "cpu", **fields: Any) -> SchedulerConfig:
     """A scheduler's config: SCHEDULER_SETTINGS read from settings (the core's
     EngineCoreConfig, or EngineArgs where a test or tool runs a Scheduler in-process),
-    plus the fields known only once the workers answered (max_model_len, ...)."""
-    return SchedulerConfig(
-        **{name: getattr(settings, name) for name in SCHEDULER_SETTINGS}, **fields
+    plus the fields known only once the workers answered (max_model_len, ...); an unset
+    token budget takes the default of the workers' device."""
+    values = {name: getattr(settings, name) for name in SCHEDULER_SETTINGS}
+    values["max_num_batched_tokens"] = max_num_batched_tokens_for(
+        device, values["max_num_batched_tokens"]
     )
+    return SchedulerConfig(**values, **fields)
 
 
 class ClientGone(RuntimeError):
@@ -141,6 +149,7 @@ class EngineCore:
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
         sched_config = scheduler_config(
             self.config,
+            device=first.device,
             max_model_len=max_model_len,
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
@@ -174,6 +183,7 @@ class EngineCore:
             max_model_len,
             kv.num_usable_blocks // max(per_request, 1),
         )
+        self._warn_concurrency(kv.num_usable_blocks // max(per_request, 1), max_model_len)
         if self._check:
             # The checks slow every step: the log says why a run is slower than it should be.
             log.info("engine core: checking the KV invariants after every step")
@@ -190,6 +200,21 @@ class EngineCore:
                 device=first.device,
             )
         )
+
+    def _warn_concurrency(self, fits: int, max_model_len: int) -> None:
+        """Say so when max_num_seqs requests of max_model_len tokens cannot all hold their
+        KV at once: running that many that long preempts and recomputes some of them."""
+        seqs = self.scheduler.config.max_num_seqs
+        if fits < seqs:
+            log.warning(
+                "the KV cache holds %d request(s) of max_model_len %d at once, fewer than "
+                "max_num_seqs %d: requests that long, that many at once, are preempted and "
+                "recomputed; --kv-cache-memory (or --num-gpu-blocks) makes room, a lower "
+                "--max-num-seqs or --max-model-len asks for less",
+                fits,
+                max_model_len,
+                seqs,
+            )
 
     def _fitted_scheduler(
         self, config: SchedulerConfig, kv_config: KVCacheConfig, first: WorkerHello

@@ -34,6 +34,7 @@ from enginecore.runner_output import (
     check_runner_output,
     take_prompt_logprobs,
 )
+from enginecore.step_plan import StepPlan, block_ids, rank
 from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.config import SchedulingPolicy
 from protocol.engine import (
@@ -52,41 +53,6 @@ from protocol.worker import (
     NewRequestData,
     SchedulerOutput,
 )
-
-
-class _StepPlan:
-    """What one schedule() call decided, in wire order, built up while deciding (running
-    requests, then admissions) and encoded once by _build_output."""
-
-    __slots__ = (
-        "budget",
-        "cached_blocks",
-        "cached_computed",
-        "cached_counts",
-        "cached_ids",
-        "cached_resumed",
-        "new_counts",
-        "new_reqs",
-        "num_due",
-        "num_running",
-        "preempted",
-        "total",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget  # tokens left this step
-        self.total = 0  # tokens scheduled
-        self.num_running = 0  # leading cached_* entries that are running requests
-        self.num_due = 0  # requests whose tokens this step completes: each samples one
-        self.preempted: list[str] = []
-        self.cached_ids: list[str] = []
-        self.cached_blocks: list[list[list[int]] | None] = []
-        self.cached_computed: list[int] = []
-        # After the running ones: True per resumed admission (the rest are all False).
-        self.cached_resumed: list[bool] = []
-        self.cached_counts: list[int] = []
-        self.new_reqs: list[NewRequestData] = []
-        self.new_counts: list[int] = []
 
 
 class DuplicateRequestId(ValueError):
@@ -341,13 +307,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (running requests first, then waiting ones in queue order,
         none if a running one had to be preempted) and encode it as a delta."""
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         return self._build_output(plan)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Decodes and unfinished prefill chunks; preempt the last running request (the
         latest arrived, or the lowest priority) while a block is short."""
         kv = self.kv_cache_manager
@@ -369,8 +335,13 @@ class Scheduler:
             if pending and computed + remaining >= request.max_num_tokens:
                 i += 1  # its token in flight ends it by length: running it on is waste
                 continue
-            if num_new > budget:
-                num_new = budget
+            if num_new > 1:  # a decode (one token) always fits: the loop needs budget > 0
+                # A prefill chunk leaves a token for each running request after it, so
+                # decodes never wait a step behind a prefill (one token when not even
+                # that fits, so the chunk still moves). cap <= budget.
+                cap = budget - (len(running) - i - 1)
+                if num_new > cap:
+                    num_new = cap if cap > 1 else 1
             if computed + num_new > max_len:
                 num_new = max_len - computed
             if num_new <= 0:
@@ -389,7 +360,7 @@ class Scheduler:
                 break
             ids.append(request.request_id)
             # The common decode step got no block: skip building an empty id list.
-            blocks.append(None if new_blocks is empty else _block_ids(new_blocks))
+            blocks.append(None if new_blocks is empty else block_ids(new_blocks))
             computeds.append(computed)
             counts.append(num_new)
             # Progress is counted at schedule time; the next step's allocation relies on it.
@@ -404,7 +375,7 @@ class Scheduler:
         plan.num_due += num_due
         plan.num_running = len(ids)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order after a prefix-cache lookup, while the
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
@@ -419,6 +390,12 @@ class Scheduler:
             num_new = request.num_tokens - num_hit
             if num_new > plan.budget:
                 num_new = plan.budget
+            if (
+                request.known_to_worker
+                and running
+                and not self._resume_fits(request.num_tokens + 1)
+            ):
+                break  # resumed now, it would be the next victim: wait for room
             new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
@@ -426,7 +403,7 @@ class Scheduler:
             if self._by_priority:
                 # Ahead of every running request it outranks: scheduled before them, and
                 # preempted after them.
-                insort(running, request, key=_rank)
+                insort(running, request, key=rank)
             else:
                 running.append(request)
             request.status = RequestStatus.RUNNING
@@ -463,7 +440,24 @@ class Scheduler:
             plan.budget -= num_new
             plan.total += num_new
 
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _resume_fits(self, num_tokens: int) -> bool:
+        """Whether a preempted request's num_tokens fit beside what the running requests
+        will take while it recomputes them: the rest of their prompts and the tokens they
+        decode meanwhile. Resumed with less, the next block any of them needs preempts it
+        again (it is the latest admitted) before it made progress. Runs only while a
+        preempted request heads the queue."""
+        kv = self.kv_cache_manager
+        chunk = self.config.max_num_batched_tokens
+        held = kv.max_blocks_held
+        # Its recompute gets what the running requests leave of each step's budget.
+        steps = -(-num_tokens // max(chunk - len(self.running), 1))
+        need = held(num_tokens, chunk)
+        for request in self.running:
+            computed = request.num_computed_tokens
+            need += held(request.num_tokens + steps, chunk) - held(computed, chunk)
+        return kv.num_free_blocks >= need
+
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         """Encode the step: the delta the workers apply."""
         kv = self.kv_cache_manager
         cached_ids = plan.cached_ids
@@ -584,15 +578,3 @@ class Scheduler:
             num_prompt_cached_tokens=self.num_prompt_cached_tokens,
             num_sampled_tokens=self.num_sampled,
         )
-
-
-def _rank(request: Request) -> tuple[int, int]:
-    """Its place under the priority policy: lower priority values first, then arrival."""
-    return request.priority, request.arrival
-
-
-def _block_ids(blocks: tuple) -> list[list[int]] | None:
-    """Block ids per group, or None when no group got a block (the common decode step)."""
-    if not any(blocks):
-        return None
-    return [[b.block_id for b in group] for group in blocks]

@@ -83,7 +83,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=positive("--max-num-batched-tokens"),
         default=EngineArgs.max_num_batched_tokens,
-        help="tokens per step (a GPU worker profiles a step this large to size its KV cache)",
+        help="tokens per step (default: 8192 on a GPU, 512 on the CPU; a GPU worker "
+        "profiles a step this large to size its KV cache)",
     )
     p.add_argument(
         "--max-num-seqs",

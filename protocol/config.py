@@ -26,6 +26,21 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 # logging's level names, upper case: the launcher normalises what the user typed.
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
+# Tokens per step when none is configured, by device. A GPU step costs about the same up
+# to thousands of tokens. A CPU step's time grows linearly past a few hundred (the knee;
+# docs/benchmarks.md has the figures), so a larger step only makes every request of a
+# burst, and every decode sharing the step, wait longer for the same throughput.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def max_num_batched_tokens_for(device: str, configured: int | None) -> int:
+    """The step's token budget on device ("cpu", "cuda", "cuda:N"): the configured one,
+    else that device's default."""
+    if configured is not None:
+        return configured
+    return CPU_MAX_NUM_BATCHED_TOKENS if device == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
 
 # Which fields have a default. A setting that has a default in EngineArgs (or another
 # launcher default, like the log level) is required here: a second copy of that default
@@ -43,7 +58,7 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     output_address: str  # core -> client (the client binds)
     worker_address: str  # where the core binds for its workers (see worker_sockets)
     world_size: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int | None  # None: the workers' device's default
     max_num_seqs: int
     max_model_len: int | None  # None: the model's own limit
     enable_prefix_caching: bool
@@ -108,8 +123,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # kv_cache_memory.
     gpu_memory_utilization: float
     # The largest step the core schedules: a GPU worker profiles one to keep its
-    # activations out of the KV budget.
-    max_num_batched_tokens: int
+    # activations out of the KV budget. None: the device's default.
+    max_num_batched_tokens: int | None
     max_num_seqs: int
     seed: int
     dist_init: str | None = None  # torch.distributed init method when world_size > 1

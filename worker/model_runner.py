@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedkernels.selection import select_kernels
-from protocol.config import WorkerConfig, available_host_memory
+from protocol.config import WorkerConfig, available_host_memory, max_num_batched_tokens_for
 from protocol.cpu_placement import pin_process
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec
@@ -191,7 +191,8 @@ class ModelRunner:
                 "rank %d: KV cache budget %.2f GiB (%s)", config.rank, budget / (1 << 30), summary
             )
             return budget
-        step_peak = self.profile_step(config.max_num_batched_tokens, config.max_num_seqs)
+        largest = max_num_batched_tokens_for(self.device.type, config.max_num_batched_tokens)
+        step_peak = self.profile_step(largest, config.max_num_seqs)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         where = f"rank {config.rank} on {self.device}"

@@ -118,7 +118,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    max_num_batched_tokens: int = 8192
+    # Tokens per step; None: the device's default (protocol.config.max_num_batched_tokens_for:
+    # 8192 on a GPU, 512 on the CPU).
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -170,15 +172,13 @@ class EngineArgs:
     zmq_curve_keys: str | None = None
 
     def validate(self) -> None:
-        for name in (
-            "tensor_parallel_size",
-            "block_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "cpu_reserved_cores",
-        ):
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "cpu_reserved_cores"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         for name in ("startup_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

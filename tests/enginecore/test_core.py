@@ -30,7 +30,19 @@ def test_the_scheduler_takes_the_launcher_s_settings_and_the_core_s_limits() -> 
     assert sched.enable_prefix_caching is False
     assert (sched.max_model_len, sched.hash_seed) == (77, b"k")
     for name in SCHEDULER_SETTINGS:
-        assert getattr(sched, name) == getattr(config, name)
+        if name != "max_num_batched_tokens":
+            assert getattr(sched, name) == getattr(config, name)
+
+
+def test_the_step_budget_is_the_user_s_or_the_device_s_default() -> None:
+    unset = _config()
+    assert scheduler_config(unset, device="cpu", max_model_len=8).max_num_batched_tokens == 512
+    assert scheduler_config(unset, device="cuda:0", max_model_len=8).max_num_batched_tokens == 8192
+    for device in ("cpu", "cuda"):
+        chosen = scheduler_config(
+            _config(max_num_batched_tokens=96), device=device, max_model_len=8
+        )
+        assert chosen.max_num_batched_tokens == 96
 
 
 def test_the_hash_seed_is_the_user_s_or_fresh_at_each_start() -> None:

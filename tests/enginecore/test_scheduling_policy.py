@@ -106,11 +106,13 @@ def test_every_admission_takes_the_best_ranked_waiting_requests() -> None:
 @pytest.mark.parametrize(
     ("policy", "priorities", "want"),
     [
-        ("fcfs", (0, 0, 0), ("B", "victim first")),
+        # B waits until its whole recompute fits beside A, then is admitted ahead of C.
+        ("fcfs", (0, 0, 0), ("B", "same step")),
         ("priority", (2, 1, 0), ("A", "C first")),
-        # The victim outranks C, or ties it and arrived first: it goes back ahead of C.
-        ("priority", (0, 1, 2), ("B", "victim first")),
-        ("priority", (0, 1, 1), ("B", "victim first")),
+        # The victim outranks C, or ties it and arrived first: it goes back ahead of C
+        # (in the same step: it waits for room beside A, and C for it).
+        ("priority", (0, 1, 2), ("B", "same step")),
+        ("priority", (0, 1, 1), ("B", "same step")),
     ],
     ids=["fcfs", "victim-ranks-last", "victim-outranks", "victim-ties-older"],
 )
@@ -118,7 +120,7 @@ def test_priority_preempts_the_lowest_priority_and_readmits_it_in_rank_order(
     policy: str, priorities: tuple[int, int, int], want: tuple[str, str]
 ) -> None:
     """A runs, then B joins it, then C waits for a seat; A and B outgrow a pool that holds
-    one of them. fcfs preempts B (the last to arrive) and readmits it before C (a
+    one of them. fcfs preempts B (the last to arrive) and readmits it no later than C (a
     preempted request arrived before everyone waiting); priority preempts the lowest
     ranked running request (A at 2 against B at 1, though B joined later) and readmits it
     in rank order with C (priority, then arrival)."""

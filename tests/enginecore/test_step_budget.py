@@ -1,0 +1,140 @@
+"""The step's token budget as a latency goal, on the real Scheduler stepped to the end
+(every due request samples one token): a burst's prompts finish in arrival order, one
+budget at a time; running decodes are scheduled in every step beside at most one budget
+of prefill; a preempted request is not resumed only to be preempted again before it made
+progress."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from enginecore.kv_cache_config import with_num_blocks
+from enginecore.scheduler import Scheduler
+from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
+from protocol.engine import RequestOutput, SamplingParams
+from protocol.kv_cache import KVCacheGroupSpec
+from protocol.worker import ModelRunnerOutput, SchedulerOutput
+from tests.helpers.kv_helpers import full, sched_config
+
+os.environ["PAGEDSERVE_CHECK_INVARIANTS"] = "1"
+VOCAB = 100
+TOKEN = 7
+
+
+def make(num_blocks: int, budget: int, max_num_seqs: int = 16, policy: str = "fcfs") -> Scheduler:
+    config = sched_config(
+        2048,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        scheduling_policy=policy,
+    )
+    groups = [KVCacheGroupSpec(["l0"], full())]  # blocks of 4 tokens
+    return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB)
+
+
+def add(sched: Scheduler, rid: str, n: int, max_tokens: int, priority: int = 0) -> None:
+    # Distinct prompts: no prefix hit shortens anyone's prefill.
+    seed = sum(map(ord, rid))
+    prompt = [3 + (seed * 13 + 7 * i) % (VOCAB - 3) for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    assert sched.add_request(sched.new_request(rid, prompt, params, priority=priority)) is None
+
+
+def step(sched: Scheduler) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    so = sched.schedule()
+    if not so.total_num_scheduled_tokens:
+        return so, []
+    rids = [r.req_id for r in so.new_reqs] + list(so.cached_reqs.req_ids)
+    due = [r for r in rids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
+    outs = sched.update_from_output(so, ModelRunnerOutput(so.step_id, due, [TOKEN] * len(due)))
+    sched.check_invariants()
+    return so, outs
+
+
+def scheduled(so: SchedulerOutput) -> dict[str, int]:
+    rids = [r.req_id for r in so.new_reqs] + list(so.cached_reqs.req_ids)
+    return dict(zip(rids, so.num_scheduled_tokens))
+
+
+def test_a_burst_finishes_its_prompts_in_arrival_order_one_budget_at_a_time() -> None:
+    # 16 prompts of 512 tokens under the CPU's default budget (512 tokens): the first
+    # token of request i comes near step i, not all 16 after the whole burst's prefill.
+    sched = make(num_blocks=16 * 160, budget=None)
+    assert sched.config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    for i in range(16):
+        add(sched, f"r{i}", 512, 8)
+    first: dict[str, int] = {}
+    n = 0
+    while sched.has_unfinished_requests():
+        so, outs = step(sched)
+        n += 1
+        assert so.total_num_scheduled_tokens <= CPU_MAX_NUM_BATCHED_TOKENS
+        for out in outs:
+            first.setdefault(out.request_id, n)
+    steps = [first[f"r{i}"] for i in range(16)]
+    assert steps == sorted(steps)  # arrival order
+    assert steps[0] == 1 and steps[-1] >= 16  # spread over the burst
+    assert len(set(steps)) == 16
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_running_decodes_run_in_every_step_beside_at_most_one_budget_of_prefill(
+    policy: str,
+) -> None:
+    """Four requests decode; then long prompts arrive, under priority ahead of them in the
+    running order. Every step runs each decode that was running before it, and the step
+    stays within the budget."""
+    budget = 64
+    sched = make(num_blocks=600, budget=budget, policy=policy)
+    low, high = (1, 0) if policy == "priority" else (0, 0)
+    for i in range(4):
+        add(sched, f"d{i}", 8, 60, priority=low)
+    for _ in range(3):
+        step(sched)
+    for i in range(3):
+        add(sched, f"p{i}", 150, 4, priority=high)
+    prefill_steps = 0
+    while sched.has_unfinished_requests():
+        decoding = [
+            r.request_id for r in sched.running if r.num_computed_tokens == r.num_tokens - 1
+        ]
+        so, _ = step(sched)
+        got = scheduled(so)
+        assert all(got.get(rid) == 1 for rid in decoding), (decoding, got)
+        assert so.total_num_scheduled_tokens <= budget
+        prefill_steps += any(n > 1 for n in got.values())
+    assert prefill_steps >= 3 * 150 // budget  # the prompts were chunked beside decodes
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "n", "prompt", "max_tokens", "budget"),
+    [
+        (49, 10, 21, 52, 64),
+        (77, 9, 49, 59, 8),
+        (47, 9, 51, 73, 32),
+        (26, 11, 10, 66, 8),
+        (66, 8, 59, 79, 8),
+        (37, 6, 17, 60, 32),
+    ],
+)
+def test_a_resumed_request_makes_progress_before_it_is_preempted_again(
+    num_blocks: int, n: int, prompt: int, max_tokens: int, budget: int
+) -> None:
+    """Pools too small for the requests at once (preemption is certain): between two
+    preemptions of one request it samples at least one token, and everything finishes."""
+    sched = make(num_blocks, budget)
+    for i in range(n):
+        add(sched, f"r{i}", prompt, max_tokens)
+    progressed: dict[str, bool] = {}
+    finished = 0
+    while sched.has_unfinished_requests():
+        so, outs = step(sched)
+        for rid in so.preempted_req_ids:
+            assert progressed.get(rid, True), f"{rid} preempted twice without a new token"
+            progressed[rid] = False
+        for out in outs:
+            progressed[out.request_id] = True
+            finished += out.finish_reason == "length"
+    assert finished == n and sched.num_preemptions > 0
