@@ -246,6 +246,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="both servers' --dtype")
     p.add_argument("--ours-flags", default="", help="more `pagedserve serve` flags")
     p.add_argument("--peer-flags", default="", help="more `vllm serve` flags")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more `pagedserve serve` beside ours, with these flags added (repeatable): "
+        "run in every pair like the others and reported under NAME, with its ratios to vLLM",
+    )
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--seed", type=int, default=20261203)
     p.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
@@ -278,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             for n, s in SHAPES.items()
         }
     a.shapes.update(dict(a.shape))
+    a.variants = [v.partition("=")[::2] for v in a.variant]
+    if any(not n or n in ("ours", "peer") for n, _ in a.variants):
+        p.error("--variant wants NAME=FLAGS, with a NAME other than ours and peer")
     return a
 
 
@@ -305,7 +316,13 @@ def start(a: argparse.Namespace, stack: contextlib.ExitStack) -> list[Side]:
         extra = ["--dtype", a.dtype, *shlex.split(a.peer_flags)]
         peer = PeerServer(a.peer_python, a.peer_script, a.model, a.peer_kv_gib, extra)
         stack.callback(peer.stop)
+    variants = []
+    for name, flags in a.variants:
+        server = ServerProcess(ns, True, tuple(shlex.split(f"{a.ours_flags} {flags}")))
+        stack.callback(server.stop)
+        variants.append((name, server))
     sides = [Side("ours", ours.wait_ready(a.startup_timeout), ours.proc.pid)]
+    sides += [Side(n, v.wait_ready(a.startup_timeout), v.proc.pid) for n, v in variants]
     a.ours_log = ours.lines
     if peer is not None:
         started = time.perf_counter()
@@ -341,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             "peer_kv_gib": a.peer_kv_gib,
             "ours_flags": a.ours_flags,
             "peer_flags": a.peer_flags,
+            "variants": dict(a.variants),
             "pairs": a.pairs,
             "num_prompts": a.num_prompts,
             "low_concurrency_prompts": a.low_concurrency_prompts,

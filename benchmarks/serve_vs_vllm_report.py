@@ -48,9 +48,10 @@ def summarize(runs: list[dict[str, Any]], sides: list[str]) -> list[dict[str, An
             cell[side] = {m: _spread([x[m] for x in ok if x.get(m) is not None]) for m in METRICS}
             cell[side]["runs"] = len(ok)
         if "peer" in sides:
-            cell["ours_over_peer"] = {
-                m: _ratio(cell["ours"][m], cell["peer"][m]) for m in METRICS[:10]
-            }
+            for side in (s for s in sides if s != "peer"):
+                cell[f"{side}_over_peer"] = {
+                    m: _ratio(cell[side][m], cell["peer"][m]) for m in METRICS[:10]
+                }
         out.append(cell)
     return out
 
