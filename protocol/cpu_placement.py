@@ -50,14 +50,18 @@ def pin_process(pid: int, cpus: Iterable[int]) -> None:
     """Every thread of pid onto cpus: an affinity mask is per thread, and threads already
     started (ZeroMQ's I/O thread, a thread pool) keep the one they were born with."""
     mask = set(cpus)
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:  # no /proc: the main thread only
-        tids = [pid]
-    for tid in tids:
+    for tid in thread_ids(pid):
         # A thread that ended meanwhile is not an error.
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(tid, mask)
+
+
+def thread_ids(pid: int) -> list[int]:
+    """pid's threads (its main thread alone where there is no /proc)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def describe(plan: CpuPlan) -> str:

@@ -7,7 +7,14 @@ import os
 import subprocess
 import sys
 
-from protocol.cpu_placement import CpuPlan, describe, pin_process, plan_cpus, usable_cpus
+from protocol.cpu_placement import (
+    CpuPlan,
+    describe,
+    pin_process,
+    plan_cpus,
+    thread_ids,
+    usable_cpus,
+)
 
 
 def test_the_last_cores_go_to_the_front_and_the_rest_split_evenly() -> None:
@@ -37,9 +44,7 @@ def test_too_few_cores_means_no_plan() -> None:
 
 
 def _masks(pid: int) -> set[frozenset[int]]:
-    return {
-        frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")
-    }
+    return {frozenset(os.sched_getaffinity(tid)) for tid in thread_ids(pid)}
 
 
 def test_pin_process_moves_threads_started_before_it() -> None:
@@ -59,7 +64,7 @@ def test_pin_process_moves_threads_started_before_it() -> None:
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"
         first = usable_cpus()[:1]
-        assert len(os.listdir(f"/proc/{child.pid}/task")) == 4
+        assert len(thread_ids(child.pid)) == 4
         pin_process(child.pid, first)
         assert _masks(child.pid) == {frozenset(first)}
         pin_process(child.pid, usable_cpus())

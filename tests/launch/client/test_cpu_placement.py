@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from launch import LLM, SamplingParams
-from protocol.cpu_placement import plan_cpus, usable_cpus
+from protocol.cpu_placement import plan_cpus, thread_ids, usable_cpus
 from tests.helpers.cli_helpers import CPU
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -16,9 +16,7 @@ PROMPTS = [[11, 12, 13], [7] * 40, list(range(3, 90))]
 
 
 def _masks(pid: int) -> set[frozenset[int]]:
-    return {
-        frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")
-    }
+    return {frozenset(os.sched_getaffinity(tid)) for tid in thread_ids(pid)}
 
 
 def test_reserve_pins_worker_and_core_and_shared_pins_nothing(chat_model: Path) -> None:
