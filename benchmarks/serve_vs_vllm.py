@@ -404,7 +404,10 @@ def main(argv: list[str] | None = None) -> int:
 def placement_log(a: argparse.Namespace) -> dict[str, list[str]]:
     """What each server logged about its threads: our CPU worker's thread choice, vLLM's
     OpenMP binding and reserved CPUs."""
-    keys = {"ours": ("CPU threads",), "peer": ("OMP", "bind", "reserved", "core ids")}
+    keys = {
+        "ours": ("CPU threads", "CPU placement"),
+        "peer": ("OMP", "bind", "reserved", "core ids"),
+    }
     logs = {"ours": getattr(a, "ours_log", []), "peer": getattr(a, "peer_log", [])}
     return {
         side: [line.strip()[-300:] for line in lines if any(k in line for k in keys[side])][:12]

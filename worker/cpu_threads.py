@@ -33,28 +33,23 @@ PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after eac
 MAX_PROBE_PERIOD = 1024
 # A probe times steps on the other count until they add up to PROBE_S (at least
 # MIN_PROBE_STEPS, at most MAX_PROBE_STEPS) and compares their mean with as many steps
-# before: 4 of the built-in model's ~10 ms steps behind a busy server, whose jitter is
-# large, and 2 of SmolLM2's ~130 ms ones, where each probe step on the slower count costs
-# ~50 ms (five steps instead of two cost ~4% of a 26 s run, measured).
+# before: enough short steps to see through a busy server's jitter, few long ones, since
+# each long step on the slower count is expensive.
 PROBE_S = 0.04
 MIN_PROBE_STEPS = 2
 MAX_PROBE_STEPS = 8
 # Steps shorter than this also get one untimed step first: the first step on the other
 # count pays for the switch (the weights cached by the cores that ran the last steps),
-# 1-3 ms here, 10-40% of a 10 ms step and noise in a long one.
+# a large share of a short step and noise in a long one.
 WARMUP_BELOW_S = 0.05
 # Shorter steps gain little from a second thread and lose much when another process
-# wants the core (the built-in model's 2 ms decode steps: 1.6 ms on one thread, 2.1 on
-# two, idle): they run on the low count, unprobed, until a step takes twice this again.
+# wants the core: they run on the low count, unprobed, until a step takes twice this again.
 MIN_STEP_S = 0.005
 MARGIN = 0.9  # the other count must take at most this share of the time to win
 # Steps of at least this many tokens that hold a prefill (or a chunk of one) are tuned
 # apart from the decode steps, compared by their time per token (their sizes vary too
 # much to ever be equal): big products gain from a second thread even where a decode
-# step loses. Behind `pagedserve serve` at 64 streams, prefix caching off (built-in
-# model): prefill 13.1 us a token on two threads, 19.6 on one, while decode stayed
-# faster on one; keeping prefills on the decode steps' count cost the server 10-20% of
-# its throughput.
+# step loses (docs/benchmarks.md, figures behind the defaults).
 LARGE_STEP_TOKENS = 256
 
 
