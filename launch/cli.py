@@ -74,7 +74,7 @@ def generate(args: argparse.Namespace) -> int:
             args.model,
             log_level=args.log_level,
             chat_template=args.chat_template,
-            **engine_kwargs(args),
+            **_engine_kwargs(args),
         )
         writer.start()  # the engine is up: only now may an existing file go
         for i, (_, it) in enumerate(items):
@@ -168,11 +168,17 @@ def _report_failures(writer: Any, num_lines: int, fanned: bool, code: int) -> in
     return code
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's flags; a command's own process (its API server) joins the front's
+    cores when the CPU placement reserves them."""
+    return {**engine_kwargs(args), "pin_launcher": True}
+
+
 def serve(args: argparse.Namespace) -> int:
     from launch.openai.run_server import serve
 
     _start_command(args)
-    return serve(args, engine_kwargs(args))
+    return serve(args, _engine_kwargs(args))
 
 
 def run_batch(args: argparse.Namespace) -> int:
@@ -193,7 +199,7 @@ def run_batch(args: argparse.Namespace) -> int:
     engine = None
     code = 0
     try:
-        engine = open_engine(args, engine_kwargs(args))
+        engine = open_engine(args, _engine_kwargs(args))
         names = served_names(args)
         api = OpenAIServer(
             engine,

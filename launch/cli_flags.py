@@ -581,7 +581,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         cpu_placement=args.cpu_placement,
         cpu_reserved_cores=args.cpu_reserved_cores,
-        pin_launcher=True,
         external_workers=args.external_workers,
         worker_address=args.worker_address,
         dist_init=args.dist_init,
