@@ -96,19 +96,19 @@ class RayRank:
         self.pid = place.pid  # on its node
         self.returncode: int | None = None
         self.reason = ""  # why it ended, when not by the core's leave
-        self._done = actor.run.remote(msgspec.json.encode(config))
+        self.running = actor.run.remote(msgspec.json.encode(config))
 
     def poll(self) -> int | None:
         """Its exit status once the main loop ended or the actor died, else None."""
         if self.returncode is None:
-            ready, _ = self._ray.wait([self._done], timeout=0)
+            ready, _ = self._ray.wait([self.running], timeout=0)
             if ready:
                 self._settle()
         return self.returncode
 
     def _settle(self) -> None:
         try:
-            self.returncode = int(self._ray.get(self._done))
+            self.returncode = int(self._ray.get(self.running))
         except Exception as e:  # the actor died, or the loop raised: Ray's error says which
             self.returncode = 1
             self.reason = _first_cause(str(e))
@@ -123,7 +123,7 @@ class RayRank:
     def wait(self, timeout: float | None = ACTOR_EXIT_S) -> int:
         """Its exit status; one that does not end within timeout counts as killed here."""
         if self.returncode is None:
-            ready, _ = self._ray.wait([self._done], timeout=timeout)
+            ready, _ = self._ray.wait([self.running], timeout=timeout)
             if ready:
                 self._settle()
             else:
@@ -320,13 +320,15 @@ class RayWorkers:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        for rank in self.ranks.values():
-            rank.wait()  # confirmed dead (or given up on), and its status kept
         if self.actors:
-            # A call to a killed actor fails once Ray has marked it dead.
-            pings = [a.where.remote() for a in self.actors]
+            # Each rank's loop and a call to each actor end once Ray has marked it dead:
+            # one wait for all, bounded (a lost node's are known only when Ray notices).
+            refs = [r.running for r in self.ranks.values()]
+            refs += [a.where.remote() for a in self.actors]
             with contextlib.suppress(Exception):
-                ray.wait(pings, num_returns=len(pings), timeout=ACTOR_EXIT_S)
+                ray.wait(refs, num_returns=len(refs), timeout=ACTOR_EXIT_S)
+        for rank in self.ranks.values():
+            rank.wait(timeout=0)  # its status kept for the failure message
         self.actors = []
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
