@@ -263,7 +263,7 @@ class RayWorkers:
             fits, room = sum(per_node) >= n, f"{sum(per_node)} in all"
         if not fits:
             raise RayPlacementError(
-                f"the Ray cluster cannot place {n} bundle(s) of {{{kind}: {need:g}}} "
+                f"the Ray cluster cannot place {n} bundle(s) of {{{_brief(bundle)}}} "
                 f"({self.strategy}, one per tensor-parallel rank): its {len(per_node)} "
                 f"node(s) hold {room}; add {kind} nodes or lower --tensor-parallel-size"
             )
@@ -278,14 +278,14 @@ class RayWorkers:
                 return
             if time.monotonic() >= deadline:
                 raise RayPlacementError(
-                    f"the Ray cluster did not free {self.world_size} bundle(s) of {bundle} "
-                    f"({self.strategy}) within {self.timeout_s:g} s (--worker-timeout): "
-                    f"available now: {_brief(ray.available_resources())}"
+                    f"the Ray cluster did not free {self.world_size} bundle(s) of "
+                    f"{{{_brief(bundle)}}} ({self.strategy}) within {self.timeout_s:g} s "
+                    f"(--worker-timeout): available now: {_brief(ray.available_resources())}"
                 )
             log.warning(
-                "waiting for Ray to free %d bundle(s) of %s; available: %s",
+                "waiting for Ray to free %d bundle(s) of {%s}; available: %s",
                 self.world_size,
-                bundle,
+                _brief(bundle),
                 _brief(ray.available_resources()),
             )
 
@@ -344,4 +344,4 @@ class RayWorkers:
 def _brief(resources: dict[str, float]) -> str:
     """CPU, GPU and custom resources; Ray's per-node bookkeeping entries left out."""
     shown = {k: v for k, v in resources.items() if not k.startswith("node:") and "memory" not in k}
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items())) or "nothing"
+    return ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) or "nothing"

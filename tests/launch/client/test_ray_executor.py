@@ -215,7 +215,8 @@ def test_a_cluster_busy_past_the_start_up_timeout_fails_naming_what_is_free(
     ray.get(held.ready(), timeout=30)
     try:
         start = time.monotonic()
-        with pytest.raises(RayPlacementError, match=r"within 2 s.*available now: .*CPU 1\b"):
+        free = r"\{CPU: 1\}.*within 2 s.*available now: CPU: 1\b"
+        with pytest.raises(RayPlacementError, match=free):
             ray_llm(None, startup_timeout_s=2)
         assert time.monotonic() - start < 10
     finally:
