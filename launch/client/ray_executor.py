@@ -17,12 +17,14 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, Literal
 
 import msgspec
 
+from launch.client.signals import STOP_SIGNALS
 from protocol.config import WorkerConfig
 
 log = logging.getLogger("pagedserve.launch")
@@ -136,6 +138,38 @@ class RayRank:
         return f"ended on {self.place.describe()}{why}"
 
 
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Around ray.init: a stop signal waits until it returns (interrupted halfway, Ray's
+    client crashes the process as it exits), a second one is not held; the process's
+    own handlers are back afterwards. ray.init replaces SIGTERM's handler with one that
+    exits at once: a SIGTERM within the call still does that (nothing is left behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def hold(signum: int, _frame: FrameType | None) -> None:
+        if held:  # asked twice: stop waiting for Ray
+            restore()
+            signal.raise_signal(signum)
+        held.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        restore()
+        if held:
+            signal.raise_signal(held[0])  # now handled as the process handles it
+
+
 def _first_cause(text: str) -> str:
     """Ray's error in one line: its closing sentence (why the actor died) if it has one."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -227,19 +261,14 @@ class RayWorkers:
     def _connect(self, ray: ModuleType) -> None:
         if ray.is_initialized():
             return  # the program joined a cluster itself: it stays joined after us
-        # ray.init replaces the SIGTERM handler; the launcher's own must stay.
-        main = threading.current_thread() is threading.main_thread()
-        handler = signal.getsignal(signal.SIGTERM) if main else None
+        self._connected_here = True  # ray.shutdown() from now on, even if init fails
         try:
-            # None: RAY_ADDRESS, else the cluster `ray start` left on this machine, else
-            # a new local one; "auto" joins a running cluster or fails.
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
+            with _stop_signals_held():
+                # None: RAY_ADDRESS, else the cluster `ray start` left on this machine,
+                # else a new local one; "auto" joins a running cluster or fails.
+                ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
         except ConnectionError as e:
             raise RayPlacementError(f"cannot join a Ray cluster at {self.address!r}: {e}") from None
-        finally:
-            if main:
-                signal.signal(signal.SIGTERM, handler)
-        self._connected_here = True
 
     def bundle(self, cluster: dict[str, float]) -> dict[str, float]:
         """One rank's resources: a GPU on a cluster with GPUs (unless the device is the
@@ -315,8 +344,15 @@ class RayWorkers:
         """Kill every actor, remove the placement group, leave the cluster if this engine
         joined it. Safe at any point of start-up, and twice."""
         ray = self.ray
-        if ray is None or not ray.is_initialized():
+        if ray is None:
             return
+        if ray.is_initialized():
+            self._remove(ray)
+        if self._connected_here:
+            ray.shutdown()  # harmless after a half-done init
+            self._connected_here = False
+
+    def _remove(self, ray: ModuleType) -> None:
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
@@ -336,9 +372,6 @@ class RayWorkers:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.group)
             self.group = None
-        if self._connected_here:
-            ray.shutdown()
-            self._connected_here = False
 
 
 def _brief(resources: dict[str, float]) -> str:
