@@ -170,8 +170,9 @@ class EngineProcesses:
 
     def _worker_endpoints(self) -> tuple[str, str | None]:
         """Where the core listens for the workers, and their torch.distributed meeting
-        point (None for one rank). With Ray: the actors are placed first, and both are
-        TCP addresses on the nodes Ray chose."""
+        point (None for one rank). With Ray the actors are placed first: ranks on other
+        nodes need TCP addresses on the nodes Ray chose; ranks all on this node take the
+        private sockets and rendezvous spawned workers take, the same path per step."""
         args = self.args
         n = args.tensor_parallel_size
         if args.distributed_executor_backend == "ray":
@@ -179,7 +180,8 @@ class EngineProcesses:
                 n, args.device, args.placement_strategy, args.ray_address, args.startup_timeout_s
             )
             self.ray.place()
-            return self.ray.core_address(), self.ray.rendezvous() if n > 1 else None
+            if not self.ray.all_on_this_node():
+                return self.ray.core_address(), self.ray.rendezvous() if n > 1 else None
         worker_address = args.worker_address or (
             DEFAULT_EXTERNAL_WORKER_ADDRESS
             if args.external_workers

@@ -318,6 +318,12 @@ class RayWorkers:
                 _brief(ray.available_resources()),
             )
 
+    def all_on_this_node(self) -> bool:
+        """Whether every rank runs on the Ray node of this process."""
+        assert self.ray is not None
+        here = self.ray.get_runtime_context().get_node_id()
+        return all(p.node_id == here for p in self.places)
+
     def core_address(self) -> str:
         """Where the core listens for the ranks: this node's IP, free ports."""
         assert self.ray is not None

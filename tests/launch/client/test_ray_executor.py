@@ -120,6 +120,9 @@ def test_tp2_spread_over_two_nodes_equals_transformers_and_tp2_without_ray(
         assert all(isinstance(r, RayRank) for r in ranks)
         nodes = [node_resource(r.place.node_id) for r in ranks]  # type: ignore[union-attr]
         assert sorted(nodes) == ["node_a", "node_b"]  # SPREAD: a node per rank
+        config = llm.engine.configs["worker rank 1"]
+        assert config.core_address.startswith("tcp://")  # type: ignore[attr-defined]
+        assert config.dist_init.startswith("tcp://")  # type: ignore[attr-defined]
         assert greedy(llm) == expected
     finally:
         llm.close()
@@ -128,6 +131,28 @@ def test_tp2_spread_over_two_nodes_equals_transformers_and_tp2_without_ray(
         assert greedy(plain) == expected
     finally:
         plain.close()
+
+
+def test_ranks_all_on_the_launchers_node_take_the_private_sockets_spawned_workers_take(
+    cluster: Cluster,
+) -> None:
+    held = placement_group([{"CPU": 1, "node_b": 1}])  # the other node is full
+    ray.get(held.ready(), timeout=30)
+    try:
+        llm = ray_llm(None, tp=1, num_gpu_blocks=64)
+        try:
+            rank = llm.engine.procs["worker rank 0"]
+            assert node_resource(rank.place.node_id) == "node_a"  # type: ignore[union-attr]
+            config = llm.engine.configs["worker rank 0"]
+            assert config.core_address.startswith("ipc://")  # type: ignore[attr-defined]
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+            assert len(out.token_ids) == 4
+        finally:
+            llm.close()
+    finally:
+        remove_placement_group(held)
+    assert leftovers([]) == []
 
 
 def test_startup_and_shutdown_leave_no_actor_placement_group_or_process(
