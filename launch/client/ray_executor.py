@@ -247,13 +247,16 @@ class RayWorkers:
             )
             self.actors.append(
                 remote.options(
-                    num_cpus=bundle.get("CPU", 0.0),
-                    num_gpus=gpus,
-                    scheduling_strategy=strategy,
-                    name=f"{self.name}-rank{rank}-{os.getpid()}",
+                    num_cpus=bundle.get("CPU", 0.0), num_gpus=gpus, scheduling_strategy=strategy
                 ).remote()
             )
-        wheres = ray.get([a.where.remote() for a in self.actors], timeout=self.timeout_s)
+        try:
+            wheres = ray.get([a.where.remote() for a in self.actors], timeout=self.timeout_s)
+        except Exception as e:  # an actor that cannot start: Ray's error says why
+            raise RayPlacementError(
+                f"the worker actors did not start ({_first_cause(str(e))}): is pagedserve "
+                f"installed on every node, the same version ({INSTALL_HINT})?"
+            ) from None
         self.places = [RankPlace(*w) for w in wheres]
         for rank, p in enumerate(self.places):
             log.info("worker rank %d: %s, pid %d", rank, p.describe(), p.pid)
