@@ -11,6 +11,7 @@ is chosen, so the default install needs none of it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -37,6 +38,9 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 WAIT_LOG_S = 10.0
 # Shutdown: how long a killed actor's death may take to be confirmed.
 ACTOR_EXIT_S = 5.0
+
+
+_engines = itertools.count()
 
 
 class RayPlacementError(ValueError):
@@ -200,8 +204,9 @@ class RayWorkers:
     """One engine's ranks on a Ray cluster: a placement group and an actor per rank.
 
     Made cheaply, then place() and launch(); shutdown() undoes whatever part happened,
-    so a failure or a signal at any moment leaves no actor or placement group. A later
-    data-parallel layer makes one of these per replica (name tells them apart)."""
+    so a failure or a signal at any moment leaves no actor or placement group. Several
+    engines in one program (data-parallel replicas) each make one; such a program joins
+    Ray itself first (ray.init), so that no engine's shutdown disconnects the others."""
 
     def __init__(
         self,
@@ -210,14 +215,15 @@ class RayWorkers:
         strategy: PlacementStrategy,
         address: str | None,
         timeout_s: float,
-        name: str = "pagedserve",
+        name: str | None = None,
     ) -> None:
         self.world_size = world_size
         self.device = device
         self.strategy = strategy
         self.address = address
         self.timeout_s = timeout_s
-        self.name = name
+        # The placement group's name in Ray's listings, unique per engine.
+        self.name = name or f"pagedserve-{os.getpid()}-{next(_engines)}"
         self.ray: ModuleType | None = None
         self._connected_here = False  # this engine called ray.init: it disconnects too
         self.group: Any = None
