@@ -4,8 +4,13 @@ transformers and as plain processes, a lost rank named with its node, nothing le
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +24,18 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from launch.cli_flags import build_parser, engine_kwargs
 from launch.client.engine_args import EngineArgs
 from launch.client.engine_processes import EngineDeadError
 from launch.client.llm import LLM, SamplingParams
 from launch.client.ray_executor import RayPlacementError, RayRank
-from tests.helpers.cli_helpers import all_gone
+from tests.helpers.cli_helpers import (
+    ENV,
+    StderrWatch,
+    all_gone,
+    generate_cmd,
+    processes_mentioning,
+)
 from tests.helpers.hf_checkpoints import hf_greedy, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -275,3 +287,44 @@ def test_ray_settings_that_cannot_work_fail_before_any_process_starts(
     args = {"model": "m", "distributed_executor_backend": "ray", **settings}
     with pytest.raises(ValueError, match=message):
         EngineArgs(**args).validate()
+
+
+def test_the_ray_flags_reach_their_engine_args_fields() -> None:
+    argv = ["generate", "--input", "i", "--output", "o", "--distributed-executor-backend"]
+    argv += ["ray", "--placement-strategy", "SPREAD", "--ray-address", "auto", "--tp", "2"]
+    kwargs = engine_kwargs(build_parser().parse_args(argv))
+    assert kwargs["distributed_executor_backend"] == "ray"
+    assert kwargs["placement_strategy"] == "SPREAD" and kwargs["ray_address"] == "auto"
+
+
+def test_sigterm_mid_run_stops_the_engine_and_the_ray_it_started(tmp_path: Path) -> None:
+    """`generate` on a new local Ray of its own (apart from the test cluster): SIGTERM
+    while it generates ends it with 143, and no Ray process, actor or core is left."""
+    inp = tmp_path / "in.jsonl"
+    line = {"prompt_token_ids": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True}
+    inp.write_text(json.dumps(line) + "\n")
+    # Ray's session files and sockets go under TMPDIR: a short path (unix socket paths are
+    # short), and every process of this Ray names it on its command line.
+    tmp = tempfile.mkdtemp(prefix="psray-", dir="/tmp")
+    flags = ["--distributed-executor-backend", "ray", "--ray-address", "local", "--tp", "2"]
+    flags += ["--num-gpu-blocks", "300", "--log-level", "INFO"]
+    proc = subprocess.Popen(
+        generate_cmd(inp, tmp_path / "out.jsonl", *flags),
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, "TMPDIR": tmp, "PYTHONPATH": str(ROOT)},
+    )
+    watch = StderrWatch(proc)
+    try:
+        watch.wait_for(r"KV cache: \d+ blocks")
+        ours = processes_mentioning(tmp)
+        assert len(ours) >= 4, ours  # at least Ray's head processes and the two actors
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, watch.join()
+        stderr = watch.join()
+        assert "interrupted" in stderr and "Traceback" not in stderr, stderr
+        assert all_gone(ours + processes_mentioning(tmp), timeout=20), "left after SIGTERM"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
