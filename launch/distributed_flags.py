@@ -73,8 +73,8 @@ def _add_ray_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ray-address",
         help="with ray: the cluster to join (auto: the one running on this machine, or "
-        "fail; HOST:PORT: its head). Default: RAY_ADDRESS, else a cluster started on this "
-        "machine, else a new local one",
+        "fail; HOST:PORT: its head; local: a new local Ray for this engine). Default: "
+        "RAY_ADDRESS, else a cluster started on this machine, else a new local one",
     )
 
 
