@@ -90,6 +90,8 @@ class Executor:
         for monitor in self.monitors:
             self.poller.register(monitor, zmq.POLLIN)
         self.hellos: list[WorkerHello] = []
+        # Each admitted rank's process and host (or launcher-given node), named if it is lost.
+        self.where: dict[int, str] = {}
         # The frame behind _recv's last message: recordings keep bytes, not re-encodings.
         self.last_frame: zmq.Frame | None = None
         self.recorder: Recorder | None = None
@@ -187,6 +189,7 @@ class Executor:
         if not 0 <= msg.rank < self.world_size:
             problems.append(f"--rank {msg.rank} (the core's ranks: 0..{self.world_size - 1})")
         if not problems:
+            self.where[msg.rank] = f"pid {msg.pid} on {msg.host}"
             self.push[msg.rank].send(self.to_worker.encode(WorkerAccepted()))
             return
         reason = (
@@ -396,12 +399,16 @@ class Executor:
         ]
         parts = [
             f"worker rank {r} disconnected while the core waited for its {waiting_for} "
-            f"(killed or crashed without a word)"
+            f"(killed or crashed without a word{self._ran_as(r)})"
             for r in silent[:1]
         ]
         lead = "then " if parts else ""
         parts += [f"worker rank {f.rank} {lead}failed: {f.error}" for f in failures]
         return "; ".join(parts) or "a worker disconnected"
+
+    def _ran_as(self, rank: int) -> str:
+        where = self.where.get(rank)
+        return f"; it ran as {where}" if where else ""
 
 
 def size_kv_cache(config: KVCacheConfig, num_gpu_blocks: int | None) -> KVCacheConfig:

@@ -11,6 +11,7 @@ import msgspec
 
 from launch.client.engine_args import DEFAULT_LOG_LEVEL, EngineArgs
 from launch.client.version import package_version
+from launch.distributed_flags import add_distributed_flags, distributed_kwargs
 from launch.flag_types import fraction, parse_bytes, positive, ranged, seconds, string_list
 from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES
 from launch.openai.connections import ConnectionLimits
@@ -29,7 +30,6 @@ from protocol.config import (
     SchedulingPolicy,
     WorkerConfig,
 )
-from protocol.cpu_placement import CpuPlacement
 
 _port = ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
@@ -156,7 +156,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "priority, lower first, ties by arrival; preemption takes the lowest first)",
     )
     _add_security_flags(p)
-    _add_distributed_flags(p)
+    add_distributed_flags(p)
     p.add_argument(
         "--worker-timeout",
         type=float,
@@ -205,47 +205,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="record every frame the core sends its workers, and their answers, into this "
         "new directory, for `pagedserve replay DIR`",
-    )
-
-
-def _add_distributed_flags(p: argparse.ArgumentParser) -> None:
-    """Where the workers run and how they meet (tensor parallelism, external workers)."""
-    p.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        type=positive("--tensor-parallel-size"),
-        default=EngineArgs.tensor_parallel_size,
-    )
-    p.add_argument(
-        "--cpu-placement",
-        choices=get_args(CpuPlacement),
-        default=EngineArgs.cpu_placement,
-        help="CPU workers only. reserve: the API server and engine core get "
-        "--cpu-reserved-cores cores, each worker the rest, one thread per core; shared: "
-        "every process on any core, the worker's thread count tuned while it runs",
-    )
-    p.add_argument(
-        "--cpu-reserved-cores",
-        type=positive("--cpu-reserved-cores"),
-        default=EngineArgs.cpu_reserved_cores,
-        help="cores kept for the API server and engine core with --cpu-placement reserve",
-    )
-    p.add_argument(
-        "--external-workers",
-        action="store_true",
-        help="wait for N `pagedserve worker` processes instead of spawning them",
-    )
-    p.add_argument(
-        "--worker-address",
-        help="where the core listens for workers "
-        "(tcp://HOST:PORT or ipc://PATH; port 0: the core picks free ports and logs "
-        "the address; default: private ipc, or tcp://127.0.0.1:29550 with --external-workers)",
-    )
-    p.add_argument(
-        "--dist-init",
-        help="torch.distributed rendezvous for TP workers "
-        "(tcp://HOST:PORT, or file://PATH on one machine; default: a file in the "
-        "engine's private directory)",
     )
 
 
@@ -578,12 +537,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         log_kv=args.log_kv,
         async_scheduling=args.async_scheduling,
-        tensor_parallel_size=args.tensor_parallel_size,
-        cpu_placement=args.cpu_placement,
-        cpu_reserved_cores=args.cpu_reserved_cores,
-        external_workers=args.external_workers,
-        worker_address=args.worker_address,
-        dist_init=args.dist_init,
+        **distributed_kwargs(args),
         startup_timeout_s=args.worker_timeout,
         step_timeout_s=args.step_timeout,
         record_dir=args.record,

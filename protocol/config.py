@@ -151,6 +151,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # The cores this worker's threads run on, one torch thread each, when it runs on the
     # CPU (protocol/cpu_placement.py); None: any core, the thread count tuned by timing.
     cpus: list[int] | None = None
+    # Where the launcher placed this rank (a Ray node), named when it is lost; None: the
+    # machine's host name.
+    node: str | None = None
 
 
 def read_config(module: str, kind: type[ConfigT], argv: list[str]) -> ConfigT | str:

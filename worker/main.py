@@ -295,7 +295,7 @@ def run(config: WorkerConfig) -> int:
             WorkerConnected(
                 config.rank,
                 os.getpid(),
-                socket.gethostname(),
+                config.node or socket.gethostname(),
                 PROTOCOL_VERSION,
                 config.world_size,
                 config.block_size,

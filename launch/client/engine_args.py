@@ -4,11 +4,13 @@ feed their defaults)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, cast, get_args
+from typing import Any, Literal, cast, get_args
 
+from launch.client.ray_executor import INSTALL_HINT, PlacementStrategy
 from protocol import envs
 from protocol.config import (
     DType,
@@ -23,6 +25,10 @@ from protocol.cpu_placement import DEFAULT_CPU_PLACEMENT, DEFAULT_RESERVED_CORES
 from protocol.kv_memory import core_memory_error
 from protocol.recording import FRAMES, MANIFEST
 from protocol.zmq_security import KeysError, load_client_keys, load_server_keys
+
+# Who starts the workers: "mp", processes of this machine; "ray", actors on a Ray
+# cluster (launch/client/ray_executor.py). vLLM's names.
+ExecutorBackend = Literal["mp", "ray"]
 
 # vLLM's default share of a GPU: the rest stays for other processes and the allocator.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -152,6 +158,11 @@ class EngineArgs:
     external_workers: bool = False
     worker_address: str | None = None
     dist_init: str | None = None
+    distributed_executor_backend: ExecutorBackend = "mp"
+    # Ray only: how the ranks' bundles spread over nodes, and the cluster to join (None:
+    # RAY_ADDRESS, else a cluster started on this machine, else a new local one).
+    placement_strategy: PlacementStrategy = "PACK"
+    ray_address: str | None = None
     # KV-cache events for routers (docs/protocol.md): PUB endpoint (tcp://*:PORT binds;
     # tcp://HOST:0 binds a free port, reported in EngineReady), and the replay ROUTER.
     kv_events_endpoint: str | None = None
@@ -211,6 +222,7 @@ class EngineArgs:
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
+        self._check_executor()
         self._check_keys()
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
         _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
@@ -222,6 +234,30 @@ class EngineArgs:
                 f"{self.record_dir} already holds a recording: record into a new directory"
             )
 
+    def _check_executor(self) -> None:
+        """The Ray backend's settings, and Ray itself, before any process starts."""
+        _check_choice(
+            "distributed_executor_backend", self.distributed_executor_backend, ExecutorBackend
+        )
+        _check_choice("placement_strategy", self.placement_strategy, PlacementStrategy)
+        if self.distributed_executor_backend != "ray":
+            if self.ray_address is not None:
+                raise ValueError("ray_address needs distributed_executor_backend ray")
+            return
+        for name in ("external_workers", "worker_address", "dist_init"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} does not go with distributed_executor_backend ray: Ray places "
+                    "the workers and gives them their addresses"
+                )
+        if re.fullmatch(r"cuda:\d+", self.device):
+            raise ValueError(
+                f"device {self.device!r} with distributed_executor_backend ray: Ray gives "
+                "each rank its GPU; use cuda or auto"
+            )
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"distributed_executor_backend ray needs Ray: {INSTALL_HINT}")
+
     def _check_keys(self) -> None:
         """The keys each side will load, read once here so a bad directory fails before
         any process starts."""
@@ -230,7 +266,8 @@ class EngineArgs:
         try:
             load_server_keys(self.zmq_curve_keys)
             address = self.worker_address or ""
-            if address.startswith("tcp://") and not self.external_workers:
+            ray = self.distributed_executor_backend == "ray"  # tcp:// to the core, always
+            if (address.startswith("tcp://") or ray) and not self.external_workers:
                 load_client_keys(self.zmq_curve_keys)  # the spawned workers' keys
         except KeysError as e:
             raise ValueError(f"zmq_curve_keys: {e}") from None

@@ -27,6 +27,7 @@ from launch.client.engine_args import (
     log_level_name,
     worker_config,
 )
+from launch.client.ray_executor import RayRank, RayWorkers
 from launch.client.signals import hurried, stop_signals_deferred
 from protocol.codec import Codec
 from protocol.config import ipc_address, ipc_dir, worker_sockets
@@ -87,8 +88,9 @@ class EngineProcesses:
         self.log_level = log_level_name(log_level)
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | RayRank] = {}
         self.configs: dict[str, msgspec.Struct] = {}  # what each process was started with
+        self.ray: RayWorkers | None = None  # the workers' actors, with that backend
         try:
             self.ready: EngineReady = self._start()
         except BaseException:
@@ -112,17 +114,7 @@ class EngineProcesses:
         self.to_core.bind(input_address)
         self.from_core.bind(output_address)
         n = args.tensor_parallel_size
-        worker_address = args.worker_address or (
-            DEFAULT_EXTERNAL_WORKER_ADDRESS
-            if args.external_workers
-            else ipc_address(self._dir, "workers")
-        )
-        worker_sockets(worker_address, n)  # a bad address fails here, with its reason
-        dist_init = args.dist_init
-        if dist_init is None and n > 1:
-            # Local ranks meet through a file in the engine's private directory: no port
-            # to pick, so none that another process can take first.
-            dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
+        worker_address, dist_init = self._worker_endpoints()
         self.cpu_plan = self._cpu_plan()
         workers = [
             worker_config(
@@ -132,10 +124,12 @@ class EngineProcesses:
                 world_size=n,
                 core_address=worker_address,
                 dist_init=dist_init,
-                parent_pid=os.getpid(),
+                # A Ray actor's parent is Ray's: it leaves when the core goes away.
+                parent_pid=None if self.ray is not None else os.getpid(),
                 log_level=self.log_level,
                 spin_us=args.spin_us,
                 cpus=None if self.cpu_plan is None else self.cpu_plan.workers[rank],
+                node=None if self.ray is None else self.ray.places[rank].describe(),
             )
             for rank in range(n)
         ]
@@ -148,7 +142,9 @@ class EngineProcesses:
             private_dir=self._dir,
             record_dir=None if args.record_dir is None else os.path.abspath(args.record_dir),
             # Without this launch's pid and rendezvous: replay gives its own.
-            record_worker=msgspec.structs.replace(workers[0], parent_pid=None, dist_init=None)
+            record_worker=msgspec.structs.replace(
+                workers[0], parent_pid=None, dist_init=None, node=None
+            )
             if args.record_dir is not None
             else None,
             log_level=self.log_level,
@@ -156,7 +152,10 @@ class EngineProcesses:
         log.info("starting the engine core and %d worker(s); sockets in %s", n, self._dir)
         self.configs["engine core"] = core
         self.procs["engine core"] = spawn("enginecore.core", core)
-        for rank in range(0 if args.external_workers else n):
+        if self.ray is not None:
+            self.configs.update((f"worker rank {r}", w) for r, w in enumerate(workers))
+            self.procs.update(self.ray.launch(workers))
+        for rank in range(0 if args.external_workers or self.ray is not None else n):
             self.configs[f"worker rank {rank}"] = workers[rank]
             self.procs[f"worker rank {rank}"] = spawn("worker.main", workers[rank])
         ready = self._wait_ready()
@@ -169,6 +168,33 @@ class EngineProcesses:
             log.info(describe(self.cpu_plan))
         return ready
 
+    def _worker_endpoints(self) -> tuple[str, str | None]:
+        """Where the core listens for the workers, and their torch.distributed meeting
+        point (None for one rank). With Ray the actors are placed first: ranks on other
+        nodes need TCP addresses on the nodes Ray chose; ranks all on this node take the
+        private sockets and rendezvous spawned workers take, the same path per step."""
+        args = self.args
+        n = args.tensor_parallel_size
+        if args.distributed_executor_backend == "ray":
+            self.ray = RayWorkers(
+                n, args.device, args.placement_strategy, args.ray_address, args.startup_timeout_s
+            )
+            self.ray.place()
+            if not self.ray.all_on_this_node():
+                return self.ray.core_address(), self.ray.rendezvous() if n > 1 else None
+        worker_address = args.worker_address or (
+            DEFAULT_EXTERNAL_WORKER_ADDRESS
+            if args.external_workers
+            else ipc_address(self._dir, "workers")
+        )
+        worker_sockets(worker_address, n)  # a bad address fails here, with its reason
+        dist_init = args.dist_init
+        if dist_init is None and n > 1:
+            # Local ranks meet through a file in the engine's private directory: no port
+            # to pick, so none that another process can take first.
+            dist_init = f"file://{os.path.join(self._dir, 'dist-store')}"
+        return worker_address, dist_init
+
     def _cpu_plan(self) -> CpuPlan | None:
         """Cores for the workers and the front when the placement reserves them, the
         workers are ours to start and there are enough cores (else None: all shared)."""
@@ -176,6 +202,7 @@ class EngineProcesses:
         if (
             args.cpu_placement != "reserve"
             or args.external_workers
+            or args.distributed_executor_backend == "ray"  # Ray gives each rank its cores
             or (args.device != "auto" and args.device != "cpu")
         ):
             return None
@@ -315,7 +342,8 @@ class EngineProcesses:
         for name, p in self.procs.items():
             code = p.poll()
             if code is not None and code != 0:
-                parts.append(f"{name} (pid {p.pid}) {exit_status(code)}")
+                status = p.exit_status() if isinstance(p, RayRank) else exit_status(code)
+                parts.append(f"{name} (pid {p.pid}) {status}")
         return (" [" + "; ".join(parts) + "]") if parts else ""
 
     # -- shutdown ---------------------------------------------------------------------
@@ -325,6 +353,8 @@ class EngineProcesses:
         (in the main thread) does not interrupt this: it only ends the grace period."""
         with stop_signals_deferred():
             self._stop_children()
+            if self.ray is not None:
+                self.ray.shutdown()
             if not self.ctx.closed:
                 self.ctx.destroy(linger=0)
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -357,7 +387,9 @@ class EngineProcesses:
         self.shutdown()
 
 
-def _wait_all(procs: Iterable[subprocess.Popen], deadline: float, hurry: bool = True) -> bool:
+def _wait_all(
+    procs: Iterable[subprocess.Popen | RayRank], deadline: float, hurry: bool = True
+) -> bool:
     """Wait until every process has exited (True) or the deadline passed (False); with
     hurry, a stop signal received meanwhile ends the wait early too."""
     procs = list(procs)

@@ -109,7 +109,7 @@ NONE_FOR_THIS_LAUNCH = {
         "spin_us",
         "zmq_curve_keys",
     },
-    WorkerConfig: {"dist_init", "parent_pid", "spin_us", "zmq_curve_keys", "cpus"},
+    WorkerConfig: {"dist_init", "parent_pid", "spin_us", "zmq_curve_keys", "cpus", "node"},
 }
 ONLY_COPY = {
     EngineCoreConfig: {"kv_events_buffer_steps", "kv_events_topic"},
