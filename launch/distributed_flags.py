@@ -24,9 +24,9 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
         "--cpu-placement",
         choices=get_args(CpuPlacement),
         default=EngineArgs.cpu_placement,
-        help="CPU workers only. reserve: the API server and engine core get "
-        "--cpu-reserved-cores cores, each worker the rest, one thread per core; shared: "
-        "every process on any core, the worker's thread count tuned while it runs",
+        help="CPU workers only. shared (default): every process on any core, the worker's "
+        "thread count tuned while it runs; reserve: the API server and engine core get "
+        "--cpu-reserved-cores cores, each worker the rest, one thread per core",
     )
     p.add_argument(
         "--cpu-reserved-cores",

@@ -1,13 +1,12 @@
 """Where a CPU engine's processes run: each worker's compute threads on cores of their own,
 the front (the process that started the engine, with its API server, and the engine core)
-on the cores kept back for it.
+on the cores kept back for it ("reserve", vLLM's CPU split), or every process anywhere
+("shared", the default: the worker then picks its thread count by timing steps,
+worker/cpu_threads.py).
 
-Left to the OS, a worker's OpenMP threads and the API server's event loop share every core:
-a thread descheduled for a burst of HTTP work stalls the others at their barrier, and the
-server waits behind a step. "reserve" keeps them apart (vLLM's CPU backend does the same,
-one core for its front end by default); "shared" leaves every process free and lets the
-worker pick its thread count by timing steps (worker/cpu_threads.py). docs/benchmarks.md
-holds the measurements behind the default.
+Reserving keeps a worker's OpenMP threads from stalling at their barriers while the API
+server takes their core, at the price of the reserved cores' idle time: this engine's
+front is light, so on a machine of few cores sharing is faster (docs/generate.md).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
 CpuPlacement = Literal["reserve", "shared"]
-DEFAULT_CPU_PLACEMENT: CpuPlacement = "reserve"
+DEFAULT_CPU_PLACEMENT: CpuPlacement = "shared"
 DEFAULT_RESERVED_CORES = 1
 
 
