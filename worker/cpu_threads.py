@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from protocol.cpu_placement import usable_cpus
+
 log = logging.getLogger("pagedserve.worker")
 
 FIRST_PROBE_AFTER = 4  # steps: the start-up guess is checked early
@@ -54,10 +56,8 @@ LARGE_STEP_TOKENS = 256
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """How many cores this process may run on (its affinity mask where the OS has one)."""
+    return len(usable_cpus()) or os.cpu_count() or 1
 
 
 def pick_cpu_threads(world_size: int) -> int:
