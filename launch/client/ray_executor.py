@@ -79,11 +79,18 @@ class RankActor:
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
-    def free_port(self) -> int:
-        """A port free on this node now: rank 0's torch.distributed store binds it next."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+    def free_port(self, avoid: list[int]) -> int:
+        """A port free on this node now and not in avoid (ports the core picked but has not
+        bound yet, on the same host when rank 0 shares the core's node): rank 0's
+        torch.distributed store binds it next."""
+        with contextlib.ExitStack() as held:
+            for _ in range(100):
+                s = held.enter_context(socket.socket())
+                s.bind(("", 0))
+                port = int(s.getsockname()[1])
+                if port not in avoid:
+                    return port
+        raise RayPlacementError(f"no free port outside {avoid} on this node")
 
     def run(self, config: bytes) -> int:
         """The worker's main loop (worker/main.py) until the core says stop; its exit status."""
@@ -230,6 +237,7 @@ class RayWorkers:
         self.actors: list[Any] = []
         self.places: list[RankPlace] = []
         self.ranks: dict[str, RayRank] = {}
+        self.core_ports: list[int] = []
 
     # -- start-up ---------------------------------------------------------------------
     def place(self) -> None:
@@ -337,12 +345,16 @@ class RayWorkers:
         """Where the core listens for the ranks: this node's IP, free ports."""
         assert self.ray is not None
         host = self.ray.util.get_node_ip_address()
-        return f"tcp://{host}:{free_port_run(host, self.world_size + 1)}"
+        base = free_port_run(host, self.world_size + 1)
+        self.core_ports = list(range(base, base + self.world_size + 1))
+        return f"tcp://{host}:{base}"
 
     def rendezvous(self) -> str:
         """torch.distributed's meeting point: a free port on rank 0's node."""
         assert self.ray is not None
-        port = self.ray.get(self.actors[0].free_port.remote(), timeout=self.timeout_s)
+        port = self.ray.get(
+            self.actors[0].free_port.remote(self.core_ports), timeout=self.timeout_s
+        )
         return f"tcp://{self.places[0].ip}:{port}"
 
     def launch(self, configs: list[WorkerConfig]) -> dict[str, RayRank]:
