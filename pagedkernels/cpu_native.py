@@ -31,7 +31,11 @@ from protocol import envs
 
 log = logging.getLogger("pagedserve.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.c"
+# One library: the attention kernel and the decoder's element-wise steps.
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "csrc" / name
+    for name in ("paged_attention_cpu.c", "elementwise_cpu.c")
+)
 NATIVE_ENV = envs.NATIVE_KERNELS  # 0: never build or load the library
 CACHE_ENV = envs.CACHE_DIR
 # -march=native: the library is built on the machine that runs it. -fno-math-errno lets
@@ -102,7 +106,8 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LIBS).encode(), version.encode()):
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    for part in (sources, " ".join(CFLAGS + LIBS).encode(), version.encode()):
         key.update(part)
     # -march=native differs per machine model; a shared home directory must not hand one
     # machine's build to another.
@@ -121,7 +126,7 @@ def _build(compiler: str) -> Path:
         os.close(fd)
         try:
             done = subprocess.run(
-                [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS],
+                [compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES), *LIBS],
                 capture_output=True,
                 text=True,
                 timeout=300,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkernels.cpu_elementwise import CpuElementwise
 from worker import gemm
 from worker.model_config import (
     SUPPORTED_ACTIVATIONS,
@@ -58,6 +59,19 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
+
+
+def stack_linears(*parts: Linear) -> Linear:
+    """One Linear whose output is the parts' outputs side by side: their weights' rows (and
+    biases, a missing one as zeros) stacked. A product per layer instead of one per part
+    costs a dispatch and a pass over the input each, most of a decode step's small products."""
+    first = parts[0].weight
+    stacked = Linear(first.shape[1], 0, False, first.dtype, first.device)
+    stacked.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if any(p.bias is not None for p in parts):
+        biases = [p.bias if p.bias is not None else torch.zeros_like(p.weight[:, 0]) for p in parts]
+        stacked.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return stacked
 
 
 class ColumnParallelLinear(Linear):
@@ -158,11 +172,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _empty_param(dim, dtype=dtype, device=device)
+        # The C kernels, set by the runner on float32 CPU models (pagedkernels.cpu_elementwise).
+        self.native: CpuElementwise | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dim() == 2:
+            return self.native.rms_norm(x, self.weight, self.eps, None)
         # Normalise in float32 and round back before the weight, as the reference
         # implementation does, so half-precision outputs round the same way.
         return self._normalized(x).to(x.dtype).mul_(self.weight)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). The sum may be written over x, which must be
+        a fresh tensor of the caller's (a layer's output); residual is never written."""
+        if self.native is not None and x.dim() == 2:
+            # The kernel adds its second operand into its first: x += residual, normalised.
+            return self.native.rms_norm(residual, self.weight, self.eps, x), x
+        summed = residual + x
+        return self(summed), summed
 
     def _normalized(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) over the last dim, in float32."""
@@ -261,6 +290,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         tp = tp or TPContext()
         self.act = _ACTIVATIONS[activation]
+        self.activation = activation
+        # The C kernels, set by the runner on float32 CPU models (pagedkernels.cpu_elementwise).
+        self.native: CpuElementwise | None = None
+        self.gate_up_proj: Linear | None = None  # fuse_projections()
         part = even_shard(intermediate_size, tp, "intermediate_size")
         self.gate_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
         self.up_proj = ColumnParallelLinear(hidden_size, part, bias, dtype, device)
@@ -269,4 +302,22 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In place on the gate projection's fresh output: a prefill step's [tokens x
         # intermediate] tensors are the largest the model makes.
-        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
+        if self.gate_up_proj is not None and self.native is not None:
+            both = self.gate_up_proj(x)
+            gate, up = both[:, : self.part], both[:, self.part :]
+            # A fresh contiguous output: down_proj reads it faster than the strided gate.
+            out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+            return self.down_proj(self.native.silu_mul(gate, up, out))
+        gate = self.gate_proj(x)
+        if self.native is not None and self.activation == "silu" and gate.dim() == 2:
+            return self.down_proj(self.native.silu_mul(gate, self.up_proj(x), gate))
+        return self.down_proj(self.act(gate).mul_(self.up_proj(x)))
+
+    def fuse_projections(self) -> None:
+        """From now on gate and up are one product (their weights stacked), for silu MLPs
+        whose activation runs in the C kernel (self.native); the two modules are released."""
+        if self.activation != "silu" or self.native is None:
+            return
+        self.gate_up_proj = stack_linears(self.gate_proj, self.up_proj)
+        self.part = self.gate_proj.weight.shape[0]
+        del self.gate_proj, self.up_proj

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from pagedkernels import cpu_elementwise
 from pagedkernels.selection import select_kernels
 from protocol.config import WorkerConfig, available_host_memory, max_num_batched_tokens_for
 from protocol.cpu_placement import pin_process
@@ -46,10 +47,11 @@ from worker.kv_cache_memory import (
     kv_cache_storage_bytes,
     profile_step,
 )
-from worker.layers import Linear, ParallelLMHead
+from worker.layers import GatedMLP, Linear, ParallelLMHead, RMSNorm
 from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
 from worker.models import get_model_class
+from worker.models.llama import LlamaAttention
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
 from worker.sampler import SamplingTensors, compute_logprobs, sample
 from worker.sampling_extras import SamplingExtras
@@ -136,6 +138,9 @@ class ModelRunner:
         self.model = cls(self.model_config, self.dtype, self.device, self.tp, kernels)
         self.model.load_weights(iterate_weights(config.model))
         self.model.eval()
+        self.elementwise = "torch"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and config.native_kernels:
+            self.elementwise = use_native_elementwise(self.model)
         self.cpu_gemm = (
             "onednn" if use_onednn(self.device, self.dtype, config.cpu_gemm) else "torch"
         )
@@ -155,13 +160,14 @@ class ModelRunner:
         # Logged at warning level so it shows at the default level: which kernels run
         # decides both speed and numerics.
         log.warning(
-            "rank %d: %s on %s in %s; attention kernels: %s%s",
+            "rank %d: %s on %s in %s; attention kernels: %s%s%s",
             config.rank,
             self.model_config.architecture,
             self.device,
             self.dtype,
             ", ".join(sorted(kernels)),
             "; products: oneDNN" if self.cpu_gemm == "onednn" else "",
+            "; norms, rotary, activation: C kernels" if self.elementwise != "torch" else "",
         )
 
     # -- start-up ---------------------------------------------------------------------
@@ -557,3 +563,18 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[req_id] = gen
         return gen
+
+
+def use_native_elementwise(model: torch.nn.Module) -> str:
+    """Give a float32 CPU model the C element-wise kernels (pagedkernels.cpu_elementwise)
+    and, with them, stacked q/k/v and gate/up products, before its weights are packed;
+    which element-wise path runs."""
+    native = cpu_elementwise.load()
+    if native is None:
+        return "torch"
+    for module in list(model.modules()):
+        if isinstance(module, (RMSNorm, GatedMLP, LlamaAttention)):
+            module.native = native
+        if isinstance(module, (GatedMLP, LlamaAttention)):
+            module.fuse_projections()
+    return "C kernels"

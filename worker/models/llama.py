@@ -23,18 +23,21 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedkernels.cpu_elementwise import CpuElementwise
 from pagedkernels.selection import AttentionKernels, select_kernels
 from protocol.kv_cache import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from worker.attention import AttentionMetadata
 from worker.layers import (
     ColumnParallelLinear,
     GatedMLP,
+    Linear,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rotary,
+    stack_linears,
 )
 from worker.model_config import ModelConfig
 from worker.parallel import TPContext, load_shard, shard_heads, shard_vocab
@@ -81,9 +84,19 @@ class LlamaAttention(nn.Module):
         # Over head_dim, so the same weights on every rank (replicated, not sharded).
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        # The C kernels, set by the runner on float32 CPU models (pagedkernels.cpu_elementwise).
+        self.native: CpuElementwise | None = None
+        self.qkv_proj: Linear | None = None  # fuse_projections()
+        self.qkv_sizes = (q_rows.size, kv_rows.size, kv_rows.size)
         if qk_norm is not None:
             self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype, device)
+
+    def fuse_projections(self) -> None:
+        """From now on q, k and v are one product (their weights stacked); the three
+        modules are released."""
+        self.qkv_proj = stack_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -94,13 +107,19 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.native is not None:
+            q, k = self.native.rope_(q, cos, sin), self.native.rope_(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache
         self.kernels.write_kv_cache(k, v, key_cache, value_cache, attn.slot_mappings[self.kv_group])
         out = self.kernels.paged_attention(
@@ -157,8 +176,9 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache)
+        h, x = self.post_attention_layernorm.add_forward(h, x)
+        return x + self.mlp(h)
 
 
 DecoderLayer = Callable[
