@@ -1,0 +1,153 @@
+"""The OpenAI server as a real Ray Serve application on this machine: the built-in model
+behind two engine replicas, answered over HTTP by Serve's proxy (plain and streamed) with
+the tokens LLM gives; requests sharing a prefix routed to the replica that caches it; and
+nothing left once Serve shuts down."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+from ray import serve
+
+from launch.client.llm import LLM
+from launch.ray_serve import build_app
+from tests.helpers.cli_helpers import CPU, all_gone, children_of, processes_mentioning
+from tests.helpers.server import EXTRA, GREEDY, MODEL_NAME, PROMPT_IDS, PROMPT_TEXT, N
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "pagedserve"
+ENGINE_ARGS = {"device": CPU, "max_model_len": 256, "num_gpu_blocks": 96}
+
+
+@dataclass
+class ServeApp:
+    url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[ServeApp]:
+    """A local Ray (its actors import this checkout) with the application deployed: two
+    engine replicas, one ingress."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved) if p)
+    port = _free_port()
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = {**ENGINE_ARGS, "served_model_name": MODEL_NAME, "num_replicas": 2}
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        yield ServeApp(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return r.status, r.read()
+
+
+def _complete(app: ServeApp, prompt: object, **fields: object) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": N, "temperature": 0}
+    status, data = _post(f"{app.url}/v1/completions", {**body, **EXTRA, **fields})
+    assert status == 200
+    return json.loads(data)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, list[int]]:
+    """What LLM generates for the same greedy requests, on the same engine settings."""
+    with LLM(None, **ENGINE_ARGS) as llm:
+        by_ids, by_text = llm.generate([PROMPT_IDS, PROMPT_TEXT], GREEDY, use_tqdm=False)
+    return {"ids": by_ids.token_ids, "text": by_text.token_ids}
+
+
+def test_models_lists_the_served_name(app: ServeApp) -> None:
+    with urllib.request.urlopen(f"{app.url}/v1/models", timeout=60) as r:
+        cards = json.loads(r.read())["data"]
+    assert [c["id"] for c in cards] == [MODEL_NAME]
+
+
+def test_completions_give_the_tokens_llm_gives(app: ServeApp, expected: dict) -> None:
+    for prompt, key in ((PROMPT_IDS, "ids"), (PROMPT_TEXT, "text")):
+        choice = _complete(app, prompt)["choices"][0]
+        assert choice["token_ids"] == expected[key]
+        assert choice["finish_reason"] == "length"
+
+
+def test_a_stream_arrives_as_server_sent_events_with_the_same_text(app: ServeApp) -> None:
+    whole = _complete(app, PROMPT_IDS)["choices"][0]["text"]
+    status, data = _post(
+        f"{app.url}/v1/completions",
+        {"model": MODEL_NAME, "prompt": PROMPT_IDS, "max_tokens": N, "temperature": 0,
+         "ignore_eos": True, "stream": True},
+    )  # fmt: skip
+    assert status == 200
+    events = [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == whole
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_a_bad_request_fails_alone(app: ServeApp) -> None:
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _complete(app, PROMPT_IDS, max_tokens=-1)
+    assert e.value.code == 400 and "max_tokens" in e.value.read().decode()
+    assert _complete(app, PROMPT_IDS)["choices"][0]["finish_reason"] == "length"
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(app: ServeApp) -> None:
+    """Four blocks of shared prefix: once the router knows where they are cached, every
+    request with that prefix lands there and reads them from cache. (Routed by load,
+    each would land on either replica: eight in a row on the right one by chance is 1 in
+    256.)"""
+    prefix = [(7 * i) % 300 + 10 for i in range(64)]
+
+    def cached(suffix: int) -> int:
+        usage = _complete(app, [*prefix, suffix, suffix + 1], max_tokens=2)["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    # The router learns where each replica's events are from its periodic stats (every
+    # 2 s): until then requests go by load. Generous bound for a loaded machine.
+    for attempt in range(60):
+        if cached(100 + attempt) >= len(prefix):
+            break
+    else:
+        pytest.fail("no request ever found the prefix cached")
+    assert [cached(200 + i) for i in range(8)] == [len(prefix)] * 8
+
+
+def _tree(pid: int) -> list[int]:
+    return [pid, *(p for child in children_of(pid) for p in _tree(child))]
+
+
+def test_shutdown_leaves_no_actor_or_process(app: ServeApp) -> None:
+    replicas = processes_mentioning("ServeReplica:pagedserve:PagedServeEngine")
+    assert len(replicas) == 2
+    engines = [p for r in replicas for p in _tree(r)]
+    assert len(engines) >= 2 * 3, "each replica runs an engine core and a worker"
+    serve.shutdown()
+    assert all_gone(engines), "an engine process outlived Serve's shutdown"
+    assert not ray.util.list_named_actors(all_namespaces=True)
