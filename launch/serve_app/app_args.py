@@ -18,7 +18,11 @@ DEPLOYMENT_OPTIONS = (
     "num_replicas",
     "autoscaling_config",
     "max_ongoing_requests",
+    "max_queued_requests",
     "ray_actor_options",
+    "health_check_period_s",
+    "health_check_timeout_s",
+    "graceful_shutdown_timeout_s",
 )
 # Ours, beside the flags: the router's switch and its load bound, the ingress replicas.
 APP_OPTIONS = ("prefix_aware_routing", "max_load_imbalance", "ingress_replicas")
@@ -72,6 +76,10 @@ def parse_app_args(args: dict[str, Any]) -> AppArgs:
         raise ValueError(f"the application's args must be a mapping, not {type(args).__name__}")
     rest = dict(args)
     deployment = {k: rest.pop(k) for k in DEPLOYMENT_OPTIONS if k in rest}
+    for key in ("num_replicas", "max_ongoing_requests"):
+        # `serve run ... num_replicas=2` passes strings; "auto" is Serve's own choice.
+        if isinstance(deployment.get(key), str) and deployment[key] != "auto":
+            deployment[key] = _count(deployment[key], key, 1)
     own = {k: rest.pop(k) for k in APP_OPTIONS if k in rest}
     for key in rest:
         if key.replace("-", "_") in NOT_IN_SERVE:

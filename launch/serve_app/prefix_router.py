@@ -86,6 +86,13 @@ class PrefixAwareRouter(PowerOfTwoChoicesRequestRouter):
         # Decisions, for logs and tests: prefix hits routed, hits skipped for load, others.
         self.decisions = {"prefix_hit": 0, "load_skip": 0, "no_hit": 0}
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        # A replaced or scaled-down replica's events are of no further use.
+        live = {r.replica_id for r in replicas}
+        for replica_id in [r for r in self._events if r not in live]:
+            self._events.pop(replica_id).close()
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         events = self._events.pop(replica_id, None)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +51,12 @@ def app() -> Iterator[ServeApp]:
     try:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {**ENGINE_ARGS, "served_model_name": MODEL_NAME, "num_replicas": 2}
+        args = {
+            **ENGINE_ARGS,
+            "served_model_name": MODEL_NAME,
+            "num_replicas": 2,
+            "health_check_period_s": 1,  # a replica whose engine died is replaced soon
+        }
         serve.run(build_app(args), name=APP, route_prefix="/")
         yield ServeApp(f"http://127.0.0.1:{port}")
     finally:
@@ -64,7 +72,7 @@ def _post(url: str, body: dict) -> tuple[int, bytes]:
     request = urllib.request.Request(
         url, json.dumps(body).encode(), {"content-type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=120) as r:
+    with urllib.request.urlopen(request, timeout=60) as r:
         return r.status, r.read()
 
 
@@ -145,8 +153,46 @@ def _tree(pid: int) -> list[int]:
     return [pid, *(p for child in children_of(pid) for p in _tree(child))]
 
 
+def _engine_replicas() -> list[int]:
+    return processes_mentioning(f"ServeReplica:{APP}:PagedServeEngine")
+
+
+def test_a_replica_whose_engine_dies_is_replaced_and_the_other_keeps_serving(
+    app: ServeApp,
+) -> None:
+    before = _engine_replicas()
+    assert len(before) == 2
+    (core,) = [p for p in _tree(before[0]) if b"enginecore.core" in _cmdline(p)]
+    os.kill(core, signal.SIGKILL)
+    # Until Serve's health check replaces it, a request routed to the dead engine fails
+    # alone with 503 naming why; the other replica answers.
+    failures: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            _complete(app, PROMPT_IDS)
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            failures.append(e.read().decode())
+        after = _engine_replicas()
+        if before[0] not in after and len(after) == 2:
+            break
+    else:
+        pytest.fail("Serve did not replace the replica whose engine died")
+    assert all("engine" in f for f in failures), failures
+    for _ in range(6):
+        assert _complete(app, PROMPT_IDS)["choices"][0]["finish_reason"] == "length"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_shutdown_leaves_no_actor_or_process(app: ServeApp) -> None:
-    replicas = processes_mentioning("ServeReplica:pagedserve:PagedServeEngine")
+    replicas = _engine_replicas()
     assert len(replicas) == 2
     engines = [p for r in replicas for p in _tree(r)]
     assert len(engines) >= 2 * 3, "each replica runs an engine core and a worker"
