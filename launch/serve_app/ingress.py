@@ -17,7 +17,7 @@ from enginecore.block_hash import BlockHasher
 from launch.client.inputs import InputProcessor, Prompt
 from launch.openai.body_limits import BodyLimit
 from launch.openai.protocol import APIError
-from launch.openai.serving_base import error_response
+from launch.openai.serving_base import error_response, off_loop
 from launch.serve_app.app_args import AppArgs
 from launch.serve_app.forwarding import forwarded
 
@@ -100,7 +100,9 @@ class Ingress:
             return  # the client left before sending it all
         request = forwarded(scope, body, [])
         if self.hasher is not None:
-            request.block_hashes = self.hasher.block_hashes(request.scope["path"], body)
+            # Tokenizing a long prompt takes milliseconds: off the loop, as the server does.
+            path = request.scope["path"]
+            request.block_hashes = await off_loop(self.hasher.block_hashes, path, body)
         started = False
         try:
             async for message in self.engine.remote(request):

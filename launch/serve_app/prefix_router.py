@@ -116,9 +116,13 @@ class PrefixAwareRouter(PowerOfTwoChoicesRequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         preferred = self._prefix_choice(candidate_replicas, pending_request)
-        if preferred:
-            return [preferred]
-        return await super().choose_replicas(candidate_replicas, pending_request)
+        if not preferred or pending_request is None:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        # Serve tries the ranks in order: when every holder of the prefix is full, any
+        # other replica; when all are, it waits (backs off) before asking again.
+        pending_request.routing_context.should_backoff = True
+        others = [r for r in candidate_replicas if r not in preferred]
+        return [preferred, others] if others else [preferred]
 
     def _prefix_choice(
         self, candidates: list[RunningReplica], pending: PendingRequest | None

@@ -127,15 +127,18 @@ def test_a_bad_request_fails_alone(app: ServeApp) -> None:
 
 
 def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(app: ServeApp) -> None:
-    """A fresh four-block prefix, sent twice: the second request lands where the first
-    left it cached and reads all of it from cache. (Routed by load, it would land on
+    """A fresh four-block prefix (token ids or text), sent twice: the second request lands
+    where the first left it cached and reads all of it from cache. (Routed by load, it would land on
     either replica: eight fresh prefixes all found by chance is 1 in 256.)"""
 
     def second_request_hits(k: int) -> bool:
-        prefix = [(7 * i + 13 * k) % 300 + 10 for i in range(64)]
+        """Odd k: a text prompt, which the ingress tokenizes as the engines do."""
+        ids = [(7 * i + 13 * k) % 300 + 10 for i in range(64)]
+        text = "".join(chr(ord("a") + (3 * i + k) % 26) for i in range(70))
         for suffix in (1, 2):
-            body = _complete(app, [*prefix, suffix, suffix + 1], max_tokens=2)
-        return body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prefix)
+            prompt = f"{text} {suffix}" if k % 2 else [*ids, suffix, suffix + 1]
+            body = _complete(app, prompt, max_tokens=2)
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # 4 blocks
 
     # Replicas tell the router where their events are in their periodic stats (every
     # 2 s); until then requests go by load. Wait for three hits in a row, generously.
