@@ -44,8 +44,8 @@ class PromptHasher:
         try:
             data = json.loads(body)
             ids = self._token_ids(data) if isinstance(data, dict) else None
-        except (ValueError, TypeError, KeyError):
-            return []  # the replica answers what is wrong with it
+        except Exception:  # any reason (a template's own errors too): the replica answers it
+            return []
         hashes: list[bytes] = []
         if ids:
             self.hasher.extend(hashes, ids)
@@ -90,7 +90,8 @@ class Ingress:
 
     async def forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            return  # no websockets on this API
+            await send({"type": "websocket.close", "code": 1003})  # no websockets here
+            return
         try:
             body = await _read_body(receive)
         except APIError as e:  # over the body limit (BodyLimit's 413)
