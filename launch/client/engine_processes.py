@@ -255,18 +255,15 @@ class EngineProcesses:
         priority: int = 0,
     ) -> None:
         msg = AddRequest(request_id, prompt_token_ids, sampling_params, cache_salt, priority)
-        self._check_open()
-        self.to_core.send(self.from_client.encode(msg), copy=False)
+        self._send(self.from_client.encode(msg), copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
-        self._check_open()
-        self.to_core.send(self.from_client.encode(AbortRequests(request_ids)))
+        self._send(self.from_client.encode(AbortRequests(request_ids)))
 
     def reset_prefix_cache(self) -> None:
         """Ask the core to forget every cached block (refused, and logged, while any
         request holds blocks); subscribers to KV events see AllBlocksCleared."""
-        self._check_open()
-        self.to_core.send(self.from_client.encode(ResetPrefixCache()))
+        self._send(self.from_client.encode(ResetPrefixCache()))
 
     @property
     def closed(self) -> bool:
@@ -276,6 +273,16 @@ class EngineProcesses:
     def _check_open(self) -> None:
         if self.ctx.closed:
             raise EngineDeadError("the engine was shut down; start a new one")
+
+    def _send(self, data: bytes, copy: bool = True) -> None:
+        self._check_open()
+        try:
+            self.to_core.send(data, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            # Without a high-water mark a PUSH send only waits when no core is connected:
+            # the core has exited. Waiting would freeze the caller's event loop until the
+            # watcher noticed, which it then could not.
+            raise EngineDeadError(f"the engine core is gone{self._exit_codes()}") from None
 
     def get_outputs(self, timeout_ms: int = 500) -> EngineOutputs | None:
         """The next batch of outputs, or None after timeout_ms; EngineDeadError if the

@@ -150,32 +150,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """0 after a stop signal; 1 if the engine failed; 2 for bad settings."""
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        print("pagedserve serve: --max-waiting-requests must be >= 0", file=sys.stderr)
-        return 2
-    if not args.log_stats_interval > 0:
-        print("pagedserve serve: --log-stats-interval must be > 0", file=sys.stderr)
-        return 2
-    tls_error = _tls_error(args)
-    if tls_error is not None:
-        print(f"pagedserve serve: {tls_error}", file=sys.stderr)
-        return 2
-    if not args.shutdown_timeout >= 0:
-        print("pagedserve serve: --shutdown-timeout must be >= 0", file=sys.stderr)
-        return 2
-    if args.max_stored_responses < 0:
-        print("pagedserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
-        return 2
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print(
-            "pagedserve serve: --enable-auto-tool-choice needs --tool-call-parser "
-            f"({', '.join(TOOL_CALL_PARSERS)})",
-            file=sys.stderr,
-        )
-        return 2
-    if args.api_key is not None and not args.api_key.strip():
-        # An empty key would let anyone in who sends "Bearer ": refuse it instead.
-        print("pagedserve serve: --api-key is empty (unset it for no key)", file=sys.stderr)
+    error = flag_error(args) or _tls_error(args)
+    if error is not None:
+        print(f"pagedserve serve: {error}", file=sys.stderr)
         return 2
     try:
         sock = _bind(args.host, args.port)
@@ -186,7 +163,7 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     try:
         engine = open_engine(args, engine_kwargs)
         names = served_names(args)
-        api = _api(engine, names, args)
+        api = openai_server(engine, names, args)
         server = _Server(_config(api, engine, args), api, names[0], args.shutdown_timeout)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         server.run(sockets=[sock])
@@ -205,6 +182,26 @@ def serve(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     return 0
 
 
+def flag_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the server's flags beyond their parsers (checked before the
+    engine starts; a Serve application checks the same), or None."""
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        return "--max-waiting-requests must be >= 0"
+    if not args.log_stats_interval > 0:
+        return "--log-stats-interval must be > 0"
+    if not args.shutdown_timeout >= 0:
+        return "--shutdown-timeout must be >= 0"
+    if args.max_stored_responses < 0:
+        return "--max-stored-responses must be >= 0"
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parsers = ", ".join(TOOL_CALL_PARSERS)
+        return f"--enable-auto-tool-choice needs --tool-call-parser ({parsers})"
+    if args.api_key is not None and not args.api_key.strip():
+        # An empty key would let anyone in who sends "Bearer ": refuse it instead.
+        return "--api-key is empty (unset it for no key)"
+    return None
+
+
 def open_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> AsyncLLM:
     """The engine behind the API (serve, run-batch): its processes started, not joined."""
     return AsyncLLM(
@@ -221,7 +218,8 @@ def served_names(args: argparse.Namespace) -> list[str]:
     return args.served_model_name or [args.model or "pagedserve-builtin"]
 
 
-def _api(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAIServer:
+def openai_server(engine: AsyncLLM, names: list[str], args: argparse.Namespace) -> OpenAIServer:
+    """The API over `engine` as `pagedserve serve`'s flags set it (also each Serve replica's)."""
     return OpenAIServer(
         engine,
         names[0],
