@@ -262,7 +262,7 @@ def test_a_digest_collision_is_never_a_hit(monkeypatch: pytest.MonkeyPatch) -> N
     """Test hook: every block hashes to one digest. Blocks still hit only their own
     content (parent, tokens, extra keys), so another prompt can neither read nor poison
     them, even when several cached blocks share the digest."""
-    from enginecore import block_hash
+    from protocol import block_hash
 
     monkeypatch.setitem(block_hash._ALGOS, "xxh3_128", lambda data: b"\x00" * 16)
     m = make_manager(32)
