@@ -28,8 +28,9 @@ from protocol.zmq_security import ClientKeys, secure_client
 
 log = logging.getLogger("pagedserve.router")
 
-# A replica is skipped when its open requests exceed max(LOAD_FACTOR x mean,
-# mean + LOAD_SLACK): a hot prefix must not pile every request onto one replica.
+# A replica is skipped when its open requests exceed max(LOAD_FACTOR x mean, mean +
+# LOAD_SLACK), the mean over the other replicas (with two, the mean over both could never
+# be exceeded twice over): a hot prefix must not pile every request onto one replica.
 LOAD_FACTOR = 2.0
 LOAD_SLACK = 8
 # How long a replay may take before the view is left as it is (the replica may be dying;
@@ -149,10 +150,11 @@ class PrefixRouter:
         live = [i for i, v in enumerate(views) if v is not None]
         if not live:
             raise ValueError("no replica is serving")
-        mean = sum(loads[i] for i in live) / len(live)
-        bound = max(LOAD_FACTOR * mean, mean + LOAD_SLACK)
+        total = sum(loads[i] for i in live)
+        others = max(len(live) - 1, 1)
         scores = {i: views[i].cached_prefix_blocks(hashes) if hashes else 0 for i in live}  # type: ignore[union-attr]
-        eligible = [i for i in live if loads[i] <= bound] or live
+        eligible = [i for i in live if not _overloaded(loads[i], (total - loads[i]) / others)]
+        eligible = eligible or live
         best = max(scores[i] for i in eligible)
         if max(scores.values()) > best:
             self.load_skips += 1  # the longest prefix sits on a replica too loaded to take it
@@ -167,3 +169,7 @@ class PrefixRouter:
         choice = tied[self._turn % len(tied)]
         self.decisions[reason] += 1
         return choice, reason, best
+
+
+def _overloaded(load: int, mean_of_others: float) -> bool:
+    return load > max(LOAD_FACTOR * mean_of_others, mean_of_others + LOAD_SLACK)
