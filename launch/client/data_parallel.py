@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import Any
 
 import zmq.asyncio
@@ -30,6 +31,7 @@ from launch.client.engine_client import OutputSink
 from launch.client.engine_processes import EngineDeadError, EngineProcesses
 from launch.client.inputs import PreparedPrompt
 from launch.client.prefix_router import PrefixRouter, ReplicaEvents
+from launch.client.ray_executor import RayPlacementError, import_ray
 from protocol.engine import SamplingParams, SchedulerStats
 from protocol.zmq_security import ClientKeys, load_client_keys
 
@@ -79,8 +81,17 @@ class DataParallelLLM(AsyncLLM):
         self._keys: ClientKeys | None = (
             None if args.zmq_curve_keys is None else load_client_keys(args.zmq_curve_keys)
         )
+        # Ray replicas share this process's connection to the cluster: joined here, so
+        # that no replica's shutdown disconnects the others.
+        self._ray = None
+        if self._replica_kwargs.get("distributed_executor_backend") == "ray":
+            self._ray = _join_ray(args.ray_address)
         started = time.monotonic()
-        llms = _start_all(self._new_llm, self.size)
+        try:
+            llms = _start_all(self._new_llm, self.size)
+        except BaseException:
+            self._leave_ray()
+            raise
         self.startup_s = time.monotonic() - started
         self.replicas = [Replica(i, llm) for i, llm in enumerate(llms)]
         self._adopt(llms[0])
@@ -321,6 +332,7 @@ class DataParallelLLM(AsyncLLM):
         await asyncio.gather(*(self._close_replica(r) for r in self.replicas))
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
+        self._leave_ray()
 
     async def _close_replica(self, r: Replica) -> None:
         r.serving = False
@@ -335,6 +347,12 @@ class DataParallelLLM(AsyncLLM):
         for r in self.replicas:
             r.serving = False
             r.llm.shutdown()
+        self._leave_ray()
+
+    def _leave_ray(self) -> None:
+        if self._ray is not None:
+            self._ray.shutdown()
+            self._ray = None
 
 
 def _replica_kwargs(args: EngineArgs, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -350,6 +368,19 @@ def _replica_kwargs(args: EngineArgs, kwargs: dict[str, Any]) -> dict[str, Any]:
     if args.data_parallel_backend is not None:
         out["distributed_executor_backend"] = args.data_parallel_backend
     return out
+
+
+def _join_ray(address: str | None) -> ModuleType | None:
+    """Ray, joined by this process (None if the program had joined it already: it stays
+    joined after us)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return None
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    except ConnectionError as e:
+        raise RayPlacementError(f"cannot join a Ray cluster at {address!r}: {e}") from None
+    return ray
 
 
 def _start_all(start: Any, n: int) -> list[AsyncLLM]:
