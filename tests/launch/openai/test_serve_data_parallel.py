@@ -1,19 +1,22 @@
 """`pagedserve serve --data-parallel-size 2`: one server over two replicas; /metrics labels
 each replica's series with its index and counts the router's decisions; /health stays
 200 while a replica restarts; the restarted replica takes requests again; a stop leaves
-no process or socket folder behind."""
+no process or socket folder behind. run-batch takes the flag too; generate refuses it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers.cli_helpers import children_of
+from tests.helpers.cli_helpers import ENV, children_of, generate_cli
 from tests.helpers.server import Server, nothing_left, post
 
 
@@ -79,3 +82,31 @@ def test_two_replicas_behind_one_server_survive_a_killed_core(
     server.stop()
     assert server.proc.returncode == 0
     nothing_left(server, children)
+
+
+def test_generate_refuses_data_parallel_and_names_the_commands_that_take_it(
+    tmp_path: Path,
+) -> None:
+    proc, results = generate_cli(None, ['{"prompt": "hi"}'], tmp_path, "--data-parallel-size", "2")
+    assert proc.returncode == 1 and not results
+    assert "serve and run-batch take --data-parallel-size" in proc.stderr, proc.stderr
+
+
+def test_run_batch_over_two_replicas_answers_every_line(tmp_path: Path) -> None:
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"model": "pagedserve-builtin", "max_tokens": 3, "ignore_eos": True}
+    lines = [
+        {"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+         "body": {**body, "prompt": [i + 1] * 4}}
+        for i in range(4)
+    ]  # fmt: skip
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cmd = [sys.executable, "-m", "launch.cli", "run-batch", "-i", str(inp), "-o", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--device", "cpu", "--dp", "2", "--no-progress"],
+        capture_output=True, text=True, env=ENV, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    answers = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == ["0", "1", "2", "3"]
+    assert all(a["response"]["status_code"] == 200 for a in answers), answers
