@@ -68,6 +68,8 @@ class DataParallelLLM(AsyncLLM):
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         **kwargs: Any,
     ) -> None:
+        # Not AsyncLLM.__init__: no engine of its own; _adopt sets what the request path
+        # it inherits (generate, generate_many, beam_search) reads.
         args = EngineArgs(model=model or "", **kwargs)
         args.validate()
         self.size = args.data_parallel_size
@@ -201,12 +203,9 @@ class DataParallelLLM(AsyncLLM):
 
     def fail_open(self, error: EngineDeadError) -> None:
         for r in self.replicas:
-            r.llm.fail_open(error)
-        sinks = [s for rid, s in self._sinks.items() if rid not in self._where]
+            r.llm.fail_open(error)  # every open request is some replica's
         self._sinks.clear()
         self._where.clear()
-        for sink in sinks:  # only those of a replica that was not serving
-            sink(error)
 
     def can_send(self) -> bool:
         return not self._closing and self.dead_reason is None and self.num_serving > 0
@@ -307,7 +306,7 @@ class DataParallelLLM(AsyncLLM):
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
-        super().fail_open(EngineDeadError(reason))
+        self.fail_open(EngineDeadError(reason))
         self._dead.set()
 
     async def wait_dead(self) -> str:

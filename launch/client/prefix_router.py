@@ -92,6 +92,8 @@ class ReplicaEvents:
 
     async def _replay(self) -> None:
         """Ask for every buffered batch from next_seq and apply them in order."""
+        while await self.replay.poll(0):  # the tail of an answer that came too late
+            await self.replay.recv_multipart()
         await self.replay.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
         while True:
             if not await self.replay.poll(REPLAY_TIMEOUT_MS):
@@ -100,7 +102,9 @@ class ReplicaEvents:
             _empty, _topic, seq, payload = await self.replay.recv_multipart()
             if seq == END_OF_REPLAY:
                 return
-            if int.from_bytes(seq, "big") == self.next_seq:
+            n = int.from_bytes(seq, "big")
+            if n >= self.next_seq:  # past next_seq: the buffer no longer holds the gap
+                self.next_seq = n
                 self._apply(payload)
 
     async def aclose(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client as prom
@@ -151,7 +152,7 @@ class ServerMetrics:
             cached_by_source=cached_by_source, iteration_tokens=iteration_tokens,
         )  # fmt: skip
         self.engines = [
-            EngineSeries({name: each[e] for name, each in series.items()}) for e in range(engines)
+            EngineSeries(**{name: each[e] for name, each in series.items()}) for e in range(engines)
         ]
 
     def _define_requests(self, model: str, max_model_len: int) -> None:
@@ -265,16 +266,24 @@ class ServerMetrics:
         return prom.generate_latest(self.registry)
 
 
+@dataclass
 class EngineSeries:
     """One engine's step-fed series, and its last stats (the core's counts are cumulative
     since it started: the series add what is new)."""
 
-    def __init__(self, series: dict[str, Any]) -> None:
-        # running, waiting, waiting_by_reason, kv_usage, queries, hits, preemptions,
-        # prompt_by_source, prompt_cached, cached_by_source, iteration_tokens
-        self.__dict__.update(series)
-        self.last = _NO_STATS
-        self.has_stats = False
+    running: Any
+    waiting: Any
+    waiting_by_reason: dict[str, Any]
+    kv_usage: Any
+    queries: Any
+    hits: Any
+    preemptions: Any
+    prompt_by_source: dict[str, Any]
+    prompt_cached: Any
+    cached_by_source: dict[str, Any]
+    iteration_tokens: Any
+    last: SchedulerStats = _NO_STATS
+    has_stats: bool = False
 
     def update(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
