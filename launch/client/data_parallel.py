@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,7 @@ class DataParallelLLM(AsyncLLM):
         self._ray = None
         if self._replica_kwargs.get("distributed_executor_backend") == "ray":
             self._ray = _join_ray(args.ray_address)
+        self._gpus = _gpus_per_replica(args, self._replica_kwargs)
         started = time.monotonic()
         try:
             llms = _start_all(self._new_llm, self.size)
@@ -113,7 +115,10 @@ class DataParallelLLM(AsyncLLM):
         return cls(fields.pop("model"), **client_kwargs, **fields)
 
     def _new_llm(self, index: int) -> AsyncLLM:
-        llm = AsyncLLM(self._model, **self._client_kwargs, **self._replica_kwargs)
+        kwargs = self._replica_kwargs
+        if self._gpus:
+            kwargs = {**kwargs, "device": f"cuda:{index % self._gpus}"}
+        llm = AsyncLLM(self._model, **self._client_kwargs, **kwargs)
         llm.engine.label = f"replica {index}"
         llm.on_stats = lambda stats: self._replica_stats(index, stats)
         return llm
@@ -367,6 +372,41 @@ def _replica_kwargs(args: EngineArgs, kwargs: dict[str, Any]) -> dict[str, Any]:
     if args.data_parallel_backend is not None:
         out["distributed_executor_backend"] = args.data_parallel_backend
     return out
+
+
+def _gpus_per_replica(args: EngineArgs, replica: dict[str, Any]) -> int:
+    """With local workers on GPUs, how many GPUs the replicas take in turn (replica i on
+    GPU i mod that); 0 where nothing needs placing (CPU, Ray, an explicit cuda:N)."""
+    if replica.get("distributed_executor_backend") == "ray" or args.device not in ("auto", "cuda"):
+        return 0
+    gpus = _visible_gpus()
+    if not gpus:
+        return 0
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "data-parallel replicas of several ranks each on local GPUs would share their "
+            "first GPUs: use --data-parallel-backend ray (Ray gives every rank its own GPU)"
+        )
+    if gpus < args.data_parallel_size:
+        log.warning(
+            "%d replicas on %d GPU(s): they share them; lower --gpu-memory-utilization so "
+            "that they fit side by side",
+            args.data_parallel_size,
+            gpus,
+        )
+    return gpus
+
+
+def _visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, without loading CUDA here: CUDA_VISIBLE_DEVICES
+    when set, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
 
 
 def _join_ray(address: str | None) -> ModuleType | None:

@@ -159,6 +159,14 @@ async def _until(condition: object, timeout: float = 60) -> None:
         await asyncio.sleep(0.05)
 
 
+def test_local_replicas_of_several_ranks_on_gpus_are_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(ValueError, match="--data-parallel-backend ray"):
+        DataParallelLLM(None, data_parallel_size=2, tensor_parallel_size=2)
+
+
 def test_a_single_engine_refuses_data_parallel_settings() -> None:
     with pytest.raises(ValueError, match="DataParallelLLM"):
         AsyncLLM(None, data_parallel_size=2, device="cpu")
