@@ -110,9 +110,10 @@ class DataParallelLLM(AsyncLLM):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **client_kwargs: Any) -> DataParallelLLM:
-        """The replicas of args (a Ray Serve deployment builds one this way)."""
+        """The replicas of args (a Ray Serve deployment builds one this way); an empty
+        model is the built-in one."""
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-        return cls(fields.pop("model"), **client_kwargs, **fields)
+        return cls(fields.pop("model") or None, **client_kwargs, **fields)
 
     def _new_llm(self, index: int) -> AsyncLLM:
         kwargs = self._replica_kwargs

@@ -14,7 +14,9 @@ import pytest
 
 from launch import SamplingParams
 from launch.client.async_llm import AsyncLLM
+from launch.client.builtin_model import builtin_model_dir
 from launch.client.data_parallel import DataParallelLLM
+from launch.client.engine_args import EngineArgs
 from launch.client.engine_processes import EngineDeadError
 from tests.helpers.cli_helpers import all_gone
 
@@ -117,7 +119,8 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins_after_a_restart(
         ended.append((asyncio.get_running_loop().time(), error))
 
     async def main() -> None:
-        dp = await DataParallelLLM.create(None, data_parallel_size=2, **ENGINE)
+        args = EngineArgs(str(builtin_model_dir()), data_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
+        dp = await asyncio.to_thread(DataParallelLLM.from_engine_args, args)
         pids = _pids(dp)
         try:
             # Distinct prompts go by load: two to each replica.
