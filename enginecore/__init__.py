@@ -3,7 +3,6 @@
 Nothing in this package may import torch or cupy (tests/enginecore/test_enginecore_imports.py).
 """
 
-from enginecore.block_hash import BlockHasher
 from enginecore.block_pool import BlockPool
 from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
@@ -16,6 +15,7 @@ from enginecore.kv_cache_coordinator import KVCacheBlocks
 from enginecore.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from enginecore.kv_invariants import BrokenInvariant
 from enginecore.request import MultiModalPlaceholder, Request
+from protocol.block_hash import BlockHasher
 
 __all__ = [
     "BlockHasher",

@@ -6,12 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import gcd
 
-from enginecore.block_hash import BlockHasher, HashAlgo
 from enginecore.block_pool import BlockPool
 from enginecore.errors import InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.kv_invariants import check_invariants
 from enginecore.request import Request
+from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from enginecore.block_hash import BlockHasher, ExtraKeys, pack_token_ids, salt_digest
+from protocol.block_hash import BlockHasher, ExtraKeys, pack_token_ids, salt_digest
 from protocol.engine import Logprobs, SamplingParams
 
 _NEVER = 1 << 62

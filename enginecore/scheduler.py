@@ -24,7 +24,6 @@ from itertools import repeat
 
 from msgspec.structs import replace
 
-from enginecore.block_hash import HashAlgo
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.request import Request, RequestStatus
@@ -36,6 +35,7 @@ from enginecore.runner_output import (
 )
 from enginecore.step_plan import StepPlan, block_ids, rank
 from enginecore.stop_conditions import stop_reason, stop_token_set
+from protocol.block_hash import HashAlgo
 from protocol.config import SchedulingPolicy
 from protocol.engine import (
     BUILTIN_SAMPLING_DEFAULTS,

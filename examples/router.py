@@ -31,8 +31,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from enginecore.block_hash import BlockHasher
 from launch import LLM, SamplingParams
+from protocol.block_hash import BlockHasher
 from protocol.kv_events import END_OF_REPLAY, CachedPrefixView, KVEventBatch
 from protocol.zmq_security import ClientKeys, load_client_keys, secure_client
 

@@ -52,6 +52,21 @@ def add_distributed_flags(p: argparse.ArgumentParser) -> None:
         "engine's private directory)",
     )
     _add_ray_flags(p)
+    p.add_argument(
+        "--data-parallel-size",
+        "--dp",
+        type=positive("--data-parallel-size"),
+        default=EngineArgs.data_parallel_size,
+        help="serve and run-batch: this many whole engines (a core and its TP workers "
+        "each) behind one server that sends each request to the replica caching most of "
+        "its prompt (docs/deploy.md)",
+    )
+    p.add_argument(
+        "--data-parallel-backend",
+        choices=get_args(ExecutorBackend),
+        help="who starts the replicas' workers (default: --distributed-executor-backend); "
+        "ray: actors, a placement group per replica",
+    )
 
 
 def _add_ray_flags(p: argparse.ArgumentParser) -> None:
@@ -90,4 +105,6 @@ def distributed_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         distributed_executor_backend=args.distributed_executor_backend,
         placement_strategy=args.placement_strategy,
         ray_address=args.ray_address,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_backend=args.data_parallel_backend,
     )

@@ -163,6 +163,11 @@ class EngineArgs:
     # RAY_ADDRESS, else a cluster started on this machine, else a new local one).
     placement_strategy: PlacementStrategy = "PACK"
     ray_address: str | None = None
+    # Whole engine replicas behind one KV-aware router (DataParallelLLM; 1: one engine),
+    # and who starts their workers (None: distributed_executor_backend; "ray": actors,
+    # a placement group per replica).
+    data_parallel_size: int = 1
+    data_parallel_backend: ExecutorBackend | None = None
     # KV-cache events for routers (docs/protocol.md): PUB endpoint (tcp://*:PORT binds;
     # tcp://HOST:0 binds a free port, reported in EngineReady), and the replay ROUTER.
     kv_events_endpoint: str | None = None
@@ -223,6 +228,7 @@ class EngineArgs:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         self._check_executor()
+        self._check_data_parallel()
         self._check_keys()
         _check_choice("hash_algo", self.hash_algo, HashAlgo)
         _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
@@ -257,6 +263,31 @@ class EngineArgs:
             )
         if importlib.util.find_spec("ray") is None:
             raise ValueError(f"distributed_executor_backend ray needs Ray: {INSTALL_HINT}")
+
+    def _check_data_parallel(self) -> None:
+        """Settings that cannot be shared by several replicas, before any process starts."""
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_backend is not None:
+            _check_choice("data_parallel_backend", self.data_parallel_backend, ExecutorBackend)
+            if self.data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+                raise ValueError(f"data_parallel_backend ray needs Ray: {INSTALL_HINT}")
+        if self.data_parallel_size == 1:
+            return
+        for name in ("external_workers", "worker_address", "dist_init", "record_dir"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} does not go with data_parallel_size > 1: each replica starts "
+                    "its own workers at addresses of its own"
+                )
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            free_port = endpoint is not None and re.fullmatch(r"tcp://\S+:0", endpoint)
+            if endpoint is not None and not free_port:
+                raise ValueError(
+                    f"{name} {endpoint!r} with data_parallel_size > 1: every replica binds "
+                    "its own; give tcp://HOST:0 (a free port each) or leave it unset"
+                )
 
     def _check_keys(self) -> None:
         """The keys each side will load, read once here so a bad directory fails before

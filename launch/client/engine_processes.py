@@ -84,7 +84,13 @@ class EngineProcesses:
 
     def __init__(self, args: EngineArgs, log_level: str = DEFAULT_LOG_LEVEL) -> None:
         args.validate()
+        if args.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size {args.data_parallel_size} needs several engines behind "
+                "a router: DataParallelLLM (serve and run-batch take --data-parallel-size)"
+            )
         self.args = args
+        self.label = ""  # names this engine among several in errors ("replica 1")
         self.log_level = log_level_name(log_level)
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
@@ -342,7 +348,8 @@ class EngineProcesses:
     def failure(self, reason: str = "", exit_codes: str | None = None) -> str:
         """The engine's death in words: the reason and the processes that failed so far."""
         codes = self._exit_codes() if exit_codes is None else exit_codes
-        return f"engine stopped:{' ' if reason else ''}{reason}{codes}"
+        name = f"engine {self.label}" if self.label else "engine"
+        return f"{name} stopped:{' ' if reason else ''}{reason}{codes}"
 
     def _exit_codes(self) -> str:
         parts = []

@@ -43,6 +43,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from launch.client.async_llm import AsyncLLM
+from launch.client.data_parallel import DataParallelLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.version import package_version
 from launch.openai.body_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -155,9 +156,11 @@ class OpenAIServer:
             args.enable_prefix_caching, args.hash_algo, args.gpu_memory_utilization,
             args.kv_cache_memory, args.num_gpu_blocks,
         )  # fmt: skip
+        dp = engine if isinstance(engine, DataParallelLLM) else None
         self.metrics = ServerMetrics(
-            model_name, engine.max_model_len, lambda: engine.num_open_requests, cache_info
-        )
+            model_name, engine.max_model_len, lambda: engine.num_open_requests, cache_info,
+            engines=1 if dp is None else dp.size, router=None if dp is None else dp.router,
+        )  # fmt: skip
         self.admission.on_reject = self.metrics.rejected
         engine.on_stats = self.metrics.on_stats
         ctx = ServingContext(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# Every vllm: series carries model_name and engine (vLLM's data-parallel index; one
-# engine per server here, so always "0").
+# Every vllm: series carries model_name and engine (vLLM's data-parallel index: each
+# replica's under --data-parallel-size, else "0").
 LABELS = ("model_name", "engine")
 ENGINE = "0"
 

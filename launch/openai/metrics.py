@@ -1,10 +1,12 @@
 """The server's Prometheus metrics, under vLLM's names, types, labels and buckets, so a
 dashboard made for vLLM works unchanged (docs/serving.md lists them).
 
-Every vllm: series is labelled model_name and engine ("0": one engine per server); the
-one metric of our own is pagedserve:open_requests. Engine-side values (queues, KV usage,
-prefix-cache lookups, preemptions, prompt tokens computed or cached, tokens sampled)
-come from the SchedulerStats the core sends with each step's outputs, as cumulative
+Every vllm: series is labelled model_name and engine: the step-fed ones per engine (a
+data-parallel replica's index; "0" with one engine), the request-fed ones, measured in
+the server for all replicas together, under "0". Our own: pagedserve:open_requests and,
+with data parallelism, the router's decisions (pagedserve:router_*). Engine-side values
+(queues, KV usage, prefix-cache lookups, preemptions, prompt tokens computed or cached,
+tokens sampled) come from the SchedulerStats the core sends with each step's outputs, as cumulative
 counts: the server adds what is new. Request latencies and token counts are measured
 in the server as it streams each request; HTTP traffic by http_metrics.py. The served
 registry also holds prometheus_client's standard process_* and python_* collectors.
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client as prom
+from prometheus_client.core import CounterMetricFamily, Metric
 
+from launch.client.prefix_router import REASONS, PrefixRouter
 from launch.openai.http_metrics import HTTPMetrics
 from launch.openai.metric_families import (
     ADMISSION_REASONS,
@@ -50,6 +55,8 @@ class ServerMetrics:
         max_model_len: int,
         open_requests: Callable[[], int],
         cache_info: Mapping[str, str] | None = None,
+        engines: int = 1,
+        router: PrefixRouter | None = None,
     ) -> None:
         prom.disable_created_metrics()  # the *_created series only double the output
         self.registry = r = prom.CollectorRegistry()
@@ -59,22 +66,24 @@ class ServerMetrics:
         prom.GCCollector(registry=r)
         self.http = HTTPMetrics(r)
         self.model_name = model_name
-        self._define_engine(model_name)
+        self._define_engine(model_name, engines)
         self._define_requests(model_name, max_model_len)
         if cache_info is not None:
-            prom.Gauge(
+            info = prom.Gauge(
                 "vllm:cache_config_info",
                 "The engine's KV-cache configuration, as labels (always 1).",
                 list(cache_info),
                 registry=r,
-            ).labels(**cache_info).set(1)
+            )
+            for e in range(engines):
+                info.labels(**{**cache_info, "engine": str(e)}).set(1)
+        if router is not None:
+            r.register(RouterCollector(router))
         prom.Gauge(
             "pagedserve:open_requests",
             "Requests the server has open in the engine.",
             registry=r,
         ).set_function(open_requests)
-        self._last = _NO_STATS
-        self._has_stats = False
         # Plain totals for the periodic log line (StatsLog), beside the Prometheus series.
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -83,20 +92,22 @@ class ServerMetrics:
         """A vllm: family labelled model_name and engine (plus extra), in this registry."""
         return kind(name, doc, [*LABELS, *extra], registry=self.registry, **kw)
 
-    def _define_engine(self, model: str) -> None:
-        """The families fed by the core's per-step stats."""
-
-        def one(kind: type, name: str, doc: str, **kw: Any) -> Any:
-            return self._metric(kind, name, doc, **kw).labels(model, ENGINE)
-
-        def by(kind: type, name: str, doc: str, label: str, values: Sequence[str]) -> dict:
-            metric = self._metric(kind, name, doc, [label])
-            return {v: metric.labels(model, ENGINE, v) for v in values}
-
+    def _define_engine(self, model: str, engines: int) -> None:
+        """The families fed by the cores' per-step stats: a series per engine (a
+        data-parallel replica's index)."""
         gauge, counter = prom.Gauge, prom.Counter
-        self.running = one(gauge, "vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = one(gauge, "vllm:num_requests_waiting", "Requests waiting to run.")
-        self.waiting_by_reason = by(
+
+        def one(kind: type, name: str, doc: str, **kw: Any) -> list[Any]:
+            metric = self._metric(kind, name, doc, **kw)
+            return [metric.labels(model, str(e)) for e in range(engines)]
+
+        def by(kind: type, name: str, doc: str, label: str, values: Sequence[str]) -> list[dict]:
+            metric = self._metric(kind, name, doc, [label])
+            return [{v: metric.labels(model, str(e), v) for v in values} for e in range(engines)]
+
+        running = one(gauge, "vllm:num_requests_running", "Requests in the running batch.")
+        waiting = one(gauge, "vllm:num_requests_waiting", "Requests waiting to run.")
+        waiting_by_reason = by(
             gauge,
             "vllm:num_requests_waiting_by_reason",
             "Waiting requests by reason: capacity (no room yet) or deferred (never here).",
@@ -104,35 +115,45 @@ class ServerMetrics:
             WAITING_REASONS,
         )
         sleep = by(gauge, "vllm:engine_sleep_state", "Always awake.", "sleep_state", SLEEP_STATES)
-        sleep["awake"].set(1)
-        self.kv_usage = one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
-        self.queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
-        self.hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
-        self.preemptions = one(counter, "vllm:num_preemptions", "Preempted requests.")
-        self.prompt_by_source = by(
+        for state in sleep:
+            state["awake"].set(1)
+        kv_usage = one(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).")
+        queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
+        hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        preemptions = one(counter, "vllm:num_preemptions", "Preempted requests.")
+        prompt_by_source = by(
             counter,
             "vllm:prompt_tokens_by_source",
             "Prompt tokens by source: computed here or served from the prefix cache.",
             "source",
             PROMPT_SOURCES,
         )
-        self.prompt_cached = one(
+        prompt_cached = one(
             counter, "vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache."
         )
-        self.cached_by_source = by(
+        cached_by_source = by(
             counter,
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by tier (device only here), counted at lookup.",
             "source",
             CACHED_SOURCES,
         )
-        self.iteration_tokens = one(
+        iteration_tokens = one(
             prom.Histogram,
             "vllm:iteration_tokens_total",
             "Tokens per engine step: prompt tokens computed (of requests first scheduled) "
             "plus tokens sampled.",
             buckets=ITERATION_TOKENS_BUCKETS,
         )
+        series = dict(
+            running=running, waiting=waiting, waiting_by_reason=waiting_by_reason,
+            kv_usage=kv_usage, queries=queries, hits=hits, preemptions=preemptions,
+            prompt_by_source=prompt_by_source, prompt_cached=prompt_cached,
+            cached_by_source=cached_by_source, iteration_tokens=iteration_tokens,
+        )  # fmt: skip
+        self.engines = [
+            EngineSeries(**{name: each[e] for name, each in series.items()}) for e in range(engines)
+        ]
 
     def _define_requests(self, model: str, max_model_len: int) -> None:
         """The families the server measures per request."""
@@ -207,30 +228,20 @@ class ServerMetrics:
 
     @property
     def last_stats(self) -> SchedulerStats | None:
-        return self._last if self._has_stats else None
+        """The latest stats, summed over the engines (KV usage: their mean)."""
+        seen = [e.last for e in self.engines if e.has_stats]
+        if not seen:
+            return None
+        if len(seen) == 1:
+            return seen[0]
+        total = [sum(getattr(s, f) for s in seen) for f in SchedulerStats.__struct_fields__]
+        usage = SchedulerStats.__struct_fields__.index("kv_cache_usage")
+        total[usage] /= len(seen)
+        return SchedulerStats(*total)
 
-    def on_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.waiting_by_reason["capacity"].set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        # The core's counts are cumulative since it started: count what is new.
-        last = self._last
-        self.queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
-        hits = stats.prefix_cache_hits - last.prefix_cache_hits
-        self.hits.inc(hits)
-        self.cached_by_source["device"].inc(hits)
-        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
-        computed = stats.num_prompt_computed_tokens - last.num_prompt_computed_tokens
-        cached = stats.num_prompt_cached_tokens - last.num_prompt_cached_tokens
-        self.prompt_by_source["local_compute"].inc(computed)
-        self.prompt_by_source["local_cache_hit"].inc(cached)
-        self.prompt_cached.inc(cached)
-        step_tokens = computed + stats.num_sampled_tokens - last.num_sampled_tokens
-        if step_tokens:  # outputs without a step (an abort's) ran nothing
-            self.iteration_tokens.observe(step_tokens)
-        self._last = stats
-        self._has_stats = True
+    def on_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """An engine's stats after a step (engine: its data-parallel index)."""
+        self.engines[engine].update(stats)
 
     def rejected(self, reason: str = "max_num_queued_reqs") -> None:
         """A request refused by a queue limit (vLLM's admission reasons)."""
@@ -253,6 +264,74 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return prom.generate_latest(self.registry)
+
+
+@dataclass
+class EngineSeries:
+    """One engine's step-fed series, and its last stats (the core's counts are cumulative
+    since it started: the series add what is new)."""
+
+    running: Any
+    waiting: Any
+    waiting_by_reason: dict[str, Any]
+    kv_usage: Any
+    queries: Any
+    hits: Any
+    preemptions: Any
+    prompt_by_source: dict[str, Any]
+    prompt_cached: Any
+    cached_by_source: dict[str, Any]
+    iteration_tokens: Any
+    last: SchedulerStats = _NO_STATS
+    has_stats: bool = False
+
+    def update(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.waiting_by_reason["capacity"].set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self.last
+        if stats.step < last.step:
+            last = _NO_STATS  # a restarted engine counts from zero again
+        self.queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        self.hits.inc(hits)
+        self.cached_by_source["device"].inc(hits)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        computed = stats.num_prompt_computed_tokens - last.num_prompt_computed_tokens
+        cached = stats.num_prompt_cached_tokens - last.num_prompt_cached_tokens
+        self.prompt_by_source["local_compute"].inc(computed)
+        self.prompt_by_source["local_cache_hit"].inc(cached)
+        self.prompt_cached.inc(cached)
+        step_tokens = computed + stats.num_sampled_tokens - last.num_sampled_tokens
+        if step_tokens:  # outputs without a step (an abort's) ran nothing
+            self.iteration_tokens.observe(step_tokens)
+        self.last = stats
+        self.has_stats = True
+
+
+class RouterCollector:
+    """The data-parallel router's decisions, read from its counts at each scrape."""
+
+    def __init__(self, router: PrefixRouter) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "pagedserve:router_requests",
+            "Requests routed to a data-parallel replica, by reason: prefix_hit (one held "
+            "the longest cached prefix), tie (several did: the least loaded), load (none did).",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            decisions.add_metric([reason], self.router.decisions[reason])
+        yield decisions
+        yield CounterMetricFamily(
+            "pagedserve:router_load_skips",
+            "Requests not sent to the replica with their longest cached prefix because its "
+            "open requests were far above the mean.",
+            value=self.router.load_skips,
+        )
 
 
 class RequestTimer:

@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from launch.client.async_llm import AsyncLLM
+from launch.client.data_parallel import DataParallelLLM
 from launch.client.engine_processes import EngineDeadError
 from launch.client.signals import STOP_SIGNALS, Terminated, hurried, hurry, restore_handlers
 from launch.openai.api_server import CORS, OpenAIServer
@@ -204,7 +205,8 @@ def flag_error(args: argparse.Namespace) -> str | None:
 
 def open_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> AsyncLLM:
     """The engine behind the API (serve, run-batch): its processes started, not joined."""
-    return AsyncLLM(
+    engine_class = AsyncLLM if engine_kwargs.get("data_parallel_size", 1) == 1 else DataParallelLLM
+    return engine_class(
         args.model,
         log_level=args.log_level,
         chat_template=args.chat_template,

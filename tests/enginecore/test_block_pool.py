@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_hash import BlockHasher
 from enginecore.block_pool import BlockPool
 from enginecore.request import Request
+from protocol.block_hash import BlockHasher
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from enginecore import KVCacheManager, MultiModalPlaceholder, Request
-from enginecore.block_hash import BlockHasher, hash_block_tokens, root_hash
+from protocol.block_hash import BlockHasher, hash_block_tokens, root_hash
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.helpers.kv_helpers import (
     admit,
@@ -141,7 +141,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     from enginecore import Request, MultiModalPlaceholder
-    from enginecore.block_hash import BlockHasher
+    from protocol.block_hash import BlockHasher
     out = {}
     for algo in ("xxh3_128", "sha256"):
         r = Request("x", list(range(40)), BlockHasher(16, algo), cache_salt="s", lora_id=2,
@@ -262,7 +262,7 @@ def test_a_digest_collision_is_never_a_hit(monkeypatch: pytest.MonkeyPatch) -> N
     """Test hook: every block hashes to one digest. Blocks still hit only their own
     content (parent, tokens, extra keys), so another prompt can neither read nor poison
     them, even when several cached blocks share the digest."""
-    from enginecore import block_hash
+    from protocol import block_hash
 
     monkeypatch.setitem(block_hash._ALGOS, "xxh3_128", lambda data: b"\x00" * 16)
     m = make_manager(32)

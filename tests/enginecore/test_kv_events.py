@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from enginecore import KVCacheManager, Request
-from enginecore.block_hash import BlockHasher
 from enginecore.kv_event_publisher import DEFAULT_HWM, KVEventPublisher
 from launch import LLM, SamplingParams
+from protocol.block_hash import BlockHasher
 from protocol.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,

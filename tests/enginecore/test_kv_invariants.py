@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_hash import BlockHasher
 from enginecore.block_pool import BlockPool
 from enginecore.kv_invariants import BrokenInvariant, check_invariants
 from enginecore.request import Request
 from enginecore.single_type_kv_cache_manager import make_single_type_manager
+from protocol.block_hash import BlockHasher
 from protocol.kv_cache import FullAttentionSpec
 
 BS = 4

@@ -7,7 +7,7 @@ null block, so it has one more block and the seed's block k is our block k + 1.
 from __future__ import annotations
 
 from enginecore import KVCacheManager, Request
-from enginecore.block_hash import hash_block_tokens
+from protocol.block_hash import hash_block_tokens
 from tests.helpers.kv_helpers import admit, check, decode, make_manager, snapshot, tokens
 
 
@@ -17,7 +17,7 @@ def seed_block(k: int) -> int:
 
 def chain(text: str, algo: str = "xxh3_128") -> list[bytes]:
     """Reference chained hashes of the full 4-token blocks of text."""
-    from enginecore.block_hash import root_hash
+    from protocol.block_hash import root_hash
 
     parent = root_hash(algo)
     out = []

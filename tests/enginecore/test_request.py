@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from enginecore.block_hash import BlockHasher, salt_digest
 from enginecore.request import MultiModalPlaceholder, Request, RequestStatus
 from launch import LLM
 from launch.client.inputs import Prompt
+from protocol.block_hash import BlockHasher, salt_digest
 from protocol.engine import SamplingParams
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.proc_memory import rss_bytes

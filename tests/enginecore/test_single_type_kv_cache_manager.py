@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.block_hash import BlockHasher
 from enginecore.block_pool import BlockPool
 from enginecore.request import Request
 from enginecore.single_type_kv_cache_manager import (
@@ -14,6 +13,7 @@ from enginecore.single_type_kv_cache_manager import (
     SlidingWindowManager,
     make_single_type_manager,
 )
+from protocol.block_hash import BlockHasher
 from protocol.kv_cache import FullAttentionSpec, SlidingWindowSpec
 
 BS = 4

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from enginecore import KVCacheManager, Request
-from enginecore.block_hash import BlockHasher, hash_block_tokens
 from enginecore.core import scheduler_config
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler, SchedulerConfig
 from launch.client.engine_args import EngineArgs
+from protocol.block_hash import BlockHasher, hash_block_tokens
 from protocol.kv_cache import (
     FullAttentionSpec,
     KVCacheConfig,

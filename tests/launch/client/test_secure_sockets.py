@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import zmq
 
-from enginecore.block_hash import BlockHasher
 from launch import LLM, SamplingParams
 from launch.cli_flags import build_parser, engine_kwargs
 from protocol import envs
+from protocol.block_hash import BlockHasher
 from protocol.kv_events import END_OF_REPLAY, CachedPrefixView, KVEventBatch
 from protocol.zmq_security import load_client_keys, make_keys, secure_client
 from tests.helpers.cli_helpers import CPU

@@ -1,4 +1,4 @@
-"""enginecore/block_hash.py: each full block's hash chains to its parent, checked against
+"""protocol/block_hash.py: each full block's hash chains to its parent, checked against
 hashlib's sha256 over the documented bytes (parent, little-endian uint32 tokens, extra
 keys); the bulk hasher equals the reference form."""
 
@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from enginecore.block_hash import (
+from protocol.block_hash import (
     BlockHasher,
     hash_block_tokens,
     pack_token_ids,

@@ -3,6 +3,8 @@
 Block i of a request matches only if blocks 0..i all match, token for token and extra
 key for extra key. Hashes are bytes, identical in every process (they are published in
 KV events): tokens are packed as little-endian uint32, extra keys by a canonical repr.
+It lives in protocol/ because both sides compute it: the core keys its cache by it, and a
+KV-aware router hashes a prompt the same way to find the replica holding its prefix.
 """
 
 from __future__ import annotations
