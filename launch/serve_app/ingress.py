@@ -13,13 +13,13 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from enginecore.block_hash import BlockHasher
 from launch.client.inputs import InputProcessor, Prompt
 from launch.openai.body_limits import BodyLimit
 from launch.openai.protocol import APIError
 from launch.openai.serving_base import error_response, off_loop
 from launch.serve_app.app_args import AppArgs
 from launch.serve_app.forwarding import forwarded
+from protocol.block_hash import BlockHasher
 
 log = logging.getLogger("pagedserve.serve_app")
 
