@@ -163,7 +163,12 @@ class DataParallelLLM(AsyncLLM):
         """Open a core request on the replica the router picks for its prompt (a prompt's
         copies, sent one after another, all go where the first went)."""
         sticky = self._sticky
-        if sticky is not None and sticky[0] is one and sticky[1].serving:
+        if (
+            sticky is not None
+            and sticky[0] is one
+            and sticky[1].serving
+            and sticky[1].llm.can_send()
+        ):
             replica = sticky[1]
         else:
             replica = self._route(one)
@@ -175,7 +180,11 @@ class DataParallelLLM(AsyncLLM):
     def _route(self, one: PreparedPrompt) -> Replica:
         hashes = self.router.block_hashes(one.ids, one.cache_salt)
         replicas = self.replicas
-        views = [r.events.view if r.serving and r.events else None for r in replicas]
+        # A replica whose client already knows it died is out even before its supervisor
+        # wakes to mark it: a request sent there now would only fail.
+        views = [
+            r.events.view if r.serving and r.events and r.llm.can_send() else None for r in replicas
+        ]
         loads = [r.llm.num_open_requests for r in replicas]
         try:
             index, reason, blocks = self.router.choose(hashes, views, loads)
