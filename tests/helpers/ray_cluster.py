@@ -15,11 +15,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int = 2) -> Iterator[Cluster]:
-    """A cluster of `nodes` one-CPU nodes, joined; shut down (and left) at the end. The
-    actors import this checkout (the raylets pass PYTHONPATH on)."""
+def checkout_importable() -> Iterator[None]:
+    """PYTHONPATH leads with this checkout while the block runs, so the Ray processes
+    started meanwhile (raylets pass it on to actors) import it."""
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int = 2) -> Iterator[Cluster]:
+    """A cluster of `nodes` one-CPU nodes, joined; shut down (and left) at the end. The
+    actors import this checkout."""
+    with checkout_importable():
+        yield from _cluster(nodes)
+
+
+def _cluster(nodes: int) -> Iterator[Cluster]:
     c = Cluster(
         initialize_head=True,
         head_node_args={
@@ -39,7 +57,3 @@ def ray_cluster(nodes: int = 2) -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         c.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old

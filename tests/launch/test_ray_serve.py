@@ -23,9 +23,9 @@ from ray import serve
 from launch.client.llm import LLM
 from launch.ray_serve import build_app
 from tests.helpers.cli_helpers import CPU, all_gone, children_of, processes_mentioning
+from tests.helpers.ray_cluster import checkout_importable
 from tests.helpers.server import EXTRA, GREEDY, MODEL_NAME, PROMPT_IDS, PROMPT_TEXT, N
 
-ROOT = Path(__file__).resolve().parents[2]
 APP = "pagedserve"
 ENGINE_ARGS = {"device": CPU, "max_model_len": 256, "num_gpu_blocks": 96}
 
@@ -45,9 +45,12 @@ def _free_port() -> int:
 def app() -> Iterator[ServeApp]:
     """A local Ray (its actors import this checkout) with the application deployed: two
     engine replicas, one ingress."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved) if p)
     port = _free_port()
+    with checkout_importable():
+        yield from _deployed(port)
+
+
+def _deployed(port: int) -> Iterator[ServeApp]:
     try:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -62,10 +65,6 @@ def app() -> Iterator[ServeApp]:
     finally:
         serve.shutdown()
         ray.shutdown()
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 def _post(url: str, body: dict) -> tuple[int, bytes]:

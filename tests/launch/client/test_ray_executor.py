@@ -5,7 +5,6 @@ transformers and as plain processes, a lost rank named with its node, nothing le
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ from tests.helpers.cli_helpers import (
     processes_mentioning,
 )
 from tests.helpers.hf_checkpoints import hf_greedy, save_checkpoint
+from tests.helpers.ray_cluster import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[3]
 CPU = "cpu"
@@ -52,31 +52,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """Two Ray nodes of one CPU each, told apart by a custom resource; this process is
-    the driver. The actors import this checkout (the raylets pass PYTHONPATH on)."""
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"node_a": 1},
-            "include_dashboard": False,
-            # A removed node is declared dead in about a second, not Ray's default ~15 s.
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 2},
-        },
-    )
-    try:
-        c.add_node(num_cpus=1, resources={"node_b": 1})
-        c.wait_for_nodes()
-        ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    the driver."""
+    with ray_cluster(2) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture(scope="module")
