@@ -308,10 +308,7 @@ class GatedMLP(nn.Module):
             # A fresh contiguous output: down_proj reads it faster than the strided gate.
             out = torch.empty_like(gate, memory_format=torch.contiguous_format)
             return self.down_proj(self.native.silu_mul(gate, up, out))
-        gate = self.gate_proj(x)
-        if self.native is not None and self.activation == "silu" and gate.dim() == 2:
-            return self.down_proj(self.native.silu_mul(gate, self.up_proj(x), gate))
-        return self.down_proj(self.act(gate).mul_(self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)).mul_(self.up_proj(x)))
 
     def fuse_projections(self) -> None:
         """From now on gate and up are one product (their weights stacked), for silu MLPs
