@@ -421,9 +421,7 @@ class EngineCore:
         started = hasattr(self, "scheduler")  # start() may have failed before it
         outputs = self.scheduler.fail_all(reason) if started else []
         with contextlib.suppress(ClientGone):
-            if outputs:
-                self._send(EngineOutputs(outputs))
-            self._send(EngineDead(reason))
+            self._send(EngineDead(reason, outputs))
 
     def close(self) -> None:
         if self.kv_events is not None:

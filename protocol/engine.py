@@ -466,9 +466,12 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
-    """The core is exiting on an error; open requests were failed with it."""
+    """The core is exiting on an error. Its open requests fail with reason in outputs,
+    in this one message: a client that saw them fail already knows the engine is gone,
+    so it cannot send a new request into the dying engine in between."""
 
     reason: str
+    outputs: list[RequestOutput] = []
 
 
 CoreMessage = EngineOutputs | EngineReady | EngineDead

@@ -53,7 +53,7 @@ from launch.client.inputs import (
     to_prompt,
 )
 from launch.client.request_stream import RequestStream, StreamOutput
-from protocol.engine import EngineDead, EngineOutputs, SamplingParams
+from protocol.engine import EngineDead, EngineOutputs, RequestOutput, SamplingParams
 
 log = logging.getLogger("pagedserve.launch")
 T = TypeVar("T")
@@ -252,7 +252,7 @@ class AsyncLLM(EngineClient):
                 if isinstance(msg, EngineOutputs):
                     self.dispatch(msg)
                 elif isinstance(msg, EngineDead):
-                    raise await self._stop_engine(msg.reason)
+                    raise await self._stop_engine(msg.reason, msg.outputs)
                 else:
                     raise EngineDeadError(f"unexpected {type(msg).__name__} from the engine core")
         except asyncio.CancelledError:
@@ -277,12 +277,17 @@ class AsyncLLM(EngineClient):
                     raise await self._stop_engine("")
         return await sock.recv()
 
-    async def _stop_engine(self, reason: str) -> EngineDeadError:
-        """The engine is going down: stop its processes off the loop; the error to raise."""
+    async def _stop_engine(
+        self, reason: str, failed: list[RequestOutput] | None = None
+    ) -> EngineDeadError:
+        """The engine is going down: stop its processes off the loop; the error to raise.
+        failed: the core's answers to its open requests, delivered once nothing sends."""
         self._closing = True
         # Known dead from now, not once its processes are gone (that may take seconds):
         # requests and /health answer 503 with the reason at once.
         self.dead_reason = self.engine.failure(reason)
+        if failed:
+            self.dispatch(EngineOutputs(failed))
         self._release_socket()
         return await asyncio.to_thread(self.engine.stopped, reason)
 

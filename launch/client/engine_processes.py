@@ -91,6 +91,7 @@ class EngineProcesses:
             )
         self.args = args
         self.label = ""  # names this engine among several in errors ("replica 1")
+        self._last_word: str | None = None  # EngineDead's reason, once its outputs are out
         self.log_level = log_level_name(log_level)
         self._dir = ipc_dir()
         self.ctx = zmq.Context()
@@ -248,6 +249,10 @@ class EngineProcesses:
         """The message waiting on the output socket (EngineDeadError for EngineDead)."""
         msg = self.decode(self.from_core.recv())
         if isinstance(msg, EngineDead):
+            if msg.outputs:
+                # The failed requests first, as outputs; the next call raises.
+                self._last_word = msg.reason
+                return EngineOutputs(msg.outputs)
             raise self.stopped(msg.reason)
         return msg
 
@@ -308,6 +313,8 @@ class EngineProcesses:
         return None
 
     def _recv(self, timeout_ms: int) -> CoreMessage | None:
+        if self._last_word is not None:
+            raise self.stopped(self._last_word)
         if self.from_core.poll(timeout_ms):
             return self._take()
         if self.lost_processes():

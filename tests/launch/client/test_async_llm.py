@@ -85,6 +85,9 @@ def test_a_dead_worker_ends_every_open_stream_naming_it() -> None:
                 last = ends[-1]
                 message = str(last) if isinstance(last, Exception) else last.error
                 assert "worker rank 0" in (message or ""), last
+                # A caller that saw its request fail cannot send into the dying engine
+                # (a data-parallel router would otherwise route there).
+                assert not engine.can_send()
             reason = await asyncio.wait_for(engine.wait_dead(), 300)
             assert "worker rank 0" in reason and "killed by signal 9" in reason
             with pytest.raises(EngineDeadError, match="worker rank 0"):
