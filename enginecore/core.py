@@ -69,6 +69,7 @@ _CHECKED_BLOCKS = 16384
 
 # The scheduler's settings that EngineCoreConfig and EngineArgs both carry, by name.
 SCHEDULER_SETTINGS = (
+    "speculative_config",
     "max_num_batched_tokens",
     "max_num_seqs",
     "enable_prefix_caching",
@@ -130,7 +131,10 @@ class EngineCore:
         # and the core never plans further ahead than one step it has not seen).
         self._in_flight: deque[SchedulerOutput] = deque()
         self._pending: EngineOutputs | None = None  # the last answer's, until _flush
-        self._max_in_flight = 2 if config.async_scheduling else 1
+        # Drafts follow a request's last token, known only once its step is answered:
+        # speculation runs one step at a time (docs/spec_decode.md).
+        overlap = config.async_scheduling and config.speculative_config is None
+        self._max_in_flight = 2 if overlap else 1
         self._check = config.check_invariants
         self._check_every = 1
         if config.log_kv:

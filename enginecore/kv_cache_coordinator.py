@@ -95,6 +95,10 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.free(request_id)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        for m in self.managers:
+            m.free_tail(request_id, num_tokens)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(
             [b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers

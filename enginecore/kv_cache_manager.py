@@ -268,6 +268,12 @@ class KVCacheManager:
         request.holds_kv_blocks = False
         self.coordinator.free(request.request_id)
 
+    def free_lookahead(self, request: Request) -> None:
+        """Give back the blocks past the request's tokens: the slots of drafts it did not
+        accept (the workers cut their tables the same way, docs/protocol.md)."""
+        self._known(request)
+        self.coordinator.free_tail(request.request_id, request.num_tokens)
+
     def _known(self, request: Request) -> None:
         rid = request.request_id
         if not self.coordinator.holds_blocks(rid):

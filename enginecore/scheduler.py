@@ -26,6 +26,7 @@ from msgspec.structs import replace
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
+from enginecore.kv_step_log import describe_kv_step
 from enginecore.request import Request, RequestStatus
 from enginecore.request_queue import make_request_queue
 from enginecore.runner_output import (
@@ -33,6 +34,7 @@ from enginecore.runner_output import (
     check_runner_output,
     take_prompt_logprobs,
 )
+from enginecore.spec_decode.speculator import Speculator
 from enginecore.step_plan import StepPlan, block_ids, rank
 from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.block_hash import HashAlgo
@@ -47,6 +49,7 @@ from protocol.engine import (
 )
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
+from protocol.speculative import SpeculativeConfig
 from protocol.worker import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -72,6 +75,7 @@ class SchedulerConfig:
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
+    speculative_config: SpeculativeConfig | None = None  # drafts (spec_decode/); None: off
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -103,6 +107,8 @@ class Scheduler:
             hash_seed=config.hash_seed,
         )
         self.requests: dict[str, Request] = {}
+        spec = config.speculative_config
+        self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
         self.waiting = make_request_queue(config.scheduling_policy)
         self._by_priority = config.scheduling_policy == "priority"
         self._arrivals = 0  # requests added: the next one's arrival number
@@ -140,6 +146,8 @@ class Scheduler:
         self._arrivals += 1
         self.requests[rid] = request
         self.waiting.add(request)
+        if self.spec is not None:
+            self.spec.drafter.add(request)
         return None
 
     def new_request(
@@ -191,23 +199,8 @@ class Scheduler:
         return None
 
     def describe_kv_step(self, so: SchedulerOutput) -> str:
-        """The --log-kv view of a step just scheduled: per request, prefix-hit tokens (new
-        requests), blocks new this step, blocks held per group; the free blocks left."""
-        kv = self.kv_cache_manager
-        parts = []
-        for new in so.new_reqs:
-            held = [len(ids) for ids in kv.get_block_ids(new.req_id)]
-            parts.append(f"{new.req_id} hit {new.num_computed_tokens} new {sum(held)} held {held}")
-        cached = so.cached_reqs
-        for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
-            held = [len(b) for b in kv.get_block_ids(rid)]
-            added = sum(len(b) for b in ids) if ids is not None else 0
-            parts.append(f"{rid}{' resumed' if resumed else ''} new {added} held {held}")
-        preempted = f" | preempted {so.preempted_req_ids}" if so.preempted_req_ids else ""
-        return (
-            f"step {so.step_id}: free {kv.num_free_blocks}/{kv.num_usable_blocks}{preempted}"
-            f" | {' | '.join(parts) or 'nothing scheduled'}"
-        )
+        """The --log-kv view of a step just scheduled (enginecore/kv_step_log.py)."""
+        return describe_kv_step(self.kv_cache_manager, so)
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The KV-cache events since the last call, in order (empty when they are off)."""
@@ -296,10 +289,18 @@ class Scheduler:
                     f"no request is open but only {free} of {usable} blocks are free"
                 )
 
+    def _end(self, request: Request, reason: str, finished: set[str]) -> None:
+        """A running request stopped by one of its accepted drafts."""
+        self.kv_cache_manager.free(request)
+        finished.add(request.request_id)
+        self._finish(request, reason)
+
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        if self.spec is not None:
+            self.spec.drafter.finish(request)
         if request.known_to_worker:
             self._finished_req_ids.append(request.request_id)
 
@@ -325,6 +326,7 @@ class Scheduler:
         ids, blocks, computeds = plan.cached_ids, plan.cached_blocks, plan.cached_computed
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
+        spec = self.spec
         num_due = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -347,7 +349,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while True:
+            new_blocks = drafts = None
+            if spec is not None and remaining == 1 and not pending:
+                # Later requests keep a token each; no room for the drafts' slots: none.
+                drafts = spec.drafts(request, budget - (len(running) - i))
+                if drafts:  # their lookahead slots, or none: no one is preempted for them
+                    new_blocks = allocate(request, 1, 0, None, len(drafts))
+                    drafts = drafts if new_blocks is not None else None
+            while new_blocks is None:
                 new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
@@ -362,13 +371,14 @@ class Scheduler:
             # The common decode step got no block: skip building an empty id list.
             blocks.append(None if new_blocks is empty else block_ids(new_blocks))
             computeds.append(computed)
-            counts.append(num_new)
+            k = plan.add_drafts(request.request_id, drafts) if drafts else 0
+            counts.append(num_new + k)
             # Progress is counted at schedule time; the next step's allocation relies on it.
             request.num_computed_tokens = computed + num_new
             if num_new == remaining:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
-            budget -= num_new
+            budget -= num_new + k
             i += 1
         plan.total += plan.budget - budget
         plan.budget = budget
@@ -484,6 +494,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted,
+            spec_token_ids=plan.spec_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -558,6 +569,10 @@ class Scheduler:
                 self._finish(request, reason)
                 if request.num_preemptions:  # rare: only the last output carries it
                     outputs[-1] = replace(outputs[-1], num_preemptions=request.num_preemptions)
+        if scheduler_output.spec_token_ids:
+            assert self.spec is not None
+            end = lambda r, why: self._end(r, why, finished)  # noqa: E731
+            self.spec.apply(scheduler_output, output, outputs, self.requests, eos, end)
         self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
@@ -577,4 +592,5 @@ class Scheduler:
             num_prompt_computed_tokens=self.num_prompt_computed_tokens,
             num_prompt_cached_tokens=self.num_prompt_cached_tokens,
             num_sampled_tokens=self.num_sampled,
+            spec_decode=None if self.spec is None else self.spec.drafter.stats(),
         )

@@ -124,6 +124,17 @@ class SingleTypeKVCacheManager:
         blocks.reverse()
         self.block_pool.free_blocks(blocks)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks past num_tokens slots (rejected drafts' lookahead); they hold
+        no verified token, so none is hashed."""
+        blocks = self.req_to_blocks[request_id]
+        keep = -(-num_tokens // self.block_size)
+        if len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            tail.reverse()
+            self.block_pool.free_blocks(tail)
+
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     def find_longest_cache_hit(

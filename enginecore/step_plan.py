@@ -6,6 +6,10 @@ from enginecore.request import Request
 from protocol.worker import NewRequestData
 
 
+# Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
+NO_DRAFTS: dict[str, list[int]] = {}
+
+
 class StepPlan:
     """What one schedule() call decided, in wire order, built up while deciding (running
     requests, then admissions) and encoded once by _build_output."""
@@ -22,6 +26,7 @@ class StepPlan:
         "num_due",
         "num_running",
         "preempted",
+        "spec_token_ids",
         "total",
     )
 
@@ -39,6 +44,16 @@ class StepPlan:
         self.cached_counts: list[int] = []
         self.new_reqs: list[NewRequestData] = []
         self.new_counts: list[int] = []
+        # Drafts per request id (speculative decoding); the shared empty dict when none,
+        # so a step without drafts builds nothing.
+        self.spec_token_ids: dict[str, list[int]] = NO_DRAFTS
+
+    def add_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """Send drafts for a request; how many."""
+        if self.spec_token_ids is NO_DRAFTS:
+            self.spec_token_ids = {}
+        self.spec_token_ids[request_id] = drafts
+        return len(drafts)
 
 
 def rank(request: Request) -> tuple[int, int]:

@@ -193,6 +193,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="overlap scheduling with the model: the core sends each step while the "
         "previous one runs (default); --no-async-scheduling runs one step at a time",
     )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding with drafts from the request\'s own tokens (vLLM\'s keys), '
+        'e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        'or \'{"method": "suffix", "num_speculative_tokens": 8}\'; runs one step at a time',
+    )
     _add_log_level(p, "engine processes")
     p.add_argument(
         "--chat-template",
@@ -537,6 +544,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         log_kv=args.log_kv,
         async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
         **distributed_kwargs(args),
         startup_timeout_s=args.worker_timeout,
         step_timeout_s=args.step_timeout,

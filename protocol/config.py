@@ -13,6 +13,7 @@ import msgspec
 
 from protocol import envs
 from protocol.envs import AttentionChoice, CpuGemmChoice
+from protocol.speculative import SpeculativeConfig
 
 ConfigT = TypeVar("ConfigT", "EngineCoreConfig", "WorkerConfig")
 
@@ -106,6 +107,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # A keys directory (protocol/zmq_security.py): every tcp:// socket of the core is a
     # CURVE server admitting its client keys; None: no CURVE.
     zmq_curve_keys: str | None = None
+    # Drafts proposed in the core and verified by the workers (protocol/speculative.py);
+    # None: no speculation.
+    speculative_config: SpeculativeConfig | None = None
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from protocol.speculative import SpecDecodeStats
+
 # Temperatures below this sample greedily: dividing logits by a tinier one overflows
 # float32 (1e-39 turns every logit into inf or NaN, and sampling then picks token 0).
 GREEDY_TEMPERATURE = 1e-5
@@ -419,7 +421,7 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     num_preemptions: int = 0
 
 
-class SchedulerStats(msgspec.Struct, frozen=True):
+class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -432,6 +434,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     num_prompt_computed_tokens: int = 0
     num_prompt_cached_tokens: int = 0
     num_sampled_tokens: int = 0
+    spec_decode: SpecDecodeStats | None = None  # with --speculative-config only
 
 
 class Rejection(msgspec.Struct, frozen=True, array_like=True):

@@ -13,7 +13,7 @@ from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -90,7 +90,9 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_skipped_blocks: list[list[int] | None]
 
 
-class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
+class SchedulerOutput(
+    msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True
+):
     step_id: int
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData
@@ -99,6 +101,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # drop all state
     preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
+    # Speculative decoding: request id -> draft tokens to verify after its last token
+    # (its num_scheduled_tokens counts them). Left off the wire when empty.
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -119,7 +124,9 @@ class PromptEmbedding(msgspec.Struct, frozen=True, array_like=True):
     vector: bytes
 
 
-class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=True):
+class ModelRunnerOutput(
+    msgspec.Struct, frozen=True, tag="output", array_like=True, omit_defaults=True
+):
     """Sampled tokens of the step, for the requests that reached the end of their tokens
     (a request in the middle of a chunked prefill samples nothing)."""
 
@@ -133,6 +140,10 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     # tokens in it.
     prompt_logprobs: list[PromptLogprobs] = []
     embeddings: list[PromptEmbedding] = []
+    # Speculative decoding: parallel to req_ids when some request verified drafts, the
+    # tokens each accepted after its sampled_token_ids entry (accepted drafts, then the
+    # bonus or correcting token); empty otherwise, and then left off the wire.
+    spec_token_ids: list[list[int]] = []
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

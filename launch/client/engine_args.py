@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
+import msgspec
+
 from launch.client.ray_executor import INSTALL_HINT, PlacementStrategy
 from protocol import envs
 from protocol.config import (
@@ -24,6 +26,7 @@ from protocol.config import (
 from protocol.cpu_placement import DEFAULT_CPU_PLACEMENT, DEFAULT_RESERVED_CORES, CpuPlacement
 from protocol.kv_memory import core_memory_error
 from protocol.recording import FRAMES, MANIFEST
+from protocol.speculative import SpeculativeConfig, parse_speculative_config
 from protocol.zmq_security import KeysError, load_client_keys, load_server_keys
 
 # Who starts the workers: "mp", processes of this machine; "ray", actors on a Ray
@@ -89,6 +92,7 @@ CORE_SETTINGS = (
     "check_invariants",
     "spin_us",
     "zmq_curve_keys",
+    "speculative_config",
 )
 
 
@@ -186,6 +190,18 @@ class EngineArgs:
     # A keys directory (`pagedserve keys DIR`): every tcp:// engine socket speaks CURVE
     # and admits only its client keys (docs/security.md); None: no CURVE.
     zmq_curve_keys: str | None = None
+    # Draft-free speculative decoding (protocol/speculative.py): a config, its JSON or
+    # a dict of vLLM's keys (made a config here); None: off.
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        spec: Any = self.speculative_config
+        if isinstance(spec, dict):
+            spec = msgspec.json.encode(spec).decode()
+        if isinstance(spec, str):
+            object.__setattr__(self, "speculative_config", parse_speculative_config(spec))
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a JSON object, not {spec!r}")
 
     def validate(self) -> None:
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "cpu_reserved_cores"):
