@@ -5,7 +5,6 @@ from __future__ import annotations
 from enginecore.request import Request
 from protocol.worker import NewRequestData
 
-
 # Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
 NO_DRAFTS: dict[str, list[int]] = {}
 

@@ -196,7 +196,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-config",
         metavar="JSON",
-        help='speculative decoding with drafts from the request\'s own tokens (vLLM\'s keys), '
+        help="speculative decoding with drafts from the request's own tokens (vLLM's keys), "
         'e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
         'or \'{"method": "suffix", "num_speculative_tokens": 8}\'; runs one step at a time',
     )

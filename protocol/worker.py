@@ -90,9 +90,7 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_skipped_blocks: list[list[int] | None]
 
 
-class SchedulerOutput(
-    msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True
-):
+class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True):
     step_id: int
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData

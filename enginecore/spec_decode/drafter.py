@@ -77,7 +77,9 @@ class Drafter:
         """A request ended: forget it (suffix decoding keeps its output for others)."""
         state = self._states.pop(request.request_id, None)
         if state is not None and self._suffix is not None:
-            self._suffix.finish(request.request_id, request.all_token_ids, request.num_prompt_tokens)
+            self._suffix.finish(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens
+            )
 
     def propose(self, request: Request, limit: int) -> list[int] | None:
         """At most min(K, limit) drafts to follow the request's tokens, or None."""

@@ -98,7 +98,9 @@ class Speculator:
             raise ValueError(f"request {rid}: token id {extra[-1]} is outside the vocabulary")
 
 
-def _append(request: Request, tokens: list[int], eos: frozenset[int]) -> tuple[list[int], str | None]:
+def _append(
+    request: Request, tokens: list[int], eos: frozenset[int]
+) -> tuple[list[int], str | None]:
     """Append tokens after the request's first new one, each now verified; stop at the
     first that ends it."""
     ids = request.all_token_ids
