@@ -125,6 +125,13 @@ class BlockTable:
             )
         self.table[row, :count] = NULL_BLOCK_ID
 
+    def keep_tokens(self, row: int, num_tokens: int) -> None:
+        """Drop the row's blocks past num_tokens slots (the core freed them)."""
+        keep = -(-num_tokens // self.block_size)
+        if self.num_blocks_per_row[row] > keep:
+            self.table[row, keep:] = 0
+            self.num_blocks_per_row[row] = keep
+
     def clear_row(self, row: int) -> None:
         self._check_row(row)
         self.table[row] = 0
@@ -254,6 +261,10 @@ class MultiGroupBlockTable:
         for table, count in zip(self.tables, counts):
             if count:
                 table.null_prefix(row, count)
+
+    def keep_tokens(self, row: int, num_tokens: int) -> None:
+        for t in self.tables:
+            t.keep_tokens(row, num_tokens)
 
     def clear_row(self, row: int) -> None:
         for table in self.tables:

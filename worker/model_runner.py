@@ -55,6 +55,7 @@ from worker.models.llama import LlamaAttention
 from worker.parallel import TPContext, dist_init_method_from_env, init_distributed
 from worker.sampler import SamplingTensors, compute_logprobs, sample
 from worker.sampling_extras import SamplingExtras
+from worker.spec_verify import end_drafts, record_accepted, run_verification, write_drafts
 from worker.staging import StepBuffers
 from worker.step_hooks import StepHooks
 from worker.step_state import InFlight, PromptPlan, StepInputs
@@ -320,7 +321,12 @@ class ModelRunner:
         tables and sampling tensors, all on the device. With a step in flight the token
         ids, and the sampling extras that read tokens (penalties), wait for launch()."""
         batch = self.batch
+        drafts = (
+            write_drafts(batch, so, self.model_config.vocab_size) if so.spec_token_ids else None
+        )
         inputs = prepare_inputs(batch, so, token_ids=False)  # at launch: _finish_prepare
+        if drafts is not None:
+            end_drafts(batch, so, drafts, inputs)
         device = self.device
         buffers = self.buffers
         tables = batch.block_table.commit(batch.num_reqs)
@@ -362,6 +368,7 @@ class ModelRunner:
             sampling=sampling,
             generators=generators,
             inputs=inputs,
+            drafts=drafts,
         )
         if batch.num_extras:
             step.prompt_plan = self._prompt_plan(inputs)
@@ -450,14 +457,19 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, step.attn, self.kv_caches)
         if step.prompt_plan:
             step.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_plan)
-        tokens = logits = embed_hidden = None
-        if step.sampling_req_ids:
+        tokens = logits = embed_hidden = spec_tokens = None
+        if step.drafts is not None:
+            shared = self.default_generator
+            selected, logits, tokens, spec_tokens = run_verification(
+                self.model, hidden, step, shared
+            )
+        elif step.sampling_req_ids:
             selected = hidden.index_select(0, step.logits_indices)
             logits = self.model.compute_logits(selected)
             tokens = sample(logits, step.sampling, step.generators, self.default_generator)
-            if step.embed_rows is not None:
-                rows = torch.from_numpy(step.embed_rows).to(self.device)
-                embed_hidden = selected.index_select(0, rows).float()
+        if step.sampling_req_ids and step.embed_rows is not None:
+            rows = torch.from_numpy(step.embed_rows).to(self.device)
+            embed_hidden = selected.index_select(0, rows).float()
         if tuner is not None:  # on the CPU the step has run by now
             tuner.after_step(time.perf_counter() - start)
         if step.sampling_req_ids:
@@ -475,6 +487,7 @@ class ModelRunner:
             done,
             self.batch.row_changes,
             embed_hidden,
+            spec_tokens,
         )
         self._in_flight = flight
         return flight
@@ -518,6 +531,9 @@ class ModelRunner:
             # steady decode) left the rows in place: one indexed write, no lookups.
             step.sampling_rows if self.batch.row_changes == flight.rows_at_launch else None,
         )
+        if flight.spec_tokens is not None:
+            assert step.drafts is not None
+            record_accepted(self.batch, step.sampling_req_ids, flight.spec_tokens, step.drafts)
         if self.hooks is not None:
             self.hooks.collected()
         embeddings = []
@@ -533,6 +549,7 @@ class ModelRunner:
             step.logprobs,
             step.prompt_logprobs,
             embeddings,
+            flight.spec_tokens or [],
         )
 
     def _embeddings(self, req_ids: list[str], hidden: torch.Tensor) -> list[PromptEmbedding]:

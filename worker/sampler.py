@@ -248,14 +248,7 @@ def sample(
     scaled = logits / temperature[:, None]
     if masks is not None:
         scaled.index_copy_(0, rows, constrained / temperature.index_select(0, rows)[:, None])
-    if tensors.min_p is not None:
-        # vLLM's order: min_p on the tempered distribution, then top-k and top-p.
-        probs = torch.softmax(scaled, dim=-1)
-        floor = tensors.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    if tensors.any_top_k or tensors.any_top_p:
-        scaled = _apply_top_k_top_p(scaled, tensors)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = _truncated_probs(scaled, tensors)
 
     noise = torch.empty_like(probs)
     noise.exponential_(generator=shared_generator)
@@ -267,6 +260,27 @@ def sample(
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(tensors.greedy, greedy_tokens, sampled)
+
+
+def target_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """The distribution sample() draws a sampled row's token from ([N, V] float32):
+    temperature, min_p, top-k, top-p (greedy rows get temperature 1)."""
+    temperature = torch.where(
+        tensors.greedy, torch.ones_like(tensors.temperature), tensors.temperature
+    )
+    return _truncated_probs(logits / temperature[:, None], tensors)
+
+
+def _truncated_probs(scaled: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """softmax of tempered logits after min_p, top-k and top-p."""
+    if tensors.min_p is not None:
+        # vLLM's order: min_p on the tempered distribution, then top-k and top-p.
+        probs = torch.softmax(scaled, dim=-1)
+        floor = tensors.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    if tensors.any_top_k or tensors.any_top_p:
+        scaled = _apply_top_k_top_p(scaled, tensors)
+    return torch.softmax(scaled, dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

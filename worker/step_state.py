@@ -45,6 +45,18 @@ class StepInputs:
     # Sampler positions of the requests whose embedding this step yields (their prompt
     # ends here; rank 0 only), else None.
     embed_rows: np.ndarray | None = None
+    drafts: DraftPlan | None = None  # speculative decoding: the drafts to verify
+
+
+@dataclass
+class DraftPlan:
+    """One step's drafts, by sampling request (scheduled order): worker/spec_verify.py."""
+
+    drafts: list[list[int] | None]  # [K] None: the request drafted nothing
+    logits_indices: np.ndarray  # [P] int64 every position whose logits are needed
+    first_rows: np.ndarray  # [K] int64 row in those logits of each request's first
+    rows: np.ndarray  # [D] int64 batch rows of the drafted requests
+    temperature: np.ndarray  # [K] float32 each sampling request's temperature
 
 
 @dataclass
@@ -72,3 +84,5 @@ class InFlight:
     rows_at_launch: int = 0
     # The final hidden states of step.embed_rows, when some request asked.
     embed_hidden: torch.Tensor | None = None
+    # Speculative decoding: per sampling request, the tokens after its first.
+    spec_tokens: list[list[int]] | None = None
