@@ -242,7 +242,8 @@ def _print_summary(
         f"output tokens: {s.output_tokens} in {s.seconds:.2f} s "
         f"({s.output_tokens_per_s:.1f} tok/s) | prefix-cache hit rate: "
         f"{s.prefix_cache_hit_rate:.1%} | preemptions: "
-        f"{s.stats.num_preemptions if s.stats else 0}",
+        f"{s.stats.num_preemptions if s.stats else 0}"
+        + (f" | {s.stats.spec_decode.summary()}" if s.stats and s.stats.spec_decode else ""),
         file=sys.stderr,
     )
 

@@ -92,3 +92,20 @@ class SpecDecodeStats(msgspec.Struct, frozen=True, array_like=True):
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: list[int]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts per drafted token."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification emits on average: its accepted drafts plus the one the
+        target sampled after them (vLLM's mean acceptance length)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"spec decode: {self.num_drafts} verifications, acceptance rate "
+            f"{self.acceptance_rate:.1%}, mean accepted length {self.mean_accepted_length:.2f}"
+        )

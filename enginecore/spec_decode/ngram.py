@@ -43,7 +43,8 @@ class NgramIndex:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match (at least lookup_min,
-        at most lookup_max tokens) of the tokens' tail; the latest match wins a tie."""
+        at most lookup_max tokens) of the tokens' tail; a tie goes to the match followed by
+        more tokens, then to the latest."""
         self._extend(tokens)
         self.match_length = 0
         n, num = self._min, len(tokens)
@@ -52,7 +53,7 @@ class NgramIndex:
         found = self._positions.get(tuple(tokens[num - n :]))
         if not found:
             return []
-        best_end, best_len = -1, 0
+        best_end, best = -1, (0, 0)
         longest = min(self._max, num - 1)
         for end in reversed(found):
             length = n
@@ -63,9 +64,12 @@ class NgramIndex:
                 and tokens[end - length - 1] == tokens[num - length - 1]
             ):
                 length += 1
-            if length > best_len:
-                best_end, best_len = end, length
-                if length == longest:
+            # Longest match first; then the one followed by more tokens (a token
+            # repeated at the very end has only itself after its latest match).
+            score = (length, min(k, num - end))
+            if score > best:
+                best_end, best = end, score
+                if score == (longest, k):
                     break
-        self.match_length = best_len
+        self.match_length = best[0]
         return tokens[best_end : best_end + k]
