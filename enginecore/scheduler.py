@@ -572,7 +572,9 @@ class Scheduler:
         if scheduler_output.spec_token_ids:
             assert self.spec is not None
             end = lambda r, why: self._end(r, why, finished)  # noqa: E731
-            self.spec.apply(scheduler_output, output, outputs, self.requests, eos, end)
+            self.num_sampled += self.spec.apply(
+                scheduler_output, output, outputs, self.requests, eos, end
+            )
         self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]

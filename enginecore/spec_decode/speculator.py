@@ -50,15 +50,17 @@ class Speculator:
         requests: Mapping[str, Request],
         eos: frozenset[int],
         end: Callable[[Request, str], None],
-    ) -> None:
-        """Apply the accepted tokens of the requests that verified drafts; `end` finishes
-        a request one of them stopped. ValueError for an answer that does not match the
+    ) -> int:
+        """Apply the accepted tokens of the requests that verified drafts (how many were
+        appended after the first tokens); `end` finishes a request one of them stopped.
+        ValueError for an answer that does not match the
         drafts sent (the wire is not trusted)."""
         extras = output.spec_token_ids
         if extras and len(extras) != len(output.req_ids):
             raise ValueError(f"accepted tokens for {len(extras)} of {len(output.req_ids)} requests")
         where = {o.request_id: k for k, o in enumerate(outputs)}
         drafted = so.spec_token_ids
+        appended_total = 0
         for k, rid in enumerate(output.req_ids):
             drafts = drafted.get(rid)
             extra = extras[k] if extras else []
@@ -74,6 +76,7 @@ class Speculator:
                     self.kv.free_lookahead(request)
                 continue  # finished by its first token (or before): the rest is dropped
             appended, reason = _append(request, extra, eos)
+            appended_total += len(appended)
             at = where[rid]
             o = outputs[at]
             outputs[at] = replace(
@@ -87,6 +90,7 @@ class Speculator:
                 continue
             self.kv.free_lookahead(request)
             self.kv.cache_blocks(request, request.num_computed_tokens)
+        return appended_total
 
     def _check(self, rid: str, drafts: list[int], first: int, extra: list[int]) -> None:
         accepted = len(extra)

@@ -42,6 +42,7 @@ from launch.openai.metric_families import (
     WAITING_REASONS,
     token_buckets,
 )
+from launch.openai.spec_metrics import SpecDecodeMetrics
 from protocol.engine import SchedulerStats
 
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
@@ -67,6 +68,7 @@ class ServerMetrics:
         self.http = HTTPMetrics(r)
         self.model_name = model_name
         self._define_engine(model_name, engines)
+        self.spec_decode = SpecDecodeMetrics(self._metric, model_name, engines)
         self._define_requests(model_name, max_model_len)
         if cache_info is not None:
             info = prom.Gauge(
@@ -234,13 +236,16 @@ class ServerMetrics:
             return None
         if len(seen) == 1:
             return seen[0]
-        total = [sum(getattr(s, f) for s in seen) for f in SchedulerStats.__struct_fields__]
+        fields = SchedulerStats.__struct_fields__[:-1]  # the counts; not spec_decode
+        total = [sum(getattr(s, f) for s in seen) for f in fields]
         usage = SchedulerStats.__struct_fields__.index("kv_cache_usage")
         total[usage] /= len(seen)
         return SchedulerStats(*total)
 
     def on_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         """An engine's stats after a step (engine: its data-parallel index)."""
+        if stats.spec_decode is not None:
+            self.spec_decode.update(engine, stats.spec_decode)
         self.engines[engine].update(stats)
 
     def rejected(self, reason: str = "max_num_queued_reqs") -> None:

@@ -20,7 +20,9 @@ from tests.helpers.cli_helpers import generate_cli
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
 
 MAX_TOKENS = 16
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+NGRAM = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+)
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4}'
 
 MODES = {
