@@ -100,7 +100,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, 
     finished_req_ids: list[str]  # drop all state
     preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
     # Speculative decoding: request id -> draft tokens to verify after its last token
-    # (its num_scheduled_tokens counts them). Left off the wire when empty.
+    # (its num_scheduled_tokens counts them). Empty (one byte) without speculation.
     spec_token_ids: dict[str, list[int]] = {}
 
 
@@ -122,9 +122,7 @@ class PromptEmbedding(msgspec.Struct, frozen=True, array_like=True):
     vector: bytes
 
 
-class ModelRunnerOutput(
-    msgspec.Struct, frozen=True, tag="output", array_like=True, omit_defaults=True
-):
+class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=True):
     """Sampled tokens of the step, for the requests that reached the end of their tokens
     (a request in the middle of a chunked prefill samples nothing)."""
 
@@ -140,7 +138,7 @@ class ModelRunnerOutput(
     embeddings: list[PromptEmbedding] = []
     # Speculative decoding: parallel to req_ids when some request verified drafts, the
     # tokens each accepted after its sampled_token_ids entry (accepted drafts, then the
-    # bonus or correcting token); empty otherwise, and then left off the wire.
+    # bonus or correcting token); empty (one byte) otherwise.
     spec_token_ids: list[list[int]] = []
 
 
