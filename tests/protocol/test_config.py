@@ -108,6 +108,7 @@ NONE_FOR_THIS_LAUNCH = {
         "record_worker",
         "spin_us",
         "zmq_curve_keys",
+        "speculative_config",  # None: no speculation
     },
     WorkerConfig: {"dist_init", "parent_pid", "spin_us", "zmq_curve_keys", "cpus", "node"},
 }
