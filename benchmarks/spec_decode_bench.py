@@ -108,12 +108,17 @@ def main(argv: list[str] | None = None) -> int:
             for workload in a.workloads:
                 for c in a.concurrency:
                     key = f"{workload}@{c}"
-                    cell = cells.setdefault(key, {"off": [], "on": [], "drafts": [0, 0, 0]})
+                    cell = cells.setdefault(
+                        key,
+                        {"off": [], "on": [], "drafts": [0, 0, 0], "steps": {"off": 0, "on": 0}},
+                    )
                     convs = conversations(workload, c)
                     for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
                         before = engines[name].stats
                         seconds, tokens, stats = timed(engines[name], convs, params)
                         cell[name].append(tokens / seconds)
+                        if stats is not None and before is not None:
+                            cell["steps"][name] += stats.step - before.step
                         if name == "on" and stats is not None and stats.spec_decode:
                             s, b = stats.spec_decode, before.spec_decode if before else None
                             cell["drafts"][0] += s.num_drafts - (b.num_drafts if b else 0)
@@ -139,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_median": round(statistics.median(ratios), 3),
             "ratio_min": round(min(ratios), 3),
             "ratio_max": round(max(ratios), 3),
+            # Engine steps the runs took, off over on: what speculation saves in model
+            # passes, free of the machine's noise (greedy: both make the same tokens).
+            "step_ratio": round(cell["steps"]["off"] / cell["steps"]["on"], 3)
+            if cell["steps"]["on"]
+            else 0.0,
             "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else 0.0,
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
         }
