@@ -598,6 +598,48 @@ class KVStateMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     @_step
+    def verify_drafts(self, data: st.DataObject) -> None:
+        """A decode step's drafts verified (speculative decoding): a of the lookahead
+        slots' tokens accepted (their KV is now computed), a bonus token appended, then
+        the blocks past the request's tokens freed: they held only rejected drafts, so
+        none carries a hash, and each goes to the free queue; the blocks the accepted
+        tokens filled are published."""
+        ready = [r for r in self.running.values() if r.num_computed_tokens == r.num_tokens]
+        if not ready:
+            self.schedule(data)
+            return
+        r = data.draw(st.sampled_from(sorted(ready, key=lambda q: q.request_id)), label="req")
+        tables = self.tables(r.request_id)
+        slots = min(len(t) * bs for t, bs in zip(tables, self.block_sizes))
+        room = min(slots, self.max_model_len - 1) - r.num_tokens
+        if room < 0:
+            return
+        for _ in range(data.draw(st.integers(0, room), label="accepted")):
+            r.append_output_token_ids(data.draw(VOCAB, label="draft"))
+            r.num_computed_tokens += 1
+        r.append_output_token_ids(data.draw(VOCAB, label="bonus"))
+        pool = self.mgr.block_pool
+        free_before = pool.get_num_free_blocks()
+        self.mgr.free_lookahead(r)
+        after = self.tables(r.request_id)
+        dropped = [b for t, u in zip(tables, after) for b in t[len(u) :] if b != NULL]
+        for t, u, bs in zip(tables, after, self.block_sizes):
+            assert len(u) == min(len(t), _ceil_div(r.num_tokens, bs)) and u == t[: len(u)]
+        assert all(pool.blocks[b].block_hash is None for b in dropped)
+        assert pool.get_num_free_blocks() == free_before + len(dropped)
+        if dropped:
+            event("rejected drafts' block freed")
+        # The blocks the accepted tokens filled are published now (a decode's fast path
+        # only publishes the block its own token fills).
+        self.mgr.cache_blocks(r, r.num_computed_tokens)
+        for g, bs in enumerate(self.block_sizes):
+            for i, b in enumerate(after[g]):
+                full = b != NULL and self.caching and i < r.num_computed_tokens // bs
+                if full and b not in self.ref.key_of:
+                    self.ref.store(b, self.key(r, g, i))
+
+    @rule(data=st.data())
+    @_step
     def finish(self, data: st.DataObject) -> None:
         if not self.running:
             self.arrival(data)
