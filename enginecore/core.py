@@ -131,10 +131,7 @@ class EngineCore:
         # and the core never plans further ahead than one step it has not seen).
         self._in_flight: deque[SchedulerOutput] = deque()
         self._pending: EngineOutputs | None = None  # the last answer's, until _flush
-        # Drafts follow a request's last token, known only once its step is answered:
-        # speculation runs one step at a time (docs/spec_decode.md).
-        overlap = config.async_scheduling and config.speculative_config is None
-        self._max_in_flight = 2 if overlap else 1
+        self._max_in_flight = 2 if config.async_scheduling else 1
         self._check = config.check_invariants
         self._check_every = 1
         if config.log_kv:
@@ -370,7 +367,15 @@ class EngineCore:
         scheduler = self.scheduler
         in_flight = self._in_flight
         sent = False
-        if len(in_flight) < self._max_in_flight and scheduler.has_unfinished_requests():
+        limit = self._max_in_flight
+        spec = scheduler.spec
+        if (
+            spec is not None
+            and in_flight
+            and spec.serial(in_flight[-1], scheduler.running, scheduler.step_id + 1)
+        ):
+            limit = 1  # drafts need the last answer first (Speculator.serial)
+        if len(in_flight) < limit and scheduler.has_unfinished_requests():
             so = scheduler.schedule()
             # An empty schedule while a step runs is a wait for its answer, not a step.
             if self.config.log_kv and (so.total_num_scheduled_tokens or not in_flight):
@@ -387,7 +392,7 @@ class EngineCore:
                 if outputs:
                     self._send(EngineOutputs(outputs, scheduler.stats()))
         self._flush()
-        if in_flight and (len(in_flight) == self._max_in_flight or not sent):
+        if in_flight and (len(in_flight) >= limit or not sent):
             so = in_flight.popleft()
             # With a further step queued the answer comes at the device's pace: nap.
             result = self.executor.wait_output(nap=bool(in_flight))

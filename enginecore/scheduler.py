@@ -352,7 +352,7 @@ class Scheduler:
             new_blocks = drafts = None
             if spec is not None and remaining == 1 and not pending:
                 # Later requests keep a token each; no room for the drafts' slots: none.
-                drafts = spec.drafts(request, budget - (len(running) - i))
+                drafts = spec.drafts(request, budget - (len(running) - i), self.step_id + 1)
                 if drafts:  # their lookahead slots, or none: no one is preempted for them
                     new_blocks = allocate(request, 1, 0, None, len(drafts))
                     drafts = drafts if new_blocks is not None else None

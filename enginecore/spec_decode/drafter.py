@@ -17,9 +17,10 @@ from enginecore.spec_decode.suffix import SuffixCache
 from protocol.engine import SamplingParams
 from protocol.speculative import SpecDecodeStats, SpeculativeConfig
 
-# After this many verifications in a row accepted nothing, a request stops drafting for
-# a while (doubling each time, up to MAX_PAUSE steps): on free text its drafts are
-# almost always wrong, and each costs a step the tokens it verifies.
+# After this many tries in a row gained nothing (no draft found, or none accepted), a
+# request stops drafting for a while (doubling each time, up to MAX_PAUSE steps): on free
+# text drafts are rare and almost always wrong; each costs a step the tokens it
+# verifies, and a step that drafts cannot overlap the next (enginecore/core.py).
 MISSES_BEFORE_PAUSE = 2
 MAX_PAUSE = 32
 
@@ -49,12 +50,13 @@ class SpecDecodeCounters:
 
 
 class _DraftState:
-    __slots__ = ("index", "misses", "pause")
+    __slots__ = ("index", "last_step", "misses", "resume_at")
 
     def __init__(self, index: NgramIndex | None) -> None:
         self.index = index
-        self.misses = 0  # verifications in a row that accepted no draft
-        self.pause = 0  # steps left without drafts
+        self.misses = 0  # tries in a row that gained nothing
+        self.resume_at = 0  # the first step it drafts again
+        self.last_step = 0  # the step it last drafted in
 
 
 class Drafter:
@@ -81,13 +83,16 @@ class Drafter:
                 request.request_id, request.all_token_ids, request.num_prompt_tokens
             )
 
-    def propose(self, request: Request, limit: int) -> list[int] | None:
-        """At most min(K, limit) drafts to follow the request's tokens, or None."""
+    def wants(self, request_id: str, step: int) -> bool:
+        """Whether the request would try to draft in step `step`."""
+        state = self._states.get(request_id)
+        return state is not None and state.resume_at <= step
+
+    def propose(self, request: Request, limit: int, step: int) -> list[int] | None:
+        """At most min(K, limit) drafts to follow the request's tokens in step `step`,
+        or None."""
         state = self._states.get(request.request_id)
-        if state is None or limit < 1:
-            return None
-        if state.pause:
-            state.pause -= 1
+        if state is None or limit < 1 or state.resume_at > step:
             return None
         k = self.k if self.k < limit else limit
         tokens = request.all_token_ids
@@ -96,7 +101,11 @@ class Drafter:
         else:
             assert self._suffix is not None
             drafts = self._suffix.propose(request.request_id, tokens, request.num_prompt_tokens, k)
-        return drafts or None
+        if not drafts:
+            self._missed(state, step)
+            return None
+        state.last_step = step
+        return drafts
 
     def stats(self) -> SpecDecodeStats:
         c = self.counters
@@ -118,7 +127,12 @@ class Drafter:
             return
         if num_accepted:
             state.misses = 0
-            return
+        else:
+            self._missed(state, state.last_step)
+
+    @staticmethod
+    def _missed(state: _DraftState, step: int) -> None:
         state.misses += 1
         if state.misses >= MISSES_BEFORE_PAUSE:
-            state.pause = min(1 << (state.misses - MISSES_BEFORE_PAUSE + 1), MAX_PAUSE)
+            pause = min(1 << (state.misses - MISSES_BEFORE_PAUSE + 1), MAX_PAUSE)
+            state.resume_at = step + 1 + pause

@@ -33,14 +33,24 @@ class Speculator:
         self.kv = kv
         self.vocab_size = vocab_size
 
-    def drafts(self, request: Request, budget_left: int) -> list[int] | None:
+    def serial(self, last_sent: SchedulerOutput, running: list[Request], step: int) -> bool:
+        """Whether the next step must wait for the answer to `last_sent`: it has drafts
+        (their accepted count decides the next positions), or some running request would
+        draft next (drafts follow a request's last token, which that answer brings).
+        Otherwise steps overlap as with async scheduling."""
+        if last_sent.spec_token_ids:
+            return True
+        wants = self.drafter.wants
+        return any(wants(r.request_id, step) for r in running)
+
+    def drafts(self, request: Request, budget_left: int, step: int) -> list[int] | None:
         """Drafts for a decoding request, within the step's budget left after its own
         token and the ones later requests need, and the request's remaining length (so
         that every accepted token is one it may still produce)."""
         limit = request.max_num_tokens - len(request.all_token_ids) - 1
         if budget_left < limit:
             limit = budget_left
-        return self.drafter.propose(request, limit)
+        return self.drafter.propose(request, limit, step)
 
     def apply(
         self,
