@@ -303,13 +303,16 @@ class ModelRunner:
             self.hooks.planning()
         return self.prepare_step(so)
 
-    @staticmethod
-    def can_plan_ahead(so: SchedulerOutput) -> bool:
+    def can_plan_ahead(self, so: SchedulerOutput) -> bool:
         """Whether `so` can be planned while the previous step's tokens are unknown: not
         when it preempts or resumes a request (its last token may be on its way), nor
         when it reuses the id of a request it finishes (that token would go to the new
-        one). Rare; such a step waits for them."""
+        one), nor after a step with drafts (how many it accepts moves the positions).
+        Rare; such a step waits for them."""
+        flight = self._in_flight
         if so.preempted_req_ids or any(so.cached_reqs.resumed):
+            return False
+        if flight is not None and flight.step.drafts is not None:
             return False
         if so.finished_req_ids and so.new_reqs:
             finished = set(so.finished_req_ids)
