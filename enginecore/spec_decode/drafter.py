@@ -17,12 +17,16 @@ from enginecore.spec_decode.suffix import SuffixCache
 from protocol.engine import SamplingParams
 from protocol.speculative import SpecDecodeStats, SpeculativeConfig
 
-# After this many tries in a row gained nothing (no draft found, or none accepted), a
-# request stops drafting for a while (doubling each time, up to MAX_PAUSE steps): on free
-# text drafts are rare and almost always wrong; each costs a step the tokens it
-# verifies, and a step that drafts cannot overlap the next (enginecore/core.py).
+# After this many verifications in a row accepted nothing, a request stops drafting for
+# a while (doubling each time, up to MAX_PAUSE steps): on free text drafts are rare and
+# almost always wrong; each costs a step the tokens it verifies, and a step that drafts
+# cannot overlap the next (enginecore/core.py).
 MISSES_BEFORE_PAUSE = 2
 MAX_PAUSE = 32
+# A lookup that found nothing pauses the next ones for a step per dry lookup in a row,
+# up to MAX_DRY_PAUSE: a copying request must not wait long once its answer starts
+# repeating, while free text is not looked up every step.
+MAX_DRY_PAUSE = 4
 
 
 def can_draft(params: SamplingParams) -> bool:
@@ -50,11 +54,12 @@ class SpecDecodeCounters:
 
 
 class _DraftState:
-    __slots__ = ("index", "last_step", "misses", "resume_at")
+    __slots__ = ("dry", "index", "last_step", "misses", "resume_at")
 
     def __init__(self, index: NgramIndex | None) -> None:
         self.index = index
-        self.misses = 0  # tries in a row that gained nothing
+        self.misses = 0  # verifications in a row that accepted nothing
+        self.dry = 0  # lookups in a row that found no draft
         self.resume_at = 0  # the first step it drafts again
         self.last_step = 0  # the step it last drafted in
 
@@ -102,8 +107,10 @@ class Drafter:
             assert self._suffix is not None
             drafts = self._suffix.propose(request.request_id, tokens, request.num_prompt_tokens, k)
         if not drafts:
-            self._missed(state, step)
+            state.dry += 1
+            state.resume_at = step + 1 + min(state.dry, MAX_DRY_PAUSE)
             return None
+        state.dry = 0
         state.last_step = step
         return drafts
 
