@@ -67,6 +67,7 @@ log = logging.getLogger("pagedserve.worker")
 # Prompt positions whose logits are taken at once for prompt_logprobs: a chunk of a long
 # prompt would otherwise hold [chunk, vocab] float32 logits (8192 x 150k: 4.9 GB).
 PROMPT_LOGPROBS_SLICE = 512
+NO_SPEC_TOKENS: list[list[int]] = []  # shared by every answer without drafts; never mutated
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -462,10 +463,8 @@ class ModelRunner:
             step.prompt_logprobs = self._prompt_logprobs(hidden, step.prompt_plan)
         tokens = logits = embed_hidden = spec_tokens = None
         if step.drafts is not None:
-            shared = self.default_generator
-            selected, logits, tokens, spec_tokens = run_verification(
-                self.model, hidden, step, shared
-            )
+            verified = run_verification(self.model, hidden, step, self.default_generator)
+            selected, logits, tokens, spec_tokens = verified
         elif step.sampling_req_ids:
             selected = hidden.index_select(0, step.logits_indices)
             logits = self.model.compute_logits(selected)
@@ -552,7 +551,7 @@ class ModelRunner:
             step.logprobs,
             step.prompt_logprobs,
             embeddings,
-            flight.spec_tokens or [],
+            flight.spec_tokens or NO_SPEC_TOKENS,
         )
 
     def _embeddings(self, req_ids: list[str], hidden: torch.Tensor) -> list[PromptEmbedding]:
