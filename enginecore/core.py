@@ -28,6 +28,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
+from enginecore.kv_tier import tier_slots
 from enginecore.kv_event_publisher import KVEventPublisher
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
@@ -154,6 +155,7 @@ class EngineCore:
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
+            kv_tier_slots=tier_slots(self.config.kv_offload_memory, kv_config),
         )
         self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
         # The invariant walk is linear in the pool: a large one is walked every few steps,
@@ -168,6 +170,7 @@ class EngineCore:
                 max_num_reqs=sched_config.max_num_seqs,
                 max_model_len=max_model_len,
                 max_num_batched_tokens=sched_config.max_num_batched_tokens,
+                kv_tier_slots=sched_config.kv_tier_slots,
             )
         )
         block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size

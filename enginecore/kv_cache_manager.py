@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from math import gcd
 
 from enginecore.block_pool import BlockPool
-from enginecore.errors import InvariantViolation
+from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.kv_invariants import check_invariants
+from enginecore.kv_tier import KVTier
 from enginecore.request import Request
 from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
@@ -44,6 +45,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         kv_events_medium: str = MEDIUM_GPU,
         hash_seed: bytes | None = None,
+        kv_tier_slots: int = 0,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -71,6 +73,21 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.has_sliding_window = self.coordinator.has_sliding_window
         self._running_fast_path = self.coordinator.has_running_fast_path
+        self.tier = self._make_tier(kv_cache_config, kv_tier_slots) if kv_tier_slots else None
+
+    def _make_tier(self, kv_cache_config: KVCacheConfig, num_slots: int) -> KVTier:
+        """A second tier behind the pool: evicted cached blocks are stored into it."""
+        groups = kv_cache_config.kv_cache_groups
+        if not self.enable_caching:
+            raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
+        if len(groups) != 1 or self.has_sliding_window:
+            raise ConfigError(
+                "--kv-offload-memory supports one full-attention KV cache group only (this model has "
+                f"{len(groups)} group(s){', sliding window' if self.has_sliding_window else ''})"
+            )
+        tier = KVTier(num_slots, groups[0].kv_cache_spec.block_size)
+        self.block_pool.on_evict = tier.on_evict
+        return tier
 
     # -- lookup -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -337,3 +354,5 @@ class KVCacheManager:
         """Debugging and tests: every KV rule (kv_invariants). requests: every request
         holding blocks, by id (more may be listed)."""
         check_invariants(self.block_pool, self.coordinator.managers, requests)
+        if self.tier is not None:
+            self.tier.check_invariants()

@@ -72,6 +72,7 @@ class SchedulerConfig:
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
+    kv_tier_slots: int = 0  # blocks of the second KV tier (enginecore/kv_tier.py); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -101,6 +102,7 @@ class Scheduler:
             enable_kv_events=config.enable_kv_events,
             kv_events_medium=config.kv_events_medium,
             hash_seed=config.hash_seed,
+            kv_tier_slots=config.kv_tier_slots,
         )
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.scheduling_policy)
@@ -387,7 +389,10 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
             hits, num_hit = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            # Blocks past the device hit that the KV tier holds load into new blocks.
+            tier = None if request.skip_reading_prefix_cache else kv.tier
+            num_tier = tier.lookup(request, num_hit) if tier is not None else 0
+            num_new = request.num_tokens - num_hit - num_tier
             if num_new > plan.budget:
                 num_new = plan.budget
             if (
@@ -396,9 +401,14 @@ class Scheduler:
                 and not self._resume_fits(request.num_tokens + 1)
             ):
                 break  # resumed now, it would be the next victim: wait for room
-            new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit, hits if num_hit else None, 0, num_tier
+            )
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
+            if tier is not None and num_tier:
+                tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
+                num_hit += num_tier  # loaded before the step's forward: computed
             waiting.pop_head()
             if self._by_priority:
                 # Ahead of every running request it outranks: scheduled before them, and
@@ -484,6 +494,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted,
+            kv_tier=kv.tier.take_ops() if kv.tier is not None else None,
         )
 
     def _preempt(self, request: Request) -> None:

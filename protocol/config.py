@@ -106,6 +106,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # A keys directory (protocol/zmq_security.py): every tcp:// socket of the core is a
     # CURVE server admitting its client keys; None: no CURVE.
     zmq_curve_keys: str | None = None
+    # Host memory per worker for the second KV tier (evicted prefix-cache blocks are kept
+    # there and loaded back instead of recomputed); None: no tier.
+    kv_offload_memory: int | None = None
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).

@@ -13,7 +13,7 @@ from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -54,13 +54,17 @@ class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
     sampling_defaults: SamplingDefaults  # from generation_config.json
 
 
-class WorkerConfigure(msgspec.Struct, frozen=True, tag="configure", array_like=True):
+class WorkerConfigure(
+    msgspec.Struct, frozen=True, tag="configure", array_like=True, omit_defaults=True
+):
     """The core's answer to every worker: allocate exactly this."""
 
     kv_cache_config: KVCacheConfig
     max_num_reqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    # Blocks the host-memory KV tier holds (each rank its shard of each); 0: no tier.
+    kv_tier_slots: int = 0
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
@@ -90,7 +94,19 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_skipped_blocks: list[list[int] | None]
 
 
-class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
+class KVTierOps(msgspec.Struct, frozen=True, array_like=True):
+    """A step's KV tier transfers, run before its forward: every store (device block ->
+    tier slot), then every load (tier slot -> device block). Parallel lists."""
+
+    store_block_ids: list[int]
+    store_slots: list[int]  # distinct within a step
+    load_slots: list[int]
+    load_block_ids: list[int]  # freshly allocated, distinct
+
+
+class SchedulerOutput(
+    msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True
+):
     step_id: int
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData
@@ -99,6 +115,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # drop all state
     preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
+    kv_tier: KVTierOps | None = None  # None (left off the wire): no tier transfer
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -39,6 +39,7 @@ from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
+from worker.kv_host_tier import HostKVTier
 from worker.kv_cache_memory import (
     allocate_kv_caches,
     check_fits,
@@ -149,6 +150,7 @@ class ModelRunner:
                 if isinstance(module, (Linear, ParallelLMHead)):
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
         self.generators: dict[str, torch.Generator] = {}
         # Requests whose output must stay inside a language (structured outputs).
         self.grammars = GrammarMatchers(config.model, self.eos_token_ids)
@@ -254,6 +256,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
+        self.kv_tier = HostKVTier(self.kv_caches, msg.kv_tier_slots) if msg.kv_tier_slots else None
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
         self.buffers = StepBuffers(
@@ -287,6 +290,8 @@ class ModelRunner:
         schedules no tokens). While a step is in flight (the worker plans its successor
         before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
+        if so.kv_tier is not None:
+            self._kv_tier_transfers(so)
         grammars = self.grammars
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
@@ -301,6 +306,14 @@ class ModelRunner:
         if self.hooks is not None:
             self.hooks.planning()
         return self.prepare_step(so)
+
+    def _kv_tier_transfers(self, so: SchedulerOutput) -> None:
+        # Before the step's forward; a step in flight before it ran first (on the CPU it
+        # is done, on a GPU the copies queue behind it), so stores read its writes.
+        if self.kv_tier is None:
+            raise ValueError(f"step {so.step_id} moves KV tier blocks, but no tier is configured")
+        assert so.kv_tier is not None
+        self.kv_tier.apply(so.kv_tier)
 
     @staticmethod
     def can_plan_ahead(so: SchedulerOutput) -> bool:

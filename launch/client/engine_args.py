@@ -89,6 +89,7 @@ CORE_SETTINGS = (
     "check_invariants",
     "spin_us",
     "zmq_curve_keys",
+    "kv_offload_memory",
 )
 
 
@@ -141,6 +142,8 @@ class EngineArgs:
     dtype: DType = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None
+    # Host memory per worker for the second KV tier (docs/kv_tier.md); None: off.
+    kv_offload_memory: int | None = None
     # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
@@ -212,6 +215,10 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_offload_memory is not None and self.kv_offload_memory < 1:
+            raise ValueError(f"kv_offload_memory must be >= 1 byte, got {self.kv_offload_memory}")
+        if self.kv_offload_memory is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory keeps prefix-cache blocks: enable prefix caching")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:
