@@ -28,8 +28,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
-from enginecore.kv_tier import tier_slots
 from enginecore.kv_event_publisher import KVEventPublisher
+from enginecore.kv_tier import tier_settings
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
 from protocol.config import (
@@ -148,6 +148,7 @@ class EngineCore:
         first = hellos[0]
         max_model_len = self._check_hellos(hellos)
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
+        tier = tier_settings(self.config, kv_config)
         sched_config = scheduler_config(
             self.config,
             device=first.device,
@@ -155,7 +156,7 @@ class EngineCore:
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
-            kv_tier_slots=tier_slots(self.config.kv_offload_memory, kv_config),
+            kv_tier_slots=tier.kv_tier_slots,
         )
         self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
         # The invariant walk is linear in the pool: a large one is walked every few steps,
@@ -164,15 +165,19 @@ class EngineCore:
         max_model_len = self.scheduler.config.max_model_len
         if self.config.kv_events_endpoint is not None:
             self._start_kv_events(self.config.kv_events_endpoint)
-        self.executor.configure(
+        readies = self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,
                 max_num_reqs=sched_config.max_num_seqs,
                 max_model_len=max_model_len,
                 max_num_batched_tokens=sched_config.max_num_batched_tokens,
-                kv_tier_slots=sched_config.kv_tier_slots,
+                **dataclasses.asdict(tier),
             )
         )
+        kv_tier = self.scheduler.kv_cache_manager.tier
+        if kv_tier is not None and tier.kv_tier_dir is not None:
+            restored = kv_tier.restore([r.kv_tier_restored for r in readies])
+            log.info("KV tier: %d block(s) restored from %s", restored, tier.kv_tier_dir)
         block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size
         kv = self.scheduler.kv_cache_manager
         per_request = kv.max_blocks_held(max_model_len, sched_config.max_num_batched_tokens)

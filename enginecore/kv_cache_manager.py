@@ -82,8 +82,9 @@ class KVCacheManager:
             raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
         if len(groups) != 1 or self.has_sliding_window:
             raise ConfigError(
-                "--kv-offload-memory supports one full-attention KV cache group only (this model has "
-                f"{len(groups)} group(s){', sliding window' if self.has_sliding_window else ''})"
+                "--kv-offload-memory supports one full-attention KV cache group only (this "
+                f"model has {len(groups)} group(s)"
+                f"{', sliding window' if self.has_sliding_window else ''})"
             )
         tier = KVTier(num_slots, groups[0].kv_cache_spec.block_size)
         self.block_pool.on_evict = tier.on_evict

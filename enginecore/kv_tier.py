@@ -10,6 +10,9 @@ load lands before the step reads it.
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,14 +20,30 @@ from dataclasses import dataclass
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.request import Request
+from protocol.config import EngineCoreConfig
 from protocol.kv_cache import KVCacheConfig
-from protocol.worker import KVTierOps
+from protocol.worker import KVTierOps, RestoredBlock
+
+log = logging.getLogger("pagedserve.core")
 
 
-def tier_slots(memory: int | None, kv_cache_config: KVCacheConfig) -> int:
-    """How many blocks `memory` bytes of host tier hold per worker (0: no tier)."""
+@dataclass(frozen=True)
+class TierSettings:
+    """What the core tells the workers about the tier (WorkerConfigure's kv_tier_*)."""
+
+    kv_tier_slots: int = 0
+    kv_tier_dir: str | None = None
+    kv_tier_dir_slots: int = 0
+    kv_tier_key: str = ""
+
+
+def tier_settings(config: EngineCoreConfig, kv_cache_config: KVCacheConfig) -> TierSettings:
+    """The tier's size in blocks from the flags (ConfigError when they make no sense)."""
+    memory = config.kv_offload_memory
     if memory is None:
-        return 0
+        if config.kv_cache_dir is not None:
+            raise ConfigError("--kv-cache-dir persists the host tier: give --kv-offload-memory")
+        return TierSettings()
     block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(
         kv_cache_config.num_blocks, 1
     )
@@ -34,7 +53,25 @@ def tier_slots(memory: int | None, kv_cache_config: KVCacheConfig) -> int:
             f"--kv-offload-memory {memory} bytes holds no KV block ({block_bytes} bytes "
             "each per worker): give more"
         )
-    return slots
+    if config.kv_cache_dir is None:
+        return TierSettings(slots)
+    dir_slots = 0
+    if config.kv_cache_dir_size is not None:
+        dir_slots = min(slots, config.kv_cache_dir_size // block_bytes)
+        if dir_slots < 1:
+            raise ConfigError("--kv-cache-dir-size holds no KV block: give more")
+    seed = config.prefix_cache_hash_seed
+    if seed is None:
+        log.warning(
+            "--kv-cache-dir without --prefix-cache-hash-seed-file: block hashes change at "
+            "every start, so blocks stored now are never found after a restart"
+        )
+    # The workers compare this digest, never the seed itself.
+    key = hashlib.blake2b(
+        f"{config.hash_algo}:{seed if seed is not None else os.urandom(16).hex()}".encode(),
+        digest_size=16,
+    ).hexdigest()
+    return TierSettings(slots, config.kv_cache_dir, dir_slots, key)
 
 
 @dataclass
@@ -68,7 +105,26 @@ class KVTier:
         self._load_slots: list[int] = []
         self._load_blocks: list[int] = []
         self._found: list[bytes] = []  # hashes of the last lookup, until load_found
+        # With a disk tier, stores carry each block's hash and hash input to the workers.
+        self.persist = False
+        self._store_hashes: list[bytes] = []
+        self._store_inputs: list[bytes] = []
         self.stats = KVTierStats()
+
+    def restore(self, ranks: Sequence[Sequence[RestoredBlock]]) -> int:
+        """Persist from now on, and index the slots every rank read back from its disk
+        tier with equal content (a rank that lost its shard of a block makes it a miss);
+        how many."""
+        self.persist = True
+        common = {(b.slot, b.block_hash, b.hash_input) for b in ranks[0]} if ranks else set()
+        for blocks in ranks[1:]:
+            common &= {(b.slot, b.block_hash, b.hash_input) for b in blocks}
+        for slot, block_hash, hash_input in sorted(common):
+            if slot < self.num_slots and block_hash not in self._index:
+                self._index[block_hash] = (slot, hash_input)
+        used = {slot for slot, _ in self._index.values()}
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        return len(self._index)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -92,6 +148,9 @@ class KVTier:
         self._busy.add(slot)
         self._store_blocks.append(block.block_id)
         self._store_slots.append(slot)
+        if self.persist:
+            self._store_hashes.append(block_hash)
+            self._store_inputs.append(block.hash_input)
         self.stats.stored += 1
 
     def _take_slot(self) -> int:
@@ -147,8 +206,17 @@ class KVTier:
         self._busy.clear()
         if not self._store_blocks and not self._load_blocks:
             return None
-        ops = KVTierOps(self._store_blocks, self._store_slots, self._load_slots, self._load_blocks)
+        ops = KVTierOps(
+            self._store_blocks,
+            self._store_slots,
+            self._load_slots,
+            self._load_blocks,
+            self._store_hashes,
+            self._store_inputs,
+        )
         self._store_blocks, self._store_slots = [], []
+        if self.persist:
+            self._store_hashes, self._store_inputs = [], []
         self._load_slots, self._load_blocks = [], []
         return ops
 

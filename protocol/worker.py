@@ -65,11 +65,26 @@ class WorkerConfigure(
     max_num_batched_tokens: int
     # Blocks the host-memory KV tier holds (each rank its shard of each); 0: no tier.
     kv_tier_slots: int = 0
+    # The disk tier's directory (each rank persists its slots there); None: none.
+    kv_tier_dir: str | None = None
+    kv_tier_dir_slots: int = 0  # slots persisted (--kv-cache-dir-size); 0: all
+    # A digest of the block hash function and its seed (never the seed): stored blocks
+    # of another deployment's hashes are ignored.
+    kv_tier_key: str = ""
 
 
-class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+class RestoredBlock(msgspec.Struct, frozen=True, array_like=True):
+    """A tier slot a worker read back from its disk tier at start-up, verified."""
+
+    slot: int
+    block_hash: bytes
+    hash_input: bytes
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True, omit_defaults=True):
     rank: int
     num_gpu_blocks: int
+    kv_tier_restored: list[RestoredBlock] = []
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -94,7 +109,7 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_skipped_blocks: list[list[int] | None]
 
 
-class KVTierOps(msgspec.Struct, frozen=True, array_like=True):
+class KVTierOps(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """A step's KV tier transfers, run before its forward: every store (device block ->
     tier slot), then every load (tier slot -> device block). Parallel lists."""
 
@@ -102,11 +117,13 @@ class KVTierOps(msgspec.Struct, frozen=True, array_like=True):
     store_slots: list[int]  # distinct within a step
     load_slots: list[int]
     load_block_ids: list[int]  # freshly allocated, distinct
+    # With a disk tier, parallel to store_slots: each block's hash and hash input, kept
+    # beside its bytes so that a restart can rebuild the index. Empty without one.
+    store_hashes: list[bytes] = []
+    store_inputs: list[bytes] = []
 
 
-class SchedulerOutput(
-    msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True
-):
+class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True):
     step_id: int
     new_reqs: list[NewRequestData]
     cached_reqs: CachedRequestData

@@ -31,6 +31,7 @@ from protocol.worker import (
     ModelRunnerOutput,
     PromptEmbedding,
     PromptLogprobs,
+    RestoredBlock,
     SchedulerOutput,
     WorkerConfigure,
 )
@@ -39,7 +40,6 @@ from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
-from worker.kv_host_tier import HostKVTier
 from worker.kv_cache_memory import (
     allocate_kv_caches,
     check_fits,
@@ -48,6 +48,7 @@ from worker.kv_cache_memory import (
     kv_cache_storage_bytes,
     profile_step,
 )
+from worker.kv_host_tier import HostKVTier, make_kv_tier
 from worker.layers import GatedMLP, Linear, ParallelLMHead, RMSNorm
 from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
@@ -151,6 +152,7 @@ class ModelRunner:
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
+        self.kv_tier_restored: list[RestoredBlock] = []  # read back from its disk tier
         self.generators: dict[str, torch.Generator] = {}
         # Requests whose output must stay inside a language (structured outputs).
         self.grammars = GrammarMatchers(config.model, self.eos_token_ids)
@@ -256,7 +258,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
-        self.kv_tier = HostKVTier(self.kv_caches, msg.kv_tier_slots) if msg.kv_tier_slots else None
+        self.kv_tier, self.kv_tier_restored = make_kv_tier(msg, self.kv_caches, self.config)
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
         self.buffers = StepBuffers(

@@ -107,9 +107,9 @@ def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> N
     sched = tier_scheduler(num_blocks=8, slots=8)
     doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
     worker = SimWorker()
-    drive(sched, worker, [(doc_a + [5], 1)])
-    drive(sched, worker, [(doc_b + [5], 1)])
-    drive(sched, worker, [(doc_a + [6], 1)])
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
     assert sched.num_prompt_cached_tokens == 16  # the first 16 tokens of doc_a: loaded

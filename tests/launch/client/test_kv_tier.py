@@ -30,7 +30,7 @@ def _docs() -> list[list[int]]:
 def _questions(docs: list[list[int]]) -> list[list[int]]:
     """Each document twice with another short question after it: the second round's
     prefixes were evicted from a 24-block pool by the other documents."""
-    return [doc + [3 + r, 5 + i] for r in range(2) for i, doc in enumerate(docs)]
+    return [[*doc, 3 + r, 5 + i] for r in range(2) for i, doc in enumerate(docs)]
 
 
 def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[list[int], int]]:
