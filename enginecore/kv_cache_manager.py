@@ -86,7 +86,10 @@ class KVCacheManager:
                 f"model has {len(groups)} group(s)"
                 f"{', sliding window' if self.has_sliding_window else ''})"
             )
-        tier = KVTier(num_slots, groups[0].kv_cache_spec.block_size)
+        block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        tier = KVTier(
+            num_slots, groups[0].kv_cache_spec.block_size, block_bytes // kv_cache_config.num_blocks
+        )
         self.block_pool.on_evict = tier.on_evict
         return tier
 

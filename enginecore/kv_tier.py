@@ -21,6 +21,7 @@ from enginecore.errors import ConfigError
 from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.request import Request
 from protocol.config import EngineCoreConfig
+from protocol.engine import KVTierStats
 from protocol.kv_cache import KVCacheConfig
 from protocol.worker import KVTierOps, RestoredBlock
 
@@ -75,7 +76,7 @@ def tier_settings(config: EngineCoreConfig, kv_cache_config: KVCacheConfig) -> T
 
 
 @dataclass
-class KVTierStats:
+class KVTierCounts:
     """Tier lookups in blocks (asked after a device miss), and transfers in blocks."""
 
     queries: int = 0
@@ -89,11 +90,12 @@ class KVTier:
     """Slots 0..num_slots-1, an LRU over their content; a lookup matches a block only if
     its hash and its exact content (the hash input) are equal, as on the device."""
 
-    def __init__(self, num_slots: int, block_size: int) -> None:
+    def __init__(self, num_slots: int, block_size: int, block_bytes: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.block_size = block_size
+        self.block_bytes = block_bytes  # per worker, for the stats
         # hash -> (slot, hash input); first = least recently stored or loaded.
         self._index: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
@@ -109,7 +111,7 @@ class KVTier:
         self.persist = False
         self._store_hashes: list[bytes] = []
         self._store_inputs: list[bytes] = []
-        self.stats = KVTierStats()
+        self.stats = KVTierCounts()
 
     def restore(self, ranks: Sequence[Sequence[RestoredBlock]]) -> int:
         """Persist from now on, and index the slots every rank read back from its disk
@@ -125,6 +127,11 @@ class KVTier:
         used = {slot for slot, _ in self._index.values()}
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
         return len(self._index)
+
+    def wire_stats(self) -> KVTierStats:
+        """The counts for SchedulerStats, lookups in tokens."""
+        c, bs = self.stats, self.block_size
+        return KVTierStats(c.queries * bs, c.hits * bs, c.stored, c.loaded, self.block_bytes)
 
     def __len__(self) -> int:
         return len(self._index)

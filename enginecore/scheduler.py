@@ -588,4 +588,5 @@ class Scheduler:
             num_prompt_computed_tokens=self.num_prompt_computed_tokens,
             num_prompt_cached_tokens=self.num_prompt_cached_tokens,
             num_sampled_tokens=self.num_sampled,
+            kv_tier=kv.tier.wire_stats() if kv.tier is not None else None,
         )

@@ -242,8 +242,21 @@ def _print_summary(
         f"output tokens: {s.output_tokens} in {s.seconds:.2f} s "
         f"({s.output_tokens_per_s:.1f} tok/s) | prefix-cache hit rate: "
         f"{s.prefix_cache_hit_rate:.1%} | preemptions: "
-        f"{s.stats.num_preemptions if s.stats else 0}",
+        f"{s.stats.num_preemptions if s.stats else 0}" + _tier_summary(s),
         file=sys.stderr,
+    )
+
+
+def _tier_summary(s: Any) -> str:
+    """The KV tier's part of the summary line (empty without a tier)."""
+    t = s.stats.kv_tier if s.stats else None
+    if t is None:
+        return ""
+    mib = t.block_bytes / (1 << 20)
+    return (
+        f" | KV tier: {t.hits}/{t.queries} tokens hit, {t.stored_blocks} blocks stored "
+        f"({t.stored_blocks * mib:.1f} MiB), {t.loaded_blocks} loaded "
+        f"({t.loaded_blocks * mib:.1f} MiB)"
     )
 
 

@@ -419,7 +419,19 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     num_preemptions: int = 0
 
 
-class SchedulerStats(msgspec.Struct, frozen=True):
+class KVTierStats(msgspec.Struct, frozen=True):
+    """The second KV tier since start (docs/kv_tier.md): prompt tokens looked up in it
+    after a device miss and found; blocks stored into it and loaded from it, and their
+    bytes per worker."""
+
+    queries: int = 0
+    hits: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    block_bytes: int = 0
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -432,6 +444,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     num_prompt_computed_tokens: int = 0
     num_prompt_cached_tokens: int = 0
     num_sampled_tokens: int = 0
+    kv_tier: KVTierStats | None = None  # None: no tier
 
 
 class Rejection(msgspec.Struct, frozen=True, array_like=True):

@@ -32,7 +32,11 @@ def _docs() -> list[list[int]]:
 
 def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[list[int], int]]:
     settings: dict[str, Any] = dict(
-        device=CPU, num_gpu_blocks=24, block_size=BLOCK, max_model_len=64, enable_prefix_caching=True
+        device=CPU,
+        num_gpu_blocks=24,
+        block_size=BLOCK,
+        max_model_len=64,
+        enable_prefix_caching=True,
     )
     settings.update(prefix_cache_hash_seed=SEED, kv_offload_memory=1 << 20)
     settings.update(tier)
