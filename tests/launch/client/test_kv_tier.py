@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from launch import LLM, SamplingParams
+from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy
 
@@ -33,16 +34,19 @@ def _questions(docs: list[list[int]]) -> list[list[int]]:
     return [[*doc, 3 + r, 5 + i] for r in range(2) for i, doc in enumerate(docs)]
 
 
-def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[list[int], int]]:
-    # One request at a time, so eviction order (and the tier's traffic) is fixed.
-    with LLM(
-        str(model), device=CPU, num_gpu_blocks=24, block_size=BLOCK, max_model_len=64, **tier
-    ) as llm:
+def _serve(
+    model: Path, prompts: list[list[int]], batch: int = 1, **settings: Any
+) -> tuple[list[tuple[list[int], int]], KVTierStats | None]:
+    """(tokens, cached prompt tokens) per prompt, served `batch` at a time (1: eviction
+    order, and the tier's traffic, are fixed); the tier's counts at the end."""
+    settings = dict(num_gpu_blocks=24, max_model_len=64) | settings
+    with LLM(str(model), device=CPU, block_size=BLOCK, **settings) as llm:
         out = []
-        for prompt in prompts:
-            (res,) = llm.generate([prompt], GREEDY, use_tqdm=False)
-            out.append((res.token_ids, res.num_cached_tokens))
-        return out
+        for i in range(0, len(prompts), batch):
+            for res in llm.generate(prompts[i : i + batch], GREEDY, use_tqdm=False):
+                out.append((res.token_ids, res.num_cached_tokens))
+        stats = llm.last_summary.stats
+        return out, stats.kv_tier if stats else None
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +60,44 @@ def test_a_pool_smaller_than_the_working_set_hits_in_the_host_tier_with_equal_to
     llama_dir: Path, hf_model: torch.nn.Module
 ) -> None:
     prompts = _questions(_docs())
-    off = _serve(llama_dir, prompts)
-    on = _serve(llama_dir, prompts, kv_offload_memory=1 << 20)
+    off, no_tier = _serve(llama_dir, prompts)
+    on, tier = _serve(llama_dir, prompts, kv_offload_memory=1 << 20)
+    assert no_tier is None
     for prompt, (tokens_off, _), (tokens_on, _) in zip(prompts, off, on):
         assert tokens_on == tokens_off == hf_greedy(hf_model, prompt, NEW_TOKENS)
     second_round = slice(len(prompts) // 2, None)
     # Without a tier the evicted documents recompute; with it every full block comes back.
     assert sum(cached for _, cached in off[second_round]) == 0
     assert [cached for _, cached in on[second_round]] == [DOC_TOKENS] * 4
+    # Visible in the stats: every hit token was loaded, 2 KiB per block.
+    assert tier is not None and tier.hits == 4 * DOC_TOKENS and tier.loaded_blocks == 40
+    assert tier.block_bytes == 2048 and tier.stored_blocks >= 40
 
 
 def test_a_tier_of_few_slots_keeps_the_most_recent_blocks_and_tokens_stay_equal(
     llama_dir: Path,
 ) -> None:
-    # 6 slots (each block is 2 layers x K,V x 4 tokens x 2 heads x 32 x 4 bytes = 4 KiB):
+    # 6 slots of 2 KiB blocks (the tiny model's K and V of 4 tokens, all layers):
     # the tier evicts too, loads partial prefixes, and never a wrong block.
     prompts = _questions(_docs())
-    off = _serve(llama_dir, prompts)
-    on = _serve(llama_dir, prompts, kv_offload_memory=6 * 4096)
+    off, _ = _serve(llama_dir, prompts)
+    on, _ = _serve(llama_dir, prompts, kv_offload_memory=6 * 2048)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert all(cached % BLOCK == 0 and cached <= DOC_TOKENS for _, cached in on)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param(dict(tensor_parallel_size=2), id="tp2"),
+        pytest.param(dict(max_num_batched_tokens=16), id="chunked_prefill"),
+        pytest.param(dict(batch=4, num_gpu_blocks=16, max_model_len=48), id="preemption"),
+        pytest.param(dict(async_scheduling=True), id="async_scheduling"),
+    ],
+)
+def test_tokens_equal_with_and_without_the_tier(llama_dir: Path, settings: dict) -> None:
+    prompts = _questions(_docs())
+    off, _ = _serve(llama_dir, prompts, **settings)
+    on, tier = _serve(llama_dir, prompts, kv_offload_memory=1 << 20, **settings)
+    assert [t for t, _ in on] == [t for t, _ in off]
+    assert tier is not None and tier.hits > 0
