@@ -130,10 +130,11 @@ class ServerMetrics:
         queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
         hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
         preemptions = one(counter, "vllm:num_preemptions", "Preempted requests.")
-        tier_counts = {
+        tier = {
             name: one(counter, f"pagedserve:kv_tier_{name}", text)
             for name, text in TIER_COUNTERS.items()
         }
+        tier_counts = [{name: each[e] for name, each in tier.items()} for e in range(engines)]
         prompt_by_source = by(
             counter,
             "vllm:prompt_tokens_by_source",
