@@ -54,7 +54,7 @@ from protocol.engine import (
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
-from protocol.worker import SchedulerOutput, WorkerConfigure, WorkerHello
+from protocol.worker import CachedRequestData, SchedulerOutput, WorkerConfigure, WorkerHello
 from protocol.zmq_security import (
     KeysError,
     ServerKeys,
@@ -423,6 +423,16 @@ class EngineCore:
         if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
             raise ClientGone("the launcher went away")
 
+    def _persist_kv_tier(self) -> None:
+        """A last step of no tokens: a disk tier stores the blocks still on the device."""
+        ops = self.scheduler.kv_cache_manager.flush_to_tier()
+        if ops is not None:
+            self.scheduler.step_id += 1
+            empty = CachedRequestData([], [], [], [], [])
+            self.executor.send(
+                SchedulerOutput(self.scheduler.step_id, [], empty, [], 0, [], [], ops)
+            )
+
     def fail(self, reason: str) -> None:
         """Fail every open request with reason, tell the client (if it is still there),
         stop the workers."""
@@ -434,6 +444,9 @@ class EngineCore:
     def close(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        if hasattr(self, "scheduler"):
+            with contextlib.suppress(WorkerDied):  # a lost worker keeps what it wrote
+                self._persist_kv_tier()
         self.executor.shutdown()
         if self.auth is not None:
             self.auth.stop()

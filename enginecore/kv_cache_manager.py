@@ -15,6 +15,7 @@ from enginecore.request import Request
 from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
+from protocol.worker import KVTierOps
 
 
 @dataclass
@@ -295,6 +296,17 @@ class KVCacheManager:
             raise KeyError(f"unknown request id {rid!r}: it holds no KV cache blocks")
         if not request.holds_kv_blocks:
             raise InvariantViolation(f"request id {rid!r} belongs to another request object")
+
+    def flush_to_tier(self) -> KVTierOps | None:
+        """Stores of every cached device block into a persisting tier (before the workers
+        stop: a restart then finds the hottest blocks too); None without one."""
+        tier = self.tier
+        if tier is None or not tier.persist:
+            return None
+        for block in self.block_pool.blocks:
+            if block.block_hash is not None:
+                tier.on_evict(block)
+        return tier.take_ops()
 
     # -- whole cache ------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -50,8 +50,8 @@ def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[lis
 
 @pytest.fixture(scope="module")
 def warm_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A disk tier holding what the device evicted: all of the first document, the tail
-    of the second (the rest is still on the device when the engine stops)."""
+    """A disk tier holding every document: what the device evicted during the run, and
+    what it still held when the engine stopped."""
     path = tmp_path_factory.mktemp("kv-tier")
     _serve(llama_dir, [[*d, 1] for d in _docs()], kv_cache_dir=str(path))
     return path
@@ -76,10 +76,11 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_a_restart_onto_a_warm_disk_tier_loads_the_stored_prefixes(
     llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path
 ) -> None:
-    assert len(list((warm_dir / "rank0").glob("slot*.kv"))) == 19
+    assert len(list((warm_dir / "rank0").glob("slot*.kv"))) >= 40  # 4 documents x 10 blocks
     out = _serve(llama_dir, _questions(), kv_cache_dir=str(_copy(warm_dir, tmp_path / "d")))
     assert [t for t, _ in out] == expected
-    assert out[0][1] == DOC_TOKENS  # loaded from disk, not one token recomputed
+    # Loaded from disk, not one token recomputed (the last document was on the device).
+    assert [c for _, c in out] == [DOC_TOKENS] * 4
     # Without the disk, the restarted engine recomputes it.
     assert _serve(llama_dir, _questions()[:1])[0][1] == 0
 
