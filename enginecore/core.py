@@ -54,7 +54,13 @@ from protocol.engine import (
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
-from protocol.worker import CachedRequestData, SchedulerOutput, WorkerConfigure, WorkerHello
+from protocol.worker import (
+    CachedRequestData,
+    SchedulerOutput,
+    WorkerConfigure,
+    WorkerHello,
+    with_kv_tier,
+)
 from protocol.zmq_security import (
     KeysError,
     ServerKeys,
@@ -429,9 +435,8 @@ class EngineCore:
         if ops is not None:
             self.scheduler.step_id += 1
             empty = CachedRequestData([], [], [], [], [])
-            self.executor.send(
-                SchedulerOutput(self.scheduler.step_id, [], empty, [], 0, [], [], ops)
-            )
+            step = SchedulerOutput(self.scheduler.step_id, [], empty, [], 0, [], [])
+            self.executor.send(with_kv_tier(step, ops))
 
     def fail(self, reason: str) -> None:
         """Fail every open request with reason, tell the client (if it is still there),

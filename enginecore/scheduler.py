@@ -52,6 +52,7 @@ from protocol.worker import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    with_kv_tier,
 )
 
 
@@ -484,7 +485,7 @@ class Scheduler:
         self.step_id += 1
         if total:  # workers answer only steps that run tokens
             self._due.append((self.step_id, plan.num_due))
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step_id=self.step_id,
             new_reqs=plan.new_reqs,
             cached_reqs=CachedRequestData(
@@ -494,8 +495,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted,
-            kv_tier=kv.tier.take_ops() if kv.tier is not None else None,
         )
+        return so if kv.tier is None else with_kv_tier(so, kv.tier.take_ops())
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -132,7 +132,20 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, 
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]  # drop all state
     preempted_req_ids: list[str]  # leave the batch, keep tokens: they will resume
-    kv_tier: KVTierOps | None = None  # None (left off the wire): no tier transfer
+
+
+class TierStep(SchedulerOutput, frozen=True, tag="tier_step", array_like=True):
+    """A step that also moves KV tier blocks: its own type, so that every other step's
+    frame stays exactly a SchedulerOutput's."""
+
+    kv_tier: KVTierOps
+
+
+def with_kv_tier(so: SchedulerOutput, ops: KVTierOps | None) -> SchedulerOutput:
+    """so, carrying ops when there are any."""
+    if ops is None:
+        return so
+    return TierStep(*msgspec.structs.astuple(so), ops)
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -196,6 +209,7 @@ CoreToWorker = (
     | WorkerRejected
     | WorkerConfigure
     | SchedulerOutput
+    | TierStep
     | ShutdownWorker
     | DumpBlockTables
 )

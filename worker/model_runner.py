@@ -33,6 +33,7 @@ from protocol.worker import (
     PromptLogprobs,
     RestoredBlock,
     SchedulerOutput,
+    TierStep,
     WorkerConfigure,
 )
 from worker.attention import AttentionMetadata
@@ -292,8 +293,8 @@ class ModelRunner:
         schedules no tokens). While a step is in flight (the worker plans its successor
         before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
-        if so.kv_tier is not None:
-            self._kv_tier_transfers(so)
+        if so.__class__ is TierStep:
+            self._kv_tier_transfers(so)  # type: ignore[arg-type]
         grammars = self.grammars
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
@@ -309,12 +310,11 @@ class ModelRunner:
             self.hooks.planning()
         return self.prepare_step(so)
 
-    def _kv_tier_transfers(self, so: SchedulerOutput) -> None:
+    def _kv_tier_transfers(self, so: TierStep) -> None:
         # Before the step's forward; a step in flight before it ran first (on the CPU it
         # is done, on a GPU the copies queue behind it), so stores read its writes.
         if self.kv_tier is None:
             raise ValueError(f"step {so.step_id} moves KV tier blocks, but no tier is configured")
-        assert so.kv_tier is not None
         self.kv_tier.apply(so.kv_tier)
 
     @staticmethod

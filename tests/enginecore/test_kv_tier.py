@@ -15,7 +15,7 @@ from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
-from protocol.worker import ModelRunnerOutput, SchedulerOutput
+from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierStep
 from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
 
 BS = 4
@@ -44,7 +44,7 @@ class SimWorker:
         self.loaded = 0
 
     def run(self, so: SchedulerOutput, sched: Scheduler) -> None:
-        if so.kv_tier is not None:
+        if isinstance(so, TierStep):
             ops = so.kv_tier
             for block, slot in zip(ops.store_block_ids, ops.store_slots):
                 self.tier[slot] = list(self.device.get(block, [None] * BS))
