@@ -106,7 +106,7 @@ def disk_bandwidth(kv_dir: str) -> dict[str, float]:
     fingerprint, payload = head[1], head[5]
     slots = 1 + max(int(f.stem[4:]) for f in files)
     disk = DiskKVTier(kv_dir, 0, fingerprint, slots, payload)
-    sink = bytearray(payload)
+    sink = memoryview(bytearray(payload))
     total = sum(f.stat().st_size for f in files)
     best_tier = best_plain = float("inf")
     for _ in range(3):

@@ -43,6 +43,15 @@ def fingerprint(model_dir: str, *parts: object) -> bytes:
     return h.digest()
 
 
+def _read(path: Path) -> bytearray:
+    """The whole file, read into one writable buffer (the payload is copied once more,
+    into its host slot, without an intermediate bytes object)."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        n = f.readinto(data)
+    return data[:n] if n != len(data) else data
+
+
 class DiskKVTier:
     def __init__(
         self, directory: str, rank: int, fingerprint: bytes, num_slots: int, block_bytes: int
@@ -69,7 +78,7 @@ class DiskKVTier:
         return self.dir / f"slot{slot}.kv"
 
     # -- start-up ---------------------------------------------------------------------
-    def restore(self, put: Callable[[int, bytes], None]) -> list[tuple[int, bytes, bytes]]:
+    def restore(self, put: Callable[[int, memoryview], None]) -> list[tuple[int, bytes, bytes]]:
         """Read every usable slot file back (put(slot, payload)); (slot, hash, hash input)
         of each. Other settings' files and corrupt ones are skipped, logged once."""
         restored: list[tuple[int, bytes, bytes]] = []
@@ -78,7 +87,7 @@ class DiskKVTier:
             return restored
         for slot in range(self.num_slots):
             try:
-                data = self._path(slot).read_bytes()
+                data = _read(self._path(slot))
             except FileNotFoundError:
                 continue
             except OSError:
@@ -99,7 +108,7 @@ class DiskKVTier:
             log.warning("KV tier: %d stored block(s) corrupt or truncated, ignored", corrupt)
         return restored
 
-    def _parse(self, slot: int, data: bytes) -> tuple[bytes, bytes, bytes] | str | None:
+    def _parse(self, slot: int, data: bytearray) -> tuple[bytes, bytes, memoryview] | str | None:
         if len(data) < _HEADER.size:
             return None
         magic, fp, file_slot, hlen, ilen, plen, crc = _HEADER.unpack_from(data)
@@ -110,7 +119,7 @@ class DiskKVTier:
         body = memoryview(data)[_HEADER.size :]
         if len(body) != hlen + ilen + plen or zlib.crc32(body) != crc:
             return None
-        return bytes(body[:hlen]), bytes(body[hlen : hlen + ilen]), bytes(body[hlen + ilen :])
+        return bytes(body[:hlen]), bytes(body[hlen : hlen + ilen]), body[hlen + ilen :]
 
     # -- writes -----------------------------------------------------------------------
     def write(self, slot: int, block_hash: bytes, hash_input: bytes, payload: bytes) -> None:

@@ -42,8 +42,8 @@ class HostKVTier:
         if self.disk is not None:
             self.disk.close()
 
-    def _put(self, slot: int, payload: bytes) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    def _put(self, slot: int, payload: memoryview) -> None:
+        data = torch.frombuffer(payload, dtype=torch.uint8)
         offset = 0
         for host in self._host:
             view = host[:, slot]

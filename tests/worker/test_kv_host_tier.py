@@ -64,7 +64,9 @@ def test_the_disk_reads_back_only_its_own_whole_blocks(tmp_path: Path) -> None:
     (files / "slot1.kv").write_bytes(bytes(data))
     (files / "slot2.kv").write_bytes(data[:10])
     got: dict[int, bytes] = {}
-    restored = DiskKVTier(str(tmp_path), 0, b"f" * 32, 4, 8).restore(got.__setitem__)
+    restored = DiskKVTier(str(tmp_path), 0, b"f" * 32, 4, 8).restore(
+        lambda slot, data: got.__setitem__(slot, bytes(data))
+    )
     assert [(s, h[0], i) for s, h, i in restored] == [(0, 0, b"input0"), (3, 3, b"input3")]
     assert got == {0: bytes(8), 3: bytes([3]) * 8}
-    assert DiskKVTier(str(tmp_path), 0, b"g" * 32, 4, 8).restore(got.__setitem__) == []
+    assert DiskKVTier(str(tmp_path), 0, b"g" * 32, 4, 8).restore(lambda s, d: None) == []
