@@ -153,7 +153,7 @@ def main() -> int:
             result["restart"]["warm_s"] / result["restart"]["cold_s"]
         )
         result["disk_read"] = disk_bandwidth(d)
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result))
     return 0
 
 
