@@ -145,7 +145,10 @@ def main() -> int:
         )
     for name in ("host", "disk"):
         off = result["off"]
-        result[name]["hit_rate_x"] = result[name]["hit_rate"] / max(off["hit_rate"], 1e-9)
+        # None when the tier-off run hit nothing (any hit rate is then infinitely better).
+        result[name]["hit_rate_x"] = (
+            result[name]["hit_rate"] / off["hit_rate"] if off["hit_rate"] else None
+        )
         result[name]["throughput_x"] = result[name]["output_tok_s"] / off["output_tok_s"]
     with tempfile.TemporaryDirectory() as d:
         result["restart"] = restart_ttft(model, args, d)
