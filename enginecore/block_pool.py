@@ -361,6 +361,10 @@ class BlockPool:
                 self._events.append(BlockRemoved(list(removed), medium, group_id))
                 removed.clear()
 
+    def add_event(self, event: KVCacheEvent) -> None:
+        """An event of another medium (the KV tier), in order with the pool's."""
+        self._events.append(event)
+
     def take_events(self) -> list[KVCacheEvent]:
         self._flush_removed()
         events = self._events

@@ -14,7 +14,7 @@ from enginecore.kv_tier import KVTier
 from enginecore.request import Request
 from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
-from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
+from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent, group_event_info
 from protocol.worker import KVTierOps
 
 
@@ -92,6 +92,12 @@ class KVCacheManager:
             num_slots, groups[0].kv_cache_spec.block_size, block_bytes // kv_cache_config.num_blocks
         )
         self.block_pool.on_evict = tier.on_evict
+        if self.block_pool.enable_kv_events:
+            tier.emit = self.block_pool.add_event
+            # The device's medium on a CPU worker is "CPU" already: the tier names itself.
+            tier.medium = MEDIUM_CPU if self.block_pool.event_medium == MEDIUM_GPU else "CPU_TIER"
+            assert self.block_hasher is not None
+            tier.root = self.block_hasher.root
         return tier
 
     # -- lookup -----------------------------------------------------------------------

@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from enginecore.errors import ConfigError
@@ -23,6 +24,7 @@ from enginecore.request import Request
 from protocol.config import EngineCoreConfig
 from protocol.engine import KVTierStats
 from protocol.kv_cache import KVCacheConfig
+from protocol.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from protocol.worker import KVTierOps, RestoredBlock
 
 log = logging.getLogger("pagedserve.core")
@@ -112,6 +114,30 @@ class KVTier:
         self._store_hashes: list[bytes] = []
         self._store_inputs: list[bytes] = []
         self.stats = KVTierCounts()
+        # KV events for tier blocks (set by the KV cache manager when events are on): a
+        # router counts tier hits too. root: the hash chain's root (a first block's parent).
+        self.emit: Callable[[KVCacheEvent], None] | None = None
+        self.medium = MEDIUM_CPU
+        self.root = b""
+
+    def _stored(self, block_hash: bytes, hash_input: bytes) -> None:
+        """Announce a block now in the tier; its parent and tokens are read back from the
+        bytes its hash was computed from (parent hash, uint32 token ids, extra keys)."""
+        assert self.emit is not None
+        n, width = len(block_hash), 4 * self.block_size
+        parent = hash_input[:n]
+        tokens = array("I", hash_input[n : n + width]).tolist()
+        self.emit(
+            BlockStored(
+                [block_hash],
+                None if parent == self.root else parent,
+                tokens,
+                self.block_size,
+                None,
+                self.medium,
+                None,
+            )
+        )
 
     def restore(self, ranks: Sequence[Sequence[RestoredBlock]]) -> int:
         """Persist from now on, and index the slots every rank read back from its disk
@@ -124,6 +150,8 @@ class KVTier:
         for slot, block_hash, hash_input in sorted(common):
             if slot < self.num_slots and block_hash not in self._index:
                 self._index[block_hash] = (slot, hash_input)
+                if self.emit is not None:
+                    self._stored(block_hash, hash_input)
         used = {slot for slot, _ in self._index.values()}
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
         return len(self._index)
@@ -158,6 +186,8 @@ class KVTier:
         if self.persist:
             self._store_hashes.append(block_hash)
             self._store_inputs.append(block.hash_input)
+        if self.emit is not None:
+            self._stored(block_hash, block.hash_input)
         self.stats.stored += 1
 
     def _take_slot(self) -> int:
@@ -167,6 +197,8 @@ class KVTier:
         for block_hash, (slot, _) in self._index.items():  # oldest first
             if slot not in busy:
                 del self._index[block_hash]
+                if self.emit is not None:
+                    self.emit(BlockRemoved([block_hash], self.medium))
                 return slot
         return -1
 

@@ -10,11 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from enginecore.errors import ConfigError
+from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.kv_cache_config import with_num_blocks
+from enginecore.kv_tier import KVTier
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
+from protocol.kv_events import BlockRemoved, BlockStored
 from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierStep
 from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
 
@@ -25,12 +28,12 @@ PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks e
 Label = tuple[int, ...]
 
 
-def tier_scheduler(num_blocks: int, slots: int, chunk: int = 64) -> Scheduler:
+def tier_scheduler(num_blocks: int, slots: int, chunk: int = 64, events: bool = False) -> Scheduler:
     groups = [KVCacheGroupSpec(["l0"], full(BS))]
     config = sched_config(
         48, max_num_batched_tokens=chunk, max_num_seqs=4, enable_prefix_caching=True
     )
-    config = type(config)(**{**config.__dict__, "kv_tier_slots": slots})
+    config = type(config)(**{**config.__dict__, "kv_tier_slots": slots, "enable_kv_events": events})
     return Scheduler(config, with_num_blocks(groups, num_blocks), SCHEDULER_VOCAB)
 
 
@@ -113,6 +116,34 @@ def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> N
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
     assert sched.num_prompt_cached_tokens == 16  # the first 16 tokens of doc_a: loaded
+
+
+def test_kv_events_name_the_tier_medium_with_each_block_s_parent_and_tokens() -> None:
+    sched = tier_scheduler(num_blocks=8, slots=5, events=True)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    worker = SimWorker()
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    sched.take_kv_events()
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    tier_events = [e for e in sched.take_kv_events() if e.medium == "CPU"]
+    stored = [e for e in tier_events if isinstance(e, BlockStored)]
+    # The chain's tail is evicted first (a request frees its blocks in reverse).
+    assert [e.token_ids for e in stored] == [doc_a[i * 4 : (i + 1) * 4] for i in (3, 2, 1, 0)]
+    assert stored[-1].parent_block_hash is None
+    assert stored[0].parent_block_hash == stored[1].block_hashes[0]
+
+
+def test_a_block_pushed_out_of_a_full_tier_is_announced_removed() -> None:
+    tier = KVTier(num_slots=2, block_size=BS)
+    events: list = []
+    tier.emit = events.append
+    for i in range(3):  # one store per step: the third takes the least recent slot
+        block = KVCacheBlock(i + 1)
+        block.block_hash, block.hash_input = bytes([i]) * 16, bytes(16) + bytes(4 * BS)
+        tier.on_evict(block)
+        tier.take_ops()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, BlockStored]
+    assert events[2].block_hashes == [bytes(16)] and events[2].medium == "CPU"
 
 
 def test_a_tier_needs_one_full_attention_group() -> None:
