@@ -101,3 +101,33 @@ def test_tokens_equal_with_and_without_the_tier(llama_dir: Path, settings: dict)
     on, tier = _serve(llama_dir, prompts, kv_offload_memory=1 << 20, **settings)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert tier is not None and tier.hits > 0
+
+
+def test_the_real_model_gives_equal_tokens_from_the_host_and_disk_tiers(
+    real_model_dir: Path, tmp_path: Path
+) -> None:
+    # Three 96-token documents through a pool of 16-token blocks that holds one of them
+    # at a time: the second round loads every document back (host), and a restart loads
+    # them from disk.
+    rng = random.Random(3)
+    docs = [[rng.randrange(100, 40000) for _ in range(96)] for _ in range(3)]
+    prompts = [[*d, 11 + r] for r in range(2) for d in docs]
+    common: dict[str, Any] = dict(block_size=16, num_gpu_blocks=10, max_model_len=128)
+    seeded = dict(common, prefix_cache_hash_seed="real model tier", kv_offload_memory=64 << 20)
+    with LLM(str(real_model_dir), device=CPU, **common) as llm:
+        off = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        with LLM(str(real_model_dir), device=CPU, kv_cache_dir=str(tmp_path), **seeded) as llm:
+            return [
+                (o.token_ids, o.num_cached_tokens)
+                for p in prompts
+                for o in llm.generate([p], GREEDY, use_tqdm=False)
+            ]
+
+    host = run(prompts)
+    assert [t for t, _ in host] == off
+    assert [c for _, c in host[3:]] == [96] * 3
+    restarted = run(prompts[3:])
+    assert [t for t, _ in restarted] == off[3:]
+    assert [c for _, c in restarted] == [96] * 3
