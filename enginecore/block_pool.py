@@ -74,6 +74,9 @@ class BlockPool:
                 f"the pool has {num_groups}"
             )
         self._event_group_info = list(event_group_info)
+        # Called with each cached block get_new_blocks is about to evict (a second KV
+        # tier keeps a copy); None: evicted content is gone.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     # -- capacity ---------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -152,6 +155,8 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self._evict(block)
             block.ref_cnt = 1
         return blocks
@@ -355,6 +360,10 @@ class BlockPool:
             if removed:
                 self._events.append(BlockRemoved(list(removed), medium, group_id))
                 removed.clear()
+
+    def add_event(self, event: KVCacheEvent) -> None:
+        """An event of another medium (the KV tier), in order with the pool's."""
+        self._events.append(event)
 
     def take_events(self) -> list[KVCacheEvent]:
         self._flush_removed()

@@ -29,6 +29,7 @@ from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
+from enginecore.kv_tier import tier_settings
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
 from protocol.config import (
@@ -53,7 +54,13 @@ from protocol.engine import (
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
-from protocol.worker import SchedulerOutput, WorkerConfigure, WorkerHello
+from protocol.worker import (
+    CachedRequestData,
+    SchedulerOutput,
+    WorkerConfigure,
+    WorkerHello,
+    with_kv_tier,
+)
 from protocol.zmq_security import (
     KeysError,
     ServerKeys,
@@ -148,6 +155,7 @@ class EngineCore:
         first = hellos[0]
         max_model_len = self._check_hellos(hellos)
         kv_config = self.executor.build_kv_cache_config(self.config.num_gpu_blocks)
+        tier = tier_settings(self.config, kv_config)
         sched_config = scheduler_config(
             self.config,
             device=first.device,
@@ -155,6 +163,7 @@ class EngineCore:
             hash_seed=hash_seed(self.config),
             enable_kv_events=self.config.kv_events_endpoint is not None,
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
+            kv_tier_slots=tier.kv_tier_slots,
         )
         self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
         # The invariant walk is linear in the pool: a large one is walked every few steps,
@@ -163,14 +172,19 @@ class EngineCore:
         max_model_len = self.scheduler.config.max_model_len
         if self.config.kv_events_endpoint is not None:
             self._start_kv_events(self.config.kv_events_endpoint)
-        self.executor.configure(
+        readies = self.executor.configure(
             WorkerConfigure(
                 kv_cache_config=kv_config,
                 max_num_reqs=sched_config.max_num_seqs,
                 max_model_len=max_model_len,
                 max_num_batched_tokens=sched_config.max_num_batched_tokens,
+                **dataclasses.asdict(tier),
             )
         )
+        kv_tier = self.scheduler.kv_cache_manager.tier
+        if kv_tier is not None and tier.kv_tier_dir is not None:
+            restored = kv_tier.restore([r.kv_tier_restored for r in readies])
+            log.info("KV tier: %d block(s) restored from %s", restored, tier.kv_tier_dir)
         block_size = kv_config.kv_cache_groups[0].kv_cache_spec.block_size
         kv = self.scheduler.kv_cache_manager
         per_request = kv.max_blocks_held(max_model_len, sched_config.max_num_batched_tokens)
@@ -424,6 +438,15 @@ class EngineCore:
         if not send_or_drop(self.out, self.to_client.encode(msg), self._client_alive):
             raise ClientGone("the launcher went away")
 
+    def _persist_kv_tier(self) -> None:
+        """A last step of no tokens: a disk tier stores the blocks still on the device."""
+        ops = self.scheduler.kv_cache_manager.flush_to_tier()
+        if ops is not None:
+            self.scheduler.step_id += 1
+            empty = CachedRequestData([], [], [], [], [])
+            step = SchedulerOutput(self.scheduler.step_id, [], empty, [], 0, [], [])
+            self.executor.send(with_kv_tier(step, ops))
+
     def fail(self, reason: str) -> None:
         """Fail every open request with reason, tell the client (if it is still there),
         stop the workers."""
@@ -435,6 +458,9 @@ class EngineCore:
     def close(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        if hasattr(self, "scheduler"):
+            with contextlib.suppress(WorkerDied):  # a lost worker keeps what it wrote
+                self._persist_kv_tier()
         self.executor.shutdown()
         if self.auth is not None:
             self.auth.stop()

@@ -243,16 +243,18 @@ class Executor:
             raise WorkerDied(f"the ranks' KV caches cannot be unified: {e}") from None
         return size_kv_cache(common, num_gpu_blocks)
 
-    def configure(self, message: WorkerConfigure) -> None:
-        self.configure_frame(self.to_worker.encode(message))
+    def configure(self, message: WorkerConfigure) -> list[WorkerReady]:
+        return self.configure_frame(self.to_worker.encode(message))
 
-    def configure_frame(self, frame: bytes) -> None:
-        """Broadcast an encoded WorkerConfigure; wait until every rank allocated."""
+    def configure_frame(self, frame: bytes) -> list[WorkerReady]:
+        """Broadcast an encoded WorkerConfigure; wait until every rank allocated; their
+        answers."""
         if self.recorder is not None:
             self.recorder.write(CONFIGURE, frame)
         self.broadcast(frame)
         deadline = time.monotonic() + self.config.handshake_timeout_s
         ready: set[int] = set()
+        readies: list[WorkerReady] = []
         while len(ready) < self.world_size:
             msg = self._recv(deadline, "ready")
             if msg is None:
@@ -261,6 +263,8 @@ class Executor:
             if not isinstance(msg, WorkerReady):
                 raise WorkerDied(f"expected worker ready, got {type(msg).__name__}")
             ready.add(msg.rank)
+            readies.append(msg)
+        return readies
 
     # -- steps ------------------------------------------------------------------------
     def send(self, so: SchedulerOutput) -> None:

@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from math import gcd
 
 from enginecore.block_pool import BlockPool
-from enginecore.errors import InvariantViolation
+from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.kv_invariants import check_invariants
+from enginecore.kv_tier import KVTier
 from enginecore.request import Request
 from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
-from protocol.kv_events import MEDIUM_GPU, KVCacheEvent, group_event_info
+from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent, group_event_info
+from protocol.worker import KVTierOps
 
 
 @dataclass
@@ -44,6 +46,7 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         kv_events_medium: str = MEDIUM_GPU,
         hash_seed: bytes | None = None,
+        kv_tier_slots: int = 0,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -71,6 +74,31 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.has_sliding_window = self.coordinator.has_sliding_window
         self._running_fast_path = self.coordinator.has_running_fast_path
+        self.tier = self._make_tier(kv_cache_config, kv_tier_slots) if kv_tier_slots else None
+
+    def _make_tier(self, kv_cache_config: KVCacheConfig, num_slots: int) -> KVTier:
+        """A second tier behind the pool: evicted cached blocks are stored into it."""
+        groups = kv_cache_config.kv_cache_groups
+        if not self.enable_caching:
+            raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
+        if len(groups) != 1 or self.has_sliding_window:
+            raise ConfigError(
+                "--kv-offload-memory supports one full-attention KV cache group only (this "
+                f"model has {len(groups)} group(s)"
+                f"{', sliding window' if self.has_sliding_window else ''})"
+            )
+        block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        tier = KVTier(
+            num_slots, groups[0].kv_cache_spec.block_size, block_bytes // kv_cache_config.num_blocks
+        )
+        self.block_pool.on_evict = tier.on_evict
+        if self.block_pool.enable_kv_events:
+            tier.emit = self.block_pool.add_event
+            # The device's medium on a CPU worker is "CPU" already: the tier names itself.
+            tier.medium = MEDIUM_CPU if self.block_pool.event_medium == MEDIUM_GPU else "CPU_TIER"
+            assert self.block_hasher is not None
+            tier.root = self.block_hasher.root
+        return tier
 
     # -- lookup -----------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -281,6 +309,17 @@ class KVCacheManager:
         if not request.holds_kv_blocks:
             raise InvariantViolation(f"request id {rid!r} belongs to another request object")
 
+    def flush_to_tier(self) -> KVTierOps | None:
+        """Stores of every cached device block into a persisting tier (before the workers
+        stop: a restart then finds the hottest blocks too); None without one."""
+        tier = self.tier
+        if tier is None or not tier.persist:
+            return None
+        for block in self.block_pool.blocks:
+            if block.block_hash is not None:
+                tier.on_evict(block)
+        return tier.take_ops()
+
     # -- whole cache ------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -343,3 +382,5 @@ class KVCacheManager:
         """Debugging and tests: every KV rule (kv_invariants). requests: every request
         holding blocks, by id (more may be listed)."""
         check_invariants(self.block_pool, self.coordinator.managers, requests)
+        if self.tier is not None:
+            self.tier.check_invariants()

@@ -28,6 +28,7 @@ from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.kv_step_log import describe_kv_step
 from enginecore.request import Request, RequestStatus
+from enginecore.request_checks import request_error
 from enginecore.request_queue import make_request_queue
 from enginecore.runner_output import (
     attach_first_token_extras,
@@ -45,7 +46,6 @@ from protocol.engine import (
     SamplingDefaults,
     SamplingParams,
     SchedulerStats,
-    priority_error,
 )
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_GPU, KVCacheEvent
@@ -55,6 +55,7 @@ from protocol.worker import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    with_kv_tier,
 )
 
 
@@ -76,6 +77,7 @@ class SchedulerConfig:
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
     speculative_config: SpeculativeConfig | None = None  # drafts (spec_decode/); None: off
+    kv_tier_slots: int = 0  # blocks of the second KV tier (enginecore/kv_tier.py); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -105,6 +107,7 @@ class Scheduler:
             enable_kv_events=config.enable_kv_events,
             kv_events_medium=config.kv_events_medium,
             hash_seed=config.hash_seed,
+            kv_tier_slots=config.kv_tier_slots,
         )
         self.requests: dict[str, Request] = {}
         spec = config.speculative_config
@@ -131,7 +134,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise DuplicateRequestId(f"request id {rid!r} is already open; request refused")
-        error = self._validate(request)
+        error = request_error(request, self.config, self.vocab_size, self.kv_cache_manager)
         if error is not None:
             return RequestOutput(rid, [], "error", 0, f"request {rid}: {error}")
         # Unset sampling fields take the model's defaults here, once, so the workers
@@ -169,34 +172,6 @@ class Scheduler:
             sampling_params=sampling_params,
             priority=priority,
         )
-
-    def _validate(self, request: Request) -> str | None:
-        error = priority_error(request.priority, self.config.scheduling_policy)
-        if error is not None:
-            return error
-        n = request.num_prompt_tokens
-        if n > self.config.max_model_len:
-            return f"prompt has {n} tokens, longer than max_model_len {self.config.max_model_len}"
-        vocab = self.vocab_size
-        ids = request.all_token_ids
-        if min(ids) < 0 or max(ids) >= vocab:  # C loops; find the culprit only on failure
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            return f"token id {bad} is outside the vocabulary [0, {vocab})"
-        try:
-            request.sampling_params.validate(vocab)
-        except ValueError as e:
-            return str(e)
-        # Its whole life must fit the pool, or it would be admitted, preempt everyone and
-        # itself, and never finish: fail it now, alone.
-        longest = min(n + request.sampling_params.max_tokens, self.config.max_model_len)
-        kv = self.kv_cache_manager
-        need = kv.max_blocks_held(longest, self.config.max_num_batched_tokens)
-        if need > kv.num_usable_blocks:
-            return (
-                f"needs more KV cache than exists: {longest} tokens (prompt + max_tokens) "
-                f"need {need} blocks, the cache has {kv.num_usable_blocks}"
-            )
-        return None
 
     def describe_kv_step(self, so: SchedulerOutput) -> str:
         """The --log-kv view of a step just scheduled (enginecore/kv_step_log.py)."""
@@ -397,7 +372,10 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
             hits, num_hit = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            # Blocks past the device hit that the KV tier holds load into new blocks.
+            tier = None if request.skip_reading_prefix_cache else kv.tier
+            num_tier = tier.lookup(request, num_hit) if tier is not None else 0
+            num_new = request.num_tokens - num_hit - num_tier
             if num_new > plan.budget:
                 num_new = plan.budget
             if (
@@ -406,9 +384,14 @@ class Scheduler:
                 and not self._resume_fits(request.num_tokens + 1)
             ):
                 break  # resumed now, it would be the next victim: wait for room
-            new_blocks = kv.allocate_slots(request, num_new, num_hit, hits if num_hit else None)
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit, hits if num_hit else None, 0, num_tier
+            )
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
+            if tier is not None and num_tier:
+                tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
+                num_hit += num_tier  # loaded before the step's forward: computed
             waiting.pop_head()
             if self._by_priority:
                 # Ahead of every running request it outranks: scheduled before them, and
@@ -484,7 +467,7 @@ class Scheduler:
         self.step_id += 1
         if total:  # workers answer only steps that run tokens
             self._due.append((self.step_id, plan.num_due))
-        return SchedulerOutput(
+        so = SchedulerOutput(
             step_id=self.step_id,
             new_reqs=plan.new_reqs,
             cached_reqs=CachedRequestData(
@@ -496,6 +479,7 @@ class Scheduler:
             preempted_req_ids=plan.preempted,
             spec_token_ids=plan.spec_token_ids,
         )
+        return so if kv.tier is None else with_kv_tier(so, kv.tier.take_ops())
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -595,4 +579,5 @@ class Scheduler:
             num_prompt_cached_tokens=self.num_prompt_cached_tokens,
             num_sampled_tokens=self.num_sampled,
             spec_decode=None if self.spec is None else self.spec.drafter.stats(),
+            kv_tier=kv.tier.wire_stats() if kv.tier is not None else None,
         )

@@ -243,8 +243,22 @@ def _print_summary(
         f"({s.output_tokens_per_s:.1f} tok/s) | prefix-cache hit rate: "
         f"{s.prefix_cache_hit_rate:.1%} | preemptions: "
         f"{s.stats.num_preemptions if s.stats else 0}"
-        + (f" | {s.stats.spec_decode.summary()}" if s.stats and s.stats.spec_decode else ""),
+        + (f" | {s.stats.spec_decode.summary()}" if s.stats and s.stats.spec_decode else "")
+        + _tier_summary(s),
         file=sys.stderr,
+    )
+
+
+def _tier_summary(s: Any) -> str:
+    """The KV tier's part of the summary line (empty without a tier)."""
+    t = s.stats.kv_tier if s.stats else None
+    if t is None:
+        return ""
+    mib = t.block_bytes / (1 << 20)
+    return (
+        f" | KV tier: {t.hits}/{t.queries} tokens hit, {t.stored_blocks} blocks stored "
+        f"({t.stored_blocks * mib:.1f} MiB), {t.loaded_blocks} loaded "
+        f"({t.loaded_blocks * mib:.1f} MiB)"
     )
 
 

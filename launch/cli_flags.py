@@ -71,6 +71,23 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "docs/generate.md), on a GPU what --gpu-memory-utilization leaves",
     )
     p.add_argument(
+        "--kv-offload-memory",
+        type=parse_bytes("--kv-offload-memory"),
+        help="host memory per worker for a second KV tier: evicted prefix-cache blocks are "
+        "kept there and loaded back instead of recomputed (e.g. 8GiB; default: off)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        help="persist the --kv-offload-memory tier here (one file per block and rank), and "
+        "read it back at start-up: a restart keeps its prefix cache (with a fixed "
+        "--prefix-cache-hash-seed-file)",
+    )
+    p.add_argument(
+        "--kv-cache-dir-size",
+        type=parse_bytes("--kv-cache-dir-size"),
+        help="disk each worker may use under --kv-cache-dir (default: the whole tier)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=fraction("--gpu-memory-utilization"),
         default=EngineArgs.gpu_memory_utilization,
@@ -527,6 +544,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_offload_memory=args.kv_offload_memory,
+        kv_cache_dir=args.kv_cache_dir,
+        kv_cache_dir_size=args.kv_cache_dir_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -110,6 +110,13 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # Drafts proposed in the core and verified by the workers (protocol/speculative.py);
     # None: no speculation.
     speculative_config: SpeculativeConfig | None = None
+    # Host memory per worker for the second KV tier (evicted prefix-cache blocks are kept
+    # there and loaded back instead of recomputed); None: no tier.
+    kv_offload_memory: int | None
+    # Each worker persists its tier slots under this directory (one file per slot), and
+    # reads them back at start-up; None: memory only. Needs kv_offload_memory.
+    kv_cache_dir: str | None
+    kv_cache_dir_size: int | None  # bytes of it a worker may use; None: every slot
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).

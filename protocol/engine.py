@@ -421,6 +421,18 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     num_preemptions: int = 0
 
 
+class KVTierStats(msgspec.Struct, frozen=True):
+    """The second KV tier since start (docs/kv_tier.md): prompt tokens looked up in it
+    after a device miss and found; blocks stored into it and loaded from it, and their
+    bytes per worker."""
+
+    queries: int = 0
+    hits: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    block_bytes: int = 0
+
+
 class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):
     num_running: int
     num_waiting: int
@@ -435,6 +447,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):
     num_prompt_cached_tokens: int = 0
     num_sampled_tokens: int = 0
     spec_decode: SpecDecodeStats | None = None  # with --speculative-config only
+    kv_tier: KVTierStats | None = None  # None: no tier
 
 
 class Rejection(msgspec.Struct, frozen=True, array_like=True):

@@ -54,18 +54,37 @@ class WorkerHello(msgspec.Struct, frozen=True, tag="hello", array_like=True):
     sampling_defaults: SamplingDefaults  # from generation_config.json
 
 
-class WorkerConfigure(msgspec.Struct, frozen=True, tag="configure", array_like=True):
+class WorkerConfigure(
+    msgspec.Struct, frozen=True, tag="configure", array_like=True, omit_defaults=True
+):
     """The core's answer to every worker: allocate exactly this."""
 
     kv_cache_config: KVCacheConfig
     max_num_reqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    # Blocks the host-memory KV tier holds (each rank its shard of each); 0: no tier.
+    kv_tier_slots: int = 0
+    # The disk tier's directory (each rank persists its slots there); None: none.
+    kv_tier_dir: str | None = None
+    kv_tier_dir_slots: int = 0  # slots persisted (--kv-cache-dir-size); 0: all
+    # A digest of the block hash function and its seed (never the seed): stored blocks
+    # of another deployment's hashes are ignored.
+    kv_tier_key: str = ""
 
 
-class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True):
+class RestoredBlock(msgspec.Struct, frozen=True, array_like=True):
+    """A tier slot a worker read back from its disk tier at start-up, verified."""
+
+    slot: int
+    block_hash: bytes
+    hash_input: bytes
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="ready", array_like=True, omit_defaults=True):
     rank: int
     num_gpu_blocks: int
+    kv_tier_restored: list[RestoredBlock] = []
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -90,6 +109,20 @@ class CachedRequestData(msgspec.Struct, frozen=True, array_like=True):
     num_skipped_blocks: list[list[int] | None]
 
 
+class KVTierOps(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A step's KV tier transfers, run before its forward: every store (device block ->
+    tier slot), then every load (tier slot -> device block). Parallel lists."""
+
+    store_block_ids: list[int]
+    store_slots: list[int]  # distinct within a step
+    load_slots: list[int]
+    load_block_ids: list[int]  # freshly allocated, distinct
+    # With a disk tier, parallel to store_slots: each block's hash and hash input, kept
+    # beside its bytes so that a restart can rebuild the index. Empty without one.
+    store_hashes: list[bytes] = []
+    store_inputs: list[bytes] = []
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True):
     step_id: int
     new_reqs: list[NewRequestData]
@@ -102,6 +135,22 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, 
     # Speculative decoding: request id -> draft tokens to verify after its last token
     # (its num_scheduled_tokens counts them). Empty (one byte) without speculation.
     spec_token_ids: dict[str, list[int]] = {}
+
+
+class TierStep(SchedulerOutput, frozen=True, tag="tier_step", array_like=True):
+    """A step that also moves KV tier blocks: its own type, so that every other step's
+    frame stays exactly a SchedulerOutput's."""
+
+    # Always given (with_kv_tier); a default only because SchedulerOutput's last fields
+    # have theirs.
+    kv_tier: KVTierOps = KVTierOps([], [], [], [])
+
+
+def with_kv_tier(so: SchedulerOutput, ops: KVTierOps | None) -> SchedulerOutput:
+    """so, carrying ops when there are any."""
+    if ops is None:
+        return so
+    return TierStep(*msgspec.structs.astuple(so), ops)
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -169,6 +218,7 @@ CoreToWorker = (
     | WorkerRejected
     | WorkerConfigure
     | SchedulerOutput
+    | TierStep
     | ShutdownWorker
     | DumpBlockTables
 )

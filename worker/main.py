@@ -167,8 +167,13 @@ def _serve_messages(
             answered, held = ran
         elif isinstance(msg, WorkerConfigure):
             runner.initialize(msg)
-            push.send(to_core.encode(WorkerReady(config.rank, msg.kv_cache_config.num_blocks)))
+            allocated = WorkerReady(
+                config.rank, msg.kv_cache_config.num_blocks, runner.kv_tier_restored
+            )
+            push.send(to_core.encode(allocated))
         elif isinstance(msg, ShutdownWorker):
+            if runner.kv_tier is not None:
+                runner.kv_tier.close()  # the disk tier's queued writes land first
             return
         elif isinstance(msg, DumpBlockTables):  # replay's check; every rank answers
             push.send(to_core.encode(BlockTables(config.rank, runner.block_tables())))

@@ -23,7 +23,7 @@ import torch
 
 from pagedkernels import cpu_elementwise
 from pagedkernels.selection import select_kernels
-from protocol.config import WorkerConfig, available_host_memory, max_num_batched_tokens_for
+from protocol.config import WorkerConfig
 from protocol.cpu_placement import pin_process
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec
@@ -31,7 +31,9 @@ from protocol.worker import (
     ModelRunnerOutput,
     PromptEmbedding,
     PromptLogprobs,
+    RestoredBlock,
     SchedulerOutput,
+    TierStep,
     WorkerConfigure,
 )
 from worker.attention import AttentionMetadata
@@ -39,14 +41,13 @@ from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
 from worker.gemm import use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
+from worker.kv_budget import available_kv_memory
 from worker.kv_cache_memory import (
     allocate_kv_caches,
-    check_fits,
-    cpu_kv_budget,
-    gpu_kv_budget,
     kv_cache_storage_bytes,
     profile_step,
 )
+from worker.kv_host_tier import HostKVTier, make_kv_tier
 from worker.layers import GatedMLP, Linear, ParallelLMHead, RMSNorm
 from worker.model_config import load_model_config
 from worker.model_inputs import ModelInputs, prepare_inputs
@@ -151,6 +152,8 @@ class ModelRunner:
                 if isinstance(module, (Linear, ParallelLMHead)):
                     module.pack_weight()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
+        self.kv_tier_restored: list[RestoredBlock] = []  # read back from its disk tier
         self.generators: dict[str, torch.Generator] = {}
         # Requests whose output must stay inside a language (structured outputs).
         self.grammars = GrammarMatchers(config.model, self.eos_token_ids)
@@ -178,42 +181,8 @@ class ModelRunner:
         return self.model.kv_cache_specs(self.config.block_size, kv_dtype)
 
     def available_kv_memory(self) -> int:
-        """Bytes this worker can give its KV cache: --kv-cache-memory when set; on the CPU
-        a default bounded by the host's memory and the scheduler's limits (cpu_kv_budget);
-        on a GPU, what its --gpu-memory-utilization share of the device leaves after the
-        memory it took (weights, buffers) and the peak of the largest step (gpu_kv_budget)."""
-        config = self.config
-        if config.kv_cache_memory is not None:
-            check_fits(config.kv_cache_memory, "--kv-cache-memory", self.device, config.rank)
-            return config.kv_cache_memory
-        if self.device.type == "cpu":
-            page_bytes = sum(spec.page_size_bytes for spec in self.kv_cache_specs().values())
-            budget, summary = cpu_kv_budget(
-                available=available_host_memory(),
-                world_size=config.world_size,
-                token_bytes=-(-page_bytes // config.block_size),
-                max_len=self.model_config.max_position_embeddings,
-                max_num_seqs=config.max_num_seqs,
-            )
-            log.info(
-                "rank %d: KV cache budget %.2f GiB (%s)", config.rank, budget / (1 << 30), summary
-            )
-            return budget
-        largest = max_num_batched_tokens_for(self.device.type, config.max_num_batched_tokens)
-        step_peak = self.profile_step(largest, config.max_num_seqs)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        where = f"rank {config.rank} on {self.device}"
-        budget, summary = gpu_kv_budget(
-            total=total,
-            free_at_start=self._free_at_start,
-            free_now=free,
-            step_peak=step_peak,
-            utilization=config.gpu_memory_utilization,
-            where=where,
-        )
-        log.info("%s: KV cache budget %.2f GiB (%s)", where, budget / (1 << 30), summary)
-        return budget
+        """Bytes this worker can give its KV cache (worker/kv_budget.py)."""
+        return available_kv_memory(self)
 
     def profile_step(self, num_tokens: int, num_seqs: int) -> int:
         """The peak allocation of the largest step (kv_cache_memory.profile_step)."""
@@ -256,6 +225,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
+        self.kv_tier, self.kv_tier_restored = make_kv_tier(msg, self.kv_caches, self.config)
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
         self.buffers = StepBuffers(
@@ -289,6 +259,8 @@ class ModelRunner:
         schedules no tokens). While a step is in flight (the worker plans its successor
         before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
+        if so.__class__ is TierStep:
+            self._kv_tier_transfers(so)  # type: ignore[arg-type]
         grammars = self.grammars
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
@@ -303,6 +275,13 @@ class ModelRunner:
         if self.hooks is not None:
             self.hooks.planning()
         return self.prepare_step(so)
+
+    def _kv_tier_transfers(self, so: TierStep) -> None:
+        # Before the step's forward; a step in flight before it ran first (on the CPU it
+        # is done, on a GPU the copies queue behind it), so stores read its writes.
+        if self.kv_tier is None:
+            raise ValueError(f"step {so.step_id} moves KV tier blocks, but no tier is configured")
+        self.kv_tier.apply(so.kv_tier)
 
     def can_plan_ahead(self, so: SchedulerOutput) -> bool:
         """Whether `so` can be planned while the previous step's tokens are unknown: not

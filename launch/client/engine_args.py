@@ -93,6 +93,9 @@ CORE_SETTINGS = (
     "spin_us",
     "zmq_curve_keys",
     "speculative_config",
+    "kv_offload_memory",
+    "kv_cache_dir",
+    "kv_cache_dir_size",
 )
 
 
@@ -145,6 +148,11 @@ class EngineArgs:
     dtype: DType = "auto"
     device: str = "auto"
     kv_cache_memory: int | None = None
+    # Host memory per worker for the second KV tier (docs/kv_tier.md); None: off.
+    kv_offload_memory: int | None = None
+    # The host tier's slots persisted there, read back at start-up; None: memory only.
+    kv_cache_dir: str | None = None
+    kv_cache_dir_size: int | None = None  # bytes of it each worker may use; None: all slots
     # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
@@ -228,6 +236,14 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.kv_offload_memory is not None and self.kv_offload_memory < 1:
+            raise ValueError(f"kv_offload_memory must be >= 1 byte, got {self.kv_offload_memory}")
+        if self.kv_cache_dir is not None and self.kv_offload_memory is None:
+            raise ValueError("kv_cache_dir persists the host tier: set kv_offload_memory too")
+        if self.kv_cache_dir_size is not None and self.kv_cache_dir_size < 1:
+            raise ValueError(f"kv_cache_dir_size must be >= 1 byte, got {self.kv_cache_dir_size}")
+        if self.kv_offload_memory is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory keeps prefix-cache blocks: enable prefix caching")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:

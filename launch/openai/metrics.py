@@ -43,10 +43,19 @@ from launch.openai.metric_families import (
     token_buckets,
 )
 from launch.openai.spec_metrics import SpecDecodeMetrics
-from protocol.engine import SchedulerStats
+from protocol.engine import KVTierStats, SchedulerStats
 
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
 _NO_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0)  # before the core's first step
+# The second KV tier's counters (pagedserve:kv_tier_*), from SchedulerStats.kv_tier.
+TIER_COUNTERS = {
+    "queries": "Prompt tokens looked up in the KV tier after a device miss.",
+    "hits": "Prompt tokens loaded from the KV tier instead of computed.",
+    "stored_blocks": "Blocks stored into the KV tier.",
+    "loaded_blocks": "Blocks loaded from the KV tier.",
+    "stored_bytes": "Bytes stored into the KV tier, per worker.",
+    "loaded_bytes": "Bytes loaded from the KV tier, per worker.",
+}
 
 
 class ServerMetrics:
@@ -123,6 +132,11 @@ class ServerMetrics:
         queries = one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up.")
         hits = one(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
         preemptions = one(counter, "vllm:num_preemptions", "Preempted requests.")
+        tier = {
+            name: one(counter, f"pagedserve:kv_tier_{name}", text)
+            for name, text in TIER_COUNTERS.items()
+        }
+        tier_counts = [{name: each[e] for name, each in tier.items()} for e in range(engines)]
         prompt_by_source = by(
             counter,
             "vllm:prompt_tokens_by_source",
@@ -152,6 +166,7 @@ class ServerMetrics:
             kv_usage=kv_usage, queries=queries, hits=hits, preemptions=preemptions,
             prompt_by_source=prompt_by_source, prompt_cached=prompt_cached,
             cached_by_source=cached_by_source, iteration_tokens=iteration_tokens,
+            tier_counts=tier_counts,
         )  # fmt: skip
         self.engines = [
             EngineSeries(**{name: each[e] for name, each in series.items()}) for e in range(engines)
@@ -287,8 +302,24 @@ class EngineSeries:
     prompt_cached: Any
     cached_by_source: dict[str, Any]
     iteration_tokens: Any
+    tier_counts: dict[str, Any]
     last: SchedulerStats = _NO_STATS
     has_stats: bool = False
+
+    def _tier(self, now: KVTierStats, last: KVTierStats) -> None:
+        c = self.tier_counts
+        hits = now.hits - last.hits
+        c["queries"].inc(now.queries - last.queries)
+        c["hits"].inc(hits)
+        self.cached_by_source["host"].inc(hits)
+        stored, loaded = (
+            now.stored_blocks - last.stored_blocks,
+            now.loaded_blocks - last.loaded_blocks,
+        )
+        c["stored_blocks"].inc(stored)
+        c["loaded_blocks"].inc(loaded)
+        c["stored_bytes"].inc(stored * now.block_bytes)
+        c["loaded_bytes"].inc(loaded * now.block_bytes)
 
     def update(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -303,6 +334,8 @@ class EngineSeries:
         self.hits.inc(hits)
         self.cached_by_source["device"].inc(hits)
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.kv_tier is not None:
+            self._tier(stats.kv_tier, last.kv_tier or KVTierStats())
         computed = stats.num_prompt_computed_tokens - last.num_prompt_computed_tokens
         cached = stats.num_prompt_cached_tokens - last.num_prompt_cached_tokens
         self.prompt_by_source["local_compute"].inc(computed)

@@ -1,0 +1,180 @@
+"""The core's KV tier index (enginecore/kv_tier.py) under the real Scheduler, against a
+simulated worker that runs every step's stores, loads and token writes on labelled
+slots: whatever the pool size, tier size, sharing and chunking, every position a step
+reads holds the KV of exactly the request's tokens, and no referenced block is lost."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from enginecore.errors import ConfigError
+from enginecore.kv_cache_block import KVCacheBlock
+from enginecore.kv_cache_config import with_num_blocks
+from enginecore.kv_tier import KVTier
+from enginecore.request import Request
+from enginecore.scheduler import Scheduler
+from protocol.engine import SamplingParams
+from protocol.kv_cache import KVCacheGroupSpec
+from protocol.kv_events import BlockRemoved, BlockStored
+from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierStep
+from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
+
+BS = 4
+PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks each
+
+# The KV of one position: the tokens up to and including it.
+Label = tuple[int, ...]
+
+
+def tier_scheduler(num_blocks: int, slots: int, chunk: int = 64, events: bool = False) -> Scheduler:
+    groups = [KVCacheGroupSpec(["l0"], full(BS))]
+    config = sched_config(
+        48, max_num_batched_tokens=chunk, max_num_seqs=4, enable_prefix_caching=True
+    )
+    config = type(config)(**{**config.__dict__, "kv_tier_slots": slots, "enable_kv_events": events})
+    return Scheduler(config, with_num_blocks(groups, num_blocks), SCHEDULER_VOCAB)
+
+
+class SimWorker:
+    """Block contents as labels; stores, loads and writes exactly as a worker runs them."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, list[Label | None]] = {}
+        self.tier: dict[int, list[Label | None]] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.loaded = 0
+
+    def run(self, so: SchedulerOutput, sched: Scheduler) -> None:
+        if isinstance(so, TierStep):
+            ops = so.kv_tier
+            for block, slot in zip(ops.store_block_ids, ops.store_slots):
+                self.tier[slot] = list(self.device.get(block, [None] * BS))
+            for slot, block in zip(ops.load_slots, ops.load_block_ids):
+                self.device[block] = list(self.tier[slot])
+                self.loaded += 1
+        for rid in [*so.finished_req_ids, *so.preempted_req_ids]:
+            self.tables.pop(rid, None)
+        for new in so.new_reqs:
+            self.tables[new.req_id] = list(new.block_ids[0])
+        cached = so.cached_reqs
+        for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
+            if resumed:
+                self.tables[rid] = list(ids[0])  # type: ignore[index]
+            elif ids is not None:
+                self.tables[rid].extend(ids[0])
+        starts = [n.num_computed_tokens for n in so.new_reqs] + list(cached.num_computed_tokens)
+        rids = [n.req_id for n in so.new_reqs] + list(cached.req_ids)
+        steps = list(zip(rids, starts, so.num_scheduled_tokens))
+        # Each layer writes the step's new KV before attention reads: a request may read
+        # positions another request of the same step writes.
+        for rid, start, count in steps:
+            tokens, table = sched.requests[rid].all_token_ids, self.tables[rid]
+            for p in range(start, start + count):
+                block = self.device.setdefault(table[p // BS], [None] * BS)
+                block[p % BS] = tuple(tokens[: p + 1])
+        for rid, start, count in steps:
+            tokens, table = sched.requests[rid].all_token_ids, self.tables[rid]
+            for p in range(start + count):  # what attention reads
+                got = self.device.get(table[p // BS], [None] * BS)[p % BS]
+                assert got == tuple(tokens[: p + 1]), f"{rid} reads wrong KV at {p}"
+
+
+def drive(sched: Scheduler, worker: SimWorker, prompts: list[tuple[list[int], int]]) -> None:
+    """Add the (prompt, max_tokens) requests and run every step to the end on worker."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0) for _, m in prompts]
+    for i, ((prompt, _), p) in enumerate(zip(prompts, params)):
+        sched.add_request(
+            Request(f"r{i}", prompt, sched.kv_cache_manager.block_hasher, sampling_params=p)
+        )
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        worker.run(so, sched)
+        rids = [r.req_id for r in so.new_reqs] + list(so.cached_reqs.req_ids)
+        due = [
+            r for r in rids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
+        ]
+        # The "model": the next token depends on the whole sequence.
+        sampled = [sum(sched.requests[r].all_token_ids) % SCHEDULER_VOCAB for r in due]
+        sched.update_from_output(so, ModelRunnerOutput(so.step_id, due, sampled))
+        sched.check_invariants()
+    assert not sched.has_unfinished_requests()
+
+
+def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> None:
+    # 7 usable blocks: the second request (7 blocks) evicts all four cached blocks of
+    # the first, which the tier keeps; the third loads them instead of recomputing.
+    sched = tier_scheduler(num_blocks=8, slots=8)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    worker = SimWorker()
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
+    assert sched.num_prompt_cached_tokens == 16  # the first 16 tokens of doc_a: loaded
+
+
+def test_kv_events_name_the_tier_medium_with_each_block_s_parent_and_tokens() -> None:
+    sched = tier_scheduler(num_blocks=8, slots=5, events=True)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    worker = SimWorker()
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    sched.take_kv_events()
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    tier_events = [e for e in sched.take_kv_events() if e.medium == "CPU"]
+    stored = [e for e in tier_events if isinstance(e, BlockStored)]
+    # The chain's tail is evicted first (a request frees its blocks in reverse).
+    assert [e.token_ids for e in stored] == [doc_a[i * 4 : (i + 1) * 4] for i in (3, 2, 1, 0)]
+    assert stored[-1].parent_block_hash is None
+    assert stored[0].parent_block_hash == stored[1].block_hashes[0]
+
+
+def test_a_block_pushed_out_of_a_full_tier_is_announced_removed() -> None:
+    tier = KVTier(num_slots=2, block_size=BS)
+    events: list = []
+    tier.emit = events.append
+    for i in range(3):  # one store per step: the third takes the least recent slot
+        block = KVCacheBlock(i + 1)
+        block.block_hash, block.hash_input = bytes([i]) * 16, bytes(16) + bytes(4 * BS)
+        tier.on_evict(block)
+        tier.take_ops()
+    assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved, BlockStored]
+    assert events[2].block_hashes == [bytes(16)] and events[2].medium == "CPU"
+
+
+def test_a_tier_needs_one_full_attention_group() -> None:
+    groups = [KVCacheGroupSpec(["l0"], full(BS)), KVCacheGroupSpec(["l1"], window(8, BS))]
+    config = sched_config(48, enable_prefix_caching=True)
+    config = type(config)(**{**config.__dict__, "kv_tier_slots": 4})
+    with pytest.raises(ConfigError, match="one full-attention KV cache group"):
+        Scheduler(config, with_num_blocks(groups, 16), SCHEDULER_VOCAB)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(1, 9), max_size=6), st.integers(1, 4)),
+        min_size=1,
+        max_size=8,
+    ),
+    rounds=st.integers(1, 3),
+    num_blocks=st.integers(8, 16),
+    slots=st.integers(1, 12),
+    chunk=st.sampled_from([5, 8, 64]),
+)
+def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
+    requests: list[tuple[int, list[int], int]],
+    rounds: int,
+    num_blocks: int,
+    slots: int,
+    chunk: int,
+) -> None:
+    sched = tier_scheduler(num_blocks, slots, chunk)
+    prompts = [(PREFIXES[p] + tail, m) for p, tail, m in requests]
+    worker = SimWorker()
+    for _ in range(rounds):  # later rounds find earlier prefixes on the device or tier
+        drive(sched, worker, prompts)
