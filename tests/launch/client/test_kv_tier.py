@@ -21,6 +21,7 @@ BLOCK = 4
 DOC_TOKENS = 40  # 10 blocks per shared document
 NEW_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+_LAST_STATS: list[Any] = []  # _serve's last run's SchedulerStats
 
 
 def _docs() -> list[list[int]]:
@@ -46,6 +47,7 @@ def _serve(
             for res in llm.generate(prompts[i : i + batch], GREEDY, use_tqdm=False):
                 out.append((res.token_ids, res.num_cached_tokens))
         stats = llm.last_summary.stats
+        _LAST_STATS[:] = [stats]
         return out, stats.kv_tier if stats else None
 
 
@@ -101,6 +103,8 @@ def test_tokens_equal_with_and_without_the_tier(llama_dir: Path, settings: dict)
     on, tier = _serve(llama_dir, prompts, kv_offload_memory=1 << 20, **settings)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert tier is not None and tier.hits > 0
+    drafts = _LAST_STATS[0].spec_decode
+    assert drafts is not None and drafts.num_draft_tokens > 0
 
 
 def test_the_real_model_gives_equal_tokens_from_the_host_and_disk_tiers(
@@ -131,3 +135,22 @@ def test_the_real_model_gives_equal_tokens_from_the_host_and_disk_tiers(
     restarted = run(prompts[3:])
     assert [t for t, _ in restarted] == off[3:]
     assert [c for _, c in restarted] == [96] * 3
+
+
+def test_speculation_beside_the_tier_keeps_tokens_and_tier_hits(
+    llama_dir: Path, hf_model: torch.nn.Module
+) -> None:
+    # Drafts hold lookahead slots and free the blocks of rejected ones; none of that may
+    # be stored in the tier or disturb what the tier loads back.
+    prompts = [[*p, *p[:8]] for p in _questions(_docs())]  # a repeat to draft from
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}  # one token of context: drafts
+    off, _ = _serve(llama_dir, prompts, max_model_len=80)
+    on, tier = _serve(
+        llama_dir, prompts, max_model_len=80, kv_offload_memory=1 << 20, speculative_config=spec
+    )
+    for prompt, (tokens_off, _), (tokens_on, _) in zip(prompts, off, on):
+        assert tokens_on == tokens_off == hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert tier is not None and tier.hits > 0
+    drafts = _LAST_STATS[0].spec_decode
+    assert drafts is not None and drafts.num_draft_tokens > 0
