@@ -58,17 +58,22 @@ def processed_distribution() -> tuple[torch.Tensor, np.ndarray]:
     return logits, p / p.sum()
 
 
-def test_sampled_tokens_follow_the_processed_target_distribution() -> None:
-    """Draft token 2 (not the target's favourite) at the first position: the first
-    emitted token must be distributed as the target's processed p, whatever the draft."""
-    logits, p0 = processed_distribution()
+def _processed_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The target's distribution per row at temperature 0.7 and top-k 4."""
     tensors = SamplingTensors.from_arrays(
         np.full(3, 0.7, dtype=np.float32),
         np.full(3, 4, dtype=np.int64),
         np.ones(3, dtype=np.float32),
         "cpu",
     )
-    probs = target_probs(logits, tensors)
+    return target_probs(logits, tensors)
+
+
+def test_sampled_tokens_follow_the_processed_target_distribution() -> None:
+    """Draft token 2 (not the target's favourite) at the first position: the first
+    emitted token must be distributed as the target's processed p, whatever the draft."""
+    logits, p0 = processed_distribution()
+    probs = _processed_probs(logits)
     np.testing.assert_allclose(probs[0].numpy(), p0, rtol=1e-5, atol=1e-7)
     gen = torch.Generator().manual_seed(1234)
     first = np.zeros(V)
@@ -89,13 +94,7 @@ def test_sampled_tokens_follow_the_processed_target_distribution() -> None:
 def test_a_draft_outside_top_k_is_never_accepted() -> None:
     logits, p0 = processed_distribution()
     banned = int(np.flatnonzero(p0 == 0)[0])
-    tensors = SamplingTensors.from_arrays(
-        np.full(3, 0.7, dtype=np.float32),
-        np.full(3, 4, dtype=np.int64),
-        np.ones(3, dtype=np.float32),
-        "cpu",
-    )
-    probs = target_probs(logits, tensors)
+    probs = _processed_probs(logits)
     gen = torch.Generator().manual_seed(5)
     assert all(verify_sampled(probs, [banned], gen)[0] != banned for _ in range(500))
 
