@@ -193,8 +193,17 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _engines_started(replica: int) -> bool:
+    lines = [_cmdline(p) for p in _tree(replica)]
+    return any(b"enginecore.core" in c for c in lines) and any(b"worker.main" in c for c in lines)
+
+
 def test_shutdown_leaves_no_actor_or_process(app: ServeApp) -> None:
-    replicas = _engine_replicas()
+    # A replica Serve just replaced (the test before) may still be starting its engine.
+    deadline = time.monotonic() + 120
+    while not ((replicas := _engine_replicas()) and all(map(_engines_started, replicas))):
+        assert time.monotonic() < deadline, "a replica never started its engine"
+        time.sleep(0.2)
     assert len(replicas) == 2
     engines = [p for r in replicas for p in _tree(r)]
     assert len(engines) >= 2 * 3, "each replica runs an engine core and a worker"
