@@ -536,8 +536,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # Once: a second SIGTERM must not interrupt the clean-up the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_code = main()
+    # Clean-up is done: a late SIGTERM would only interrupt the interpreter's exit
+    # (logging's flush at exit printed a traceback).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(exit_code)

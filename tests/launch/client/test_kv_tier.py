@@ -103,8 +103,6 @@ def test_tokens_equal_with_and_without_the_tier(llama_dir: Path, settings: dict)
     on, tier = _serve(llama_dir, prompts, kv_offload_memory=1 << 20, **settings)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert tier is not None and tier.hits > 0
-    drafts = _LAST_STATS[0].spec_decode
-    assert drafts is not None and drafts.num_draft_tokens > 0
 
 
 def test_the_real_model_gives_equal_tokens_from_the_host_and_disk_tiers(
