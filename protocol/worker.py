@@ -13,7 +13,7 @@ from protocol.engine import Logprobs, SamplingDefaults, SamplingParams
 from protocol.kv_cache import KVCacheConfig, KVCacheSpec
 
 # Bumped on any change to a message's fields; checked in the handshake.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class WorkerConnected(msgspec.Struct, frozen=True, tag="connected", array_like=True):
@@ -189,6 +189,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     # tokens each accepted after its sampled_token_ids entry (accepted drafts, then the
     # bonus or correcting token); empty (one byte) otherwise.
     spec_token_ids: list[list[int]] = []
+    # Parallel to req_ids when some request that asked for logprobs accepted drafts:
+    # the logprobs of each of its spec_token_ids; empty (one byte) otherwise.
+    spec_logprobs: list[list[Logprobs]] = []
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):

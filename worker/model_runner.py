@@ -418,7 +418,7 @@ class ModelRunner:
         step.input_ids = self.buffers.input_ids.upload(inputs.input_ids)
         if batch.num_extras and batch.extras[step.sampling_rows].any():
             step.logprob_rows, step.logprob_counts = self.extras.fill(
-                step.sampling, step.sampling_rows, step.sampling_req_ids
+                step.sampling, step.sampling_rows, step.sampling_req_ids, step.drafts
             )
         step.inputs = None
 
@@ -531,6 +531,7 @@ class ModelRunner:
             step.prompt_logprobs,
             embeddings,
             flight.spec_tokens or NO_SPEC_TOKENS,
+            step.drafts.extra_logprobs if step.drafts is not None else [],
         )
 
     def _embeddings(self, req_ids: list[str], hidden: torch.Tensor) -> list[PromptEmbedding]:

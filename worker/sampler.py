@@ -223,13 +223,7 @@ def sample(
     draws from shared_generator, or torch's default generator when that is None).
     logits is left unchanged (logprobs are taken from it after).
     """
-    if tensors.bias is not None:
-        rows, token_ids, values = tensors.bias
-        logits = logits.index_put((rows, token_ids), values, accumulate=True)
-    if tensors.penalties is not None:
-        logits = apply_penalties(logits, tensors.penalties)
-    if tensors.banned is not None:
-        logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
+    logits = _biased_penalized_banned(logits, tensors)
     greedy_tokens = logits.argmax(dim=-1)
     masks = tensors.token_masks
     if masks is not None:
@@ -260,6 +254,45 @@ def sample(
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(tensors.greedy, greedy_tokens, sampled)
+
+
+def _biased_penalized_banned(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """logits after the logit biases, penalties and bans (a new tensor if any applies)."""
+    if tensors.bias is not None:
+        rows, token_ids, values = tensors.bias
+        logits = logits.index_put((rows, token_ids), values, accumulate=True)
+    if tensors.penalties is not None:
+        logits = apply_penalties(logits, tensors.penalties)
+    if tensors.banned is not None:
+        logits = logits.index_put(tensors.banned, torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def processed_logits(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """What sample() takes its greedy argmax and its distribution from: logits after
+    biases, penalties, bans and token masks (before temperature)."""
+    logits = _biased_penalized_banned(logits, tensors)
+    if tensors.token_masks is not None:
+        rows, banned = tensors.token_masks
+        masked = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
+        logits = logits.index_copy(0, rows, masked)
+    return logits
+
+
+def expand(tensors: SamplingTensors, sizes: np.ndarray) -> SamplingTensors:
+    """Each row's temperature, top-k, top-p and min-p repeated sizes[i] times (the
+    verified positions of a drafted request); no extras."""
+    n = torch.from_numpy(sizes).to(tensors.temperature.device)
+    return SamplingTensors(
+        temperature=tensors.temperature.repeat_interleave(n),
+        top_k=tensors.top_k.repeat_interleave(n),
+        top_p=tensors.top_p.repeat_interleave(n),
+        greedy=tensors.greedy.repeat_interleave(n),
+        all_greedy=tensors.all_greedy,
+        any_top_k=tensors.any_top_k,
+        any_top_p=tensors.any_top_p,
+        min_p=None if tensors.min_p is None else tensors.min_p.repeat_interleave(n),
+    )
 
 
 def target_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from worker.input_batch import InputBatch
-from worker.sampler import PenaltyTensors, SamplingTensors, logit_bias_tensors, token_bans
+from worker.sampler import (
+    PenaltyTensors,
+    SamplingTensors,
+    expand,
+    logit_bias_tensors,
+    token_bans,
+)
+from worker.step_state import DraftPlan
 from worker.structured_output import GrammarMatchers
 
 
@@ -34,21 +41,25 @@ class SamplingExtras:
         self.answers = answers  # rank 0: the only rank that answers the core (logprobs)
 
     def fill(
-        self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
+        self,
+        sampling: SamplingTensors,
+        rows: np.ndarray,
+        req_ids: list[str],
+        drafts: DraftPlan | None = None,
     ) -> tuple[torch.Tensor | None, list[int]]:
         """Logit biases, penalties, token masks and bans into sampling; the logprob rows
-        and counts. Only for a step in which some row uses one of them."""
+        and counts. Only for a step in which some row uses one of them. With drafts, the
+        same for every verified position too (drafts.sampling): a position reads the
+        drafts before it as generated tokens."""
         batch = self.batch
-        self._penalties_and_bias(sampling, rows, req_ids)
-        limited = np.flatnonzero(batch.token_limited[rows]).tolist()
-        sampling.token_masks = self.token_masks(req_ids, limited)
-        ban_rows, ban_tokens = self._bad_word_bans(rows, req_ids, limited)
-        self._min_tokens_bans(rows, req_ids, ban_rows, ban_tokens)
-        if ban_rows:
-            sampling.banned = (
-                torch.tensor(ban_rows, dtype=torch.int64, device=self.device),
-                torch.tensor(ban_tokens, dtype=torch.int64, device=self.device),
-            )
+        self._fill_rows(sampling, rows, req_ids, batch.num_tokens[rows])
+        if drafts is not None:
+            sizes = drafts.sizes()
+            at = np.repeat(rows, sizes)
+            offsets = np.arange(len(at)) - np.repeat(drafts.first_rows, sizes)
+            drafts.sampling = expand(sampling, sizes)
+            every = [rid for rid, n in zip(req_ids, sizes.tolist()) for _ in range(n)]
+            self._fill_rows(drafts.sampling, at, every, batch.num_tokens[at] + offsets)
         if not self.answers:
             return None, []
         wanted = batch.num_logprobs[rows]
@@ -57,15 +68,38 @@ class SamplingExtras:
             return None, []
         return torch.from_numpy(asking).to(self.device), wanted[asking].tolist()
 
+    def _fill_rows(
+        self,
+        sampling: SamplingTensors,
+        rows: np.ndarray,
+        req_ids: list[str],
+        num_tokens: np.ndarray,
+    ) -> None:
+        """sampling's extras for rows (a row may repeat: the positions of a drafted
+        request), each reading the first num_tokens tokens of its row as known."""
+        self._penalties_and_bias(sampling, rows, req_ids, num_tokens)
+        limited = np.flatnonzero(self.batch.token_limited[rows]).tolist()
+        sampling.token_masks = self.token_masks(req_ids, limited)
+        ban_rows, ban_tokens = self._bad_word_bans(rows, req_ids, limited, num_tokens)
+        self._min_tokens_bans(rows, req_ids, ban_rows, ban_tokens, num_tokens)
+        if ban_rows:
+            sampling.banned = (
+                torch.tensor(ban_rows, dtype=torch.int64, device=self.device),
+                torch.tensor(ban_tokens, dtype=torch.int64, device=self.device),
+            )
+
     def _penalties_and_bias(
-        self, sampling: SamplingTensors, rows: np.ndarray, req_ids: list[str]
+        self,
+        sampling: SamplingTensors,
+        rows: np.ndarray,
+        req_ids: list[str],
+        num_tokens: np.ndarray,
     ) -> None:
         batch = self.batch
         presence = batch.presence_penalty[rows]
         frequency = batch.frequency_penalty[rows]
         repetition = batch.repetition_penalty[rows]
         if presence.any() or frequency.any() or (repetition != 1.0).any():
-            num_tokens = batch.num_tokens[rows]
             sampling.penalties = PenaltyTensors.build(
                 batch.token_ids[rows, : int(num_tokens.max())],
                 batch.num_prompt_tokens[rows],
@@ -87,7 +121,7 @@ class SamplingExtras:
             )
 
     def _bad_word_bans(
-        self, rows: np.ndarray, req_ids: list[str], limited: list[int]
+        self, rows: np.ndarray, req_ids: list[str], limited: list[int], num_tokens: np.ndarray
     ) -> tuple[list[int], list[int]]:
         """A bad word's last token, wherever the output ends with the rest of it."""
         batch = self.batch
@@ -96,7 +130,7 @@ class SamplingExtras:
         for i in limited:
             params = batch.requests[req_ids[i]].sampling_params
             row = int(rows[i])
-            end = int(batch.num_tokens[row])
+            end = int(num_tokens[i])
             output = batch.token_ids[row, int(batch.num_prompt_tokens[row]) : end]
             for seq in params.bad_words_token_ids:
                 k = len(seq) - 1
@@ -106,11 +140,16 @@ class SamplingExtras:
         return ban_rows, ban_tokens
 
     def _min_tokens_bans(
-        self, rows: np.ndarray, req_ids: list[str], ban_rows: list[int], ban_tokens: list[int]
+        self,
+        rows: np.ndarray,
+        req_ids: list[str],
+        ban_rows: list[int],
+        ban_tokens: list[int],
+        num_tokens: np.ndarray,
     ) -> None:
         """Below min_tokens nothing that would stop the request may be sampled."""
         batch = self.batch
-        produced = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        produced = num_tokens - batch.num_prompt_tokens[rows]
         early = np.flatnonzero(batch.min_tokens[rows] > produced)
         for i in early.tolist():
             params = batch.requests[req_ids[i]].sampling_params

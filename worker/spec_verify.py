@@ -12,12 +12,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from protocol.engine import GREEDY_TEMPERATURE
+from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.worker import SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.model_inputs import ModelInputs
 from worker.rejection_sampler import verify_greedy, verify_sampled
-from worker.sampler import SamplingTensors, sample, target_probs
+from worker.sampler import (
+    SamplingTensors,
+    compute_logprobs,
+    expand,
+    processed_logits,
+    sample,
+    target_probs,
+)
 from worker.step_state import DraftPlan, StepInputs
 
 
@@ -68,7 +75,6 @@ def verify(
     plan: DraftPlan,
     first: torch.Tensor,
     sampling: SamplingTensors,
-    temperature: np.ndarray,
     generators: list[torch.Generator | None],
     shared: torch.Generator | None,
 ) -> tuple[list[int], list[list[int]]]:
@@ -76,23 +82,15 @@ def verify(
     tokens sample() drew at each request's first position (kept for the undrafted)."""
     tokens = first.tolist()
     extras: list[list[int]] = [[] for _ in tokens]
-    greedy = temperature < GREEDY_TEMPERATURE
+    greedy = plan.temperature < GREEDY_TEMPERATURE
+    positions = plan.sampling
+    if positions is None:
+        positions = expand(sampling, plan.sizes())
+    else:  # penalties, biases, masks, bans: each position as sample() would see it
+        logits = processed_logits(logits, positions)
     probs = None
     if not bool(greedy[[i for i, d in enumerate(plan.drafts) if d]].all()):
-        sizes = np.diff(np.append(plan.first_rows, len(plan.logits_indices)))
-        expanded = SamplingTensors(
-            temperature=sampling.temperature.repeat_interleave(torch.from_numpy(sizes)),
-            top_k=sampling.top_k.repeat_interleave(torch.from_numpy(sizes)),
-            top_p=sampling.top_p.repeat_interleave(torch.from_numpy(sizes)),
-            greedy=sampling.greedy.repeat_interleave(torch.from_numpy(sizes)),
-            all_greedy=False,
-            any_top_k=sampling.any_top_k,
-            any_top_p=sampling.any_top_p,
-            min_p=None
-            if sampling.min_p is None
-            else sampling.min_p.repeat_interleave(torch.from_numpy(sizes)),
-        )
-        probs = target_probs(logits, expanded)
+        probs = target_probs(logits, positions)
     argmax = logits.argmax(dim=-1).tolist()
     for i, drafts in enumerate(plan.drafts):
         if not drafts:
@@ -107,6 +105,29 @@ def verify(
         tokens[i] = out[0]
         extras[i] = out[1:]
     return tokens, extras
+
+
+def extra_logprobs(
+    logits: torch.Tensor,
+    plan: DraftPlan,
+    extras: list[list[int]],
+    asking: torch.Tensor,
+    num_top: list[int],
+) -> list[list[Logprobs]]:
+    """Per sampling request, the logprobs of the tokens it emits after its first (only
+    for the requests in `asking`, which asked for num_top alternatives each): token k
+    was predicted at the request's position k + 1. Empty when there are none."""
+    found: list[list[Logprobs]] = [[] for _ in extras]
+    for i, top in zip(asking.tolist(), num_top, strict=True):
+        extra = extras[i]
+        if not extra:
+            continue
+        start = int(plan.first_rows[i]) + 1
+        rows = torch.arange(start, start + len(extra), device=logits.device)
+        targets = torch.zeros(len(logits), dtype=torch.int64, device=logits.device)
+        targets[rows] = torch.tensor(extra, dtype=torch.int64, device=logits.device)
+        found[i] = compute_logprobs(logits, rows, targets, [top] * len(extra))
+    return found if any(found) else []
 
 
 def record_accepted(
@@ -144,14 +165,10 @@ def run_verification(
     first_rows = torch.from_numpy(plan.first_rows).to(device)
     first_logits = logits.index_select(0, first_rows)
     first = sample(first_logits, step.sampling, step.generators, shared)
-    tokens, extras = verify(
-        logits,
-        plan,
-        first,
-        step.sampling,
-        plan.temperature,
-        step.generators,
-        shared,
-    )
+    tokens, extras = verify(logits, plan, first, step.sampling, step.generators, shared)
+    if step.logprob_rows is not None:
+        plan.extra_logprobs = extra_logprobs(
+            logits, plan, extras, step.logprob_rows, step.logprob_counts
+        )
     selected = hidden.index_select(0, at.index_select(0, first_rows))
     return selected, first_logits, torch.tensor(tokens, device=device), extras

@@ -57,6 +57,16 @@ class DraftPlan:
     first_rows: np.ndarray  # [K] int64 row in those logits of each request's first
     rows: np.ndarray  # [D] int64 batch rows of the drafted requests
     temperature: np.ndarray  # [K] float32 each sampling request's temperature
+    # Per verified position (P rows): the sampling settings with their extras (penalties,
+    # biases, masks, bans), when some request of the step has extras; else None.
+    sampling: SamplingTensors | None = None
+    # Rank 0, when some drafted request asked for logprobs: per sampling request, the
+    # logprobs of the tokens it emits after its first (empty when it drafted nothing).
+    extra_logprobs: list[list[Logprobs]] = field(default_factory=list)
+
+    def sizes(self) -> np.ndarray:
+        """[K] int64 positions verified per sampling request (its drafts + 1)."""
+        return np.diff(np.append(self.first_rows, len(self.logits_indices)))
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """The Drafter: which requests draft, how many tokens each step, and what acceptance
 they had (vLLM's spec-decode counters).
 
-A request drafts only when its sampling needs nothing beyond temperature, top-k, top-p
-and min_p: penalties, min_tokens, logit bias, allowed or banned tokens, structured
-outputs and logprobs read the tokens before each position, which the workers' verifier
-does not model; such a request decodes one token a step as without speculation.
+Every request drafts except one with structured outputs: its grammar would have to
+advance through each draft before the draft is verified; such a request decodes one
+token a step as without speculation. Penalties, min_tokens, logit biases, allowed and
+banned tokens and logprobs are applied at each verified position by the workers.
 """
 
 from __future__ import annotations
@@ -31,15 +31,7 @@ MAX_DRY_PAUSE = 4
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether the verifier reproduces this request's sampling exactly."""
-    return not (
-        params.has_penalties
-        or params.min_tokens > 0
-        or params.logprobs is not None
-        or params.logit_bias
-        or params.structured_outputs is not None
-        or params.allowed_token_ids is not None
-        or params.bad_words_token_ids
-    )
+    return params.structured_outputs is None
 
 
 @dataclass

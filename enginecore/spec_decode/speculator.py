@@ -68,6 +68,12 @@ class Speculator:
         extras = output.spec_token_ids
         if extras and len(extras) != len(output.req_ids):
             raise ValueError(f"accepted tokens for {len(extras)} of {len(output.req_ids)} requests")
+        extra_logprobs = output.spec_logprobs
+        if extra_logprobs and (
+            len(extra_logprobs) != len(extras)
+            or any(lp and len(lp) != len(t) for lp, t in zip(extra_logprobs, extras))
+        ):
+            raise ValueError("logprobs of accepted tokens that do not match the tokens")
         where = {o.request_id: k for k, o in enumerate(outputs)}
         drafted = so.spec_token_ids
         appended_total = 0
@@ -89,11 +95,17 @@ class Speculator:
             appended_total += len(appended)
             at = where[rid]
             o = outputs[at]
+            logprobs = o.logprobs
+            if logprobs is not None:  # it asked: the worker sent one per accepted token
+                if not extra_logprobs or not extra_logprobs[k]:
+                    raise ValueError(f"request {rid}: no logprobs for its accepted tokens")
+                logprobs = logprobs + extra_logprobs[k][: len(appended)]
             outputs[at] = replace(
                 o,
                 new_token_ids=o.new_token_ids + appended,
                 finish_reason=reason,
                 num_preemptions=request.num_preemptions if reason else 0,
+                logprobs=logprobs,
             )
             if reason is not None:
                 end(request, reason)

@@ -13,7 +13,7 @@ from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from enginecore.spec_decode.ngram import NgramIndex
 from enginecore.spec_decode.suffix import SuffixCache
-from protocol.engine import SamplingParams
+from protocol.engine import Logprobs, SamplingParams, StructuredOutputs
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.speculative import SpeculativeConfig
 from protocol.worker import ModelRunnerOutput, SchedulerOutput
@@ -191,11 +191,29 @@ def test_drafts_stay_inside_the_token_budget_and_leave_later_requests_a_token() 
     raise AssertionError("a never drafted beside b")
 
 
-def test_requests_whose_sampling_reads_earlier_tokens_do_not_draft() -> None:
+def test_a_request_with_structured_outputs_does_not_draft_and_penalties_do() -> None:
+    # A grammar would have to advance through unverified drafts; penalties, biases and
+    # logprobs are applied per verified position by the workers.
     sched = make_spec_scheduler()
-    add(sched, "a", PROMPT, presence_penalty=0.5)
-    answer(sched, sched.schedule(), {"a": [7]})
-    assert not sched.schedule().spec_token_ids
+    add(sched, "a", PROMPT, ignore_eos=False, structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    add(sched, "b", PROMPT, presence_penalty=0.5, logprobs=1, logit_bias={3: 1.0})
+    answer(sched, sched.schedule(), {"a": [7], "b": [7]})
+    assert list(sched.schedule().spec_token_ids) == ["b"]
+
+
+def test_logprobs_of_accepted_tokens_must_match_them() -> None:
+    sched = make_spec_scheduler()
+    add(sched, "a", PROMPT, logprobs=0)
+    lp = Logprobs(-0.5, [], [])
+    first = sched.schedule()
+    sched.update_from_output(first, ModelRunnerOutput(first.step_id, ["a"], [7], [lp]))
+    so = sched.schedule()
+    drafts = so.spec_token_ids["a"]
+    out = ModelRunnerOutput(
+        so.step_id, ["a"], [drafts[0]], [lp], spec_token_ids=[[drafts[1]]], spec_logprobs=[[]]
+    )
+    with pytest.raises(ValueError, match="no logprobs for its accepted tokens"):
+        sched.update_from_output(so, out)
 
 
 def test_an_answer_that_does_not_match_the_drafts_fails() -> None:

@@ -33,9 +33,17 @@ def prompts() -> dict[str, list[int]]:
     return out
 
 
-def drive(path: Path, spec: dict | None, params: SamplingParams) -> tuple[dict, int]:
-    """Run prompts() to the end; (each request's tokens, blocks the core freed after a
-    verification), checking the worker's tables against the core's after each step."""
+def drive(
+    path: Path,
+    spec: dict | None,
+    params: SamplingParams | dict[str, SamplingParams],
+    logprobs: dict[str, list] | None = None,
+    accepted: dict[str, int] | None = None,
+) -> tuple[dict, int]:
+    """Run prompts() to the end (params: one for all, or by request id); (each request's
+    tokens, blocks the core freed after a verification), checking the worker's tables
+    against the core's after each step. logprobs, accepted: filled with each request's
+    logprobs and its number of accepted drafts."""
     runner = make_runner(str(path))
     groups = make_kv_cache_config(runner.kv_cache_specs(), 1 << 30).kv_cache_groups
     kv_config = with_num_blocks(groups, 200)
@@ -47,7 +55,8 @@ def drive(path: Path, spec: dict | None, params: SamplingParams) -> tuple[dict, 
     to_worker, to_core = Codec(CoreToWorker, "c->w"), Codec(WorkerToCore, "w->c")
     requests = {}
     for rid, prompt in prompts().items():
-        requests[rid] = sched.new_request(rid, prompt, params)
+        own = params if isinstance(params, SamplingParams) else params[rid]
+        requests[rid] = sched.new_request(rid, prompt, own)
         assert sched.add_request(requests[rid]) is None
     freed = 0
     kv = sched.kv_cache_manager
@@ -58,7 +67,13 @@ def drive(path: Path, spec: dict | None, params: SamplingParams) -> tuple[dict, 
         }
         out = runner.execute(to_worker.decode(to_worker.encode(so)))
         assert isinstance(out, ModelRunnerOutput)
-        sched.update_from_output(so, to_core.decode(to_core.encode(out)))
+        if accepted is not None and out.spec_token_ids:
+            for rid, extra in zip(out.req_ids, out.spec_token_ids):
+                accepted[rid] = accepted.get(rid, 0) + len(extra)
+        for o in sched.update_from_output(so, to_core.decode(to_core.encode(out))):
+            if logprobs is not None and o.logprobs is not None:
+                assert len(o.logprobs) == len(o.new_token_ids)
+                logprobs.setdefault(o.request_id, []).extend(o.logprobs)
         sched.check_invariants()
         tables = runner.block_tables()
         for request in sched.running:
@@ -87,3 +102,48 @@ def test_seeded_sampled_runs_with_drafts_repeat(tmp_path: Path) -> None:
     first, _ = drive(tmp_path, NGRAM, params)
     again, _ = drive(tmp_path, NGRAM, params)
     assert first == again
+
+
+def test_penalties_biases_bans_and_logprobs_verify_per_position(tmp_path: Path) -> None:
+    # Each verified position must see the drafts before it as generated tokens: the
+    # penalties count them, min_tokens and bad words look at them; logprobs come with
+    # every accepted token. A large logit bias makes each output repeat (drafts are then
+    # accepted) until its penalty or ban says otherwise, at a position inside a draft.
+    # Greedy tokens and logprobs equal a run without drafts.
+    save_checkpoint("llama", tmp_path)
+    base = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ids = list(prompts())
+    forced = {7: 50.0}
+    params = {
+        ids[0]: SamplingParams(
+            **base, logit_bias={7: 50.0, 9: 45.0}, frequency_penalty=2.0, logprobs=2
+        ),
+        ids[1]: SamplingParams(**base, logit_bias=forced, repetition_penalty=1.3),
+        ids[2]: SamplingParams(**base, logit_bias={7: 50.0, 9: 49.0}, presence_penalty=2.0),
+        ids[3]: SamplingParams(
+            **base, logit_bias={8: 60.0, 9: 50.0}, allowed_token_ids=list(range(3, VOCAB, 2))
+        ),
+        ids[4]: SamplingParams(**base, logit_bias=forced, bad_words_token_ids=[[7, 7, 7]]),
+        ids[5]: SamplingParams(
+            max_tokens=24,
+            temperature=0.0,
+            min_tokens=9,
+            logit_bias=forced,
+            stop_token_ids=[7],
+            logprobs=0,
+        ),
+    }
+    plain_lp: dict[str, list] = {}
+    drafted_lp: dict[str, list] = {}
+    plain, _ = drive(tmp_path, None, params, plain_lp)
+    accepted: dict[str, int] = {}
+    drafted, _ = drive(tmp_path, NGRAM, params, drafted_lp, accepted)
+    assert drafted == plain
+    assert all(accepted.get(rid, 0) >= 2 for rid in ids[:5]), accepted
+    assert len(plain[ids[5]]) == 10  # min_tokens held the stop token back to its 10th
+    assert drafted_lp.keys() == {ids[0], ids[5]}
+    for rid, lps in plain_lp.items():
+        assert [lp.logprob for lp in drafted_lp[rid]] == pytest.approx(
+            [lp.logprob for lp in lps], abs=1e-4
+        )
+        assert [lp.top_token_ids for lp in drafted_lp[rid]] == [lp.top_token_ids for lp in lps]

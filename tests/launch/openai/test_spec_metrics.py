@@ -8,6 +8,10 @@ import json
 import random
 from pathlib import Path
 
+import openai
+import pytest
+import torch
+
 from launch.openai.metrics import ServerMetrics
 from protocol.engine import SchedulerStats
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
@@ -30,8 +34,17 @@ def test_spec_decode_counters_count_the_engines_verifications(tmp_path: Path) ->
         status, answer = post(f"{server.url}/v1/completions", {**body, "ignore_eos": True})
         assert status == 200, answer
         m = metrics(server.url)
+        streamed = _stream_with_logprobs(server.url, prompt)
     finally:
         server.stop()
+    # Accepted drafts come with their logprobs: each the model's own, as transformers
+    # computes it at that position.
+    tokens, logprobs = streamed
+    assert tokens == hf_greedy(hf_model, prompt, 24)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])
+    assert logprobs == pytest.approx(want[:, 0].tolist(), abs=1e-3)
     drafts = m["vllm:spec_decode_num_drafts_total"]
     draft_tokens = m["vllm:spec_decode_num_draft_tokens_total"]
     accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
@@ -43,6 +56,30 @@ def test_spec_decode_counters_count_the_engines_verifications(tmp_path: Path) ->
     assert sum(per_pos) == accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a draft is accepted only after the one before
     assert m["vllm:generation_tokens_total"] == 24  # several tokens per output counted
+
+
+def _stream_with_logprobs(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """A streamed greedy completion with logprobs through the official client: (token
+    ids, their logprobs); every event's logprobs match its tokens."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    stream = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for chunk in stream:
+        choice = chunk.choices[0]
+        ids = choice.token_ids or []  # type: ignore[attr-defined]
+        assert choice.logprobs is not None and len(choice.logprobs.token_logprobs or []) == len(ids)
+        tokens += ids
+        logprobs += choice.logprobs.token_logprobs or []
+    return tokens, logprobs
 
 
 def test_without_speculation_no_spec_decode_series_exist() -> None:
