@@ -14,9 +14,14 @@
    The library is loaded into a process that already holds torch, whose bundled libgomp has
    the same soname, so the threads are torch's own pool and torch.set_num_threads sizes them.
 
-   For each query the keys are walked in tiles of TILE: the scores of the tile for every
+   For each request the keys are walked in tiles of TILE: the scores of the tile for every
    query head (each key read once for the query heads that share it), an online softmax that
    rescales the running sums when the tile's maximum grows, then the values of the tile.
+   A request with several queries (a verify step's last token and its drafts, a short
+   extend) runs them together, up to MAX_QUERIES: each key is read once for all of them and
+   query j sees it only up to its own position (causal), so a verify of K drafts costs about
+   one decode's memory traffic instead of K + 1. One-query requests run a copy compiled
+   without that mask, the plain decode's code.
    Everything is float32; half-precision caches are widened as they are read. */
 
 #include <math.h>
@@ -36,6 +41,15 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 
 #define TILE 256
 #define MAX_HEAD_DIM 512
+/* Queries of one request attended together (more run in groups of this many): a
+   speculative verify's K + 1 <= 33, with room for short extends. */
+#define MAX_QUERIES 64
+/* Keys per tile of a several-query request: its K and V tiles stay in L2 beside the
+   scores. */
+#define MULTI_TILE 64
+/* Query rows whose scores are computed together (registers: MULTI_ROWS x MULTI_TILE). */
+#define MULTI_ROWS 4
+#define MULTI_CHUNK 32
 /* Items per thread worth splitting a request's heads for (load balance vs locality). */
 #define ITEMS_PER_THREAD 4
 
@@ -50,8 +64,8 @@ typedef struct {
 /* What every work item of one call shares. Strides are in elements. */
 typedef struct {
     ps_cache k, v;
-    int64_t q_head, out_head;
-    int block_size, group;
+    int64_t q_tok, q_head, out_tok, out_head;
+    int block_size, group, window;
     float scale, soft_cap;
 } ps_call;
 
@@ -73,10 +87,11 @@ static inline const float *ps_widen(const char *row, int dtype, int d, float *bu
     return buf;
 }
 
-/* Scratch of one thread: scores [heads * TILE], acc [heads * d], running max and sum
-   [heads], one widened row [d]; heads = the query heads of one work item. */
+/* Scratch of one thread: scores [rows * TILE], acc [rows * d], running max and sum
+   [rows], one widened row [d], a tile of K and of V [nh * MULTI_TILE * d] each (several
+   queries only); rows = queries x the query heads of one work item. */
 typedef struct {
-    float *scores, *acc, *max, *sum, *widened;
+    float *scores, *acc, *max, *sum, *widened, *kt, *vt;
 } ps_scratch;
 
 /* The keys from pos to the end of its block or to tile_end: returns how many, with the row
@@ -197,16 +212,149 @@ static inline __attribute__((always_inline)) void ps_attend(
     }
 }
 
-typedef void (*ps_attend_fn)(const ps_call *, int, const float *, float *, const int32_t *, int,
-                             int, int, int, ps_scratch *);
+/* One query row's tile of ps_attend_multi: its raw scores sc (unscaled) for the tile's
+   keys tile_start .. tile_end, masked to those query position qpos sees, folded into its
+   online softmax (max, sum) and its accumulated values acc. */
+static inline __attribute__((always_inline)) void ps_multi_row(
+    const ps_call *c, const int d, int tile_start, int tile_end, int qpos, float *sc,
+    const float *vh, float *acc_out, float *max, float *sum_out) {
+    const int lo = c->window > 0 && qpos - c->window + 1 > tile_start
+                       ? qpos - c->window + 1 - tile_start
+                       : 0;
+    const int hi = (qpos < tile_end ? qpos : tile_end) - tile_start;
+    if (hi < lo) return; /* sees none of this tile's keys */
+    float tile_max = -INFINITY;
+    for (int j = lo; j <= hi; j++) {
+        float v = sc[j] * c->scale;
+        if (c->soft_cap > 0.0f) v = c->soft_cap * tanhf(v / c->soft_cap);
+        sc[j] = v;
+        tile_max = v > tile_max ? v : tile_max;
+    }
+    const float new_max = tile_max > *max ? tile_max : *max;
+    const float rescale = expf(*max - new_max);
+    *max = new_max;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int j = lo; j <= hi; j++) {
+        sc[j] = expf(sc[j] - new_max);
+        sum += sc[j];
+    }
+    *sum_out = *sum_out * rescale + sum;
+    float acc[MAX_HEAD_DIM];
+#pragma omp simd
+    for (int i = 0; i < d; i++) acc[i] = acc_out[i] * rescale;
+    for (int j = lo; j <= hi; j++) {
+        const float p = sc[j];
+        const float *vv = vh + (size_t)j * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) acc[i] += p * vv[i];
+    }
+#pragma omp simd
+    for (int i = 0; i < d; i++) acc_out[i] = acc[i];
+}
 
-/* D_ARG is the head size a copy computes with: a constant, or its argument d. */
+/* The attention of nq consecutive query rows of one request, at positions last_key-nq+1
+   .. last_key (query j sees keys last_key-nq+1+j-window < key <= last_key-nq+1+j), for
+   query heads [h0 * group, (h0 + nh) * group), keys first_key .. last_key. Keys and values
+   come in tiles of MULTI_TILE, copied (widened) once into scratch, K transposed: each query
+   row's scores are then a product vectorised over keys, and its values a sum vectorised
+   over d, with no horizontal sum per (query, key) as ps_attend has. Row r = query * heads +
+   head, each with its own online softmax over the keys it sees. */
+static inline __attribute__((always_inline)) void ps_attend_multi(
+    const ps_call *c, const int dtype, const int d, const int nq, const float *q, float *out,
+    const int32_t *table, int first_key, int last_key, int h0, int nh, ps_scratch *w) {
+    const int group = c->group, heads = nh * group, bs = c->block_size, rows = nq * heads;
+    const int esize = dtype == PS_F32 ? 4 : 2, first_pos = last_key - nq + 1;
+    for (int r = 0; r < rows; r++) {
+        w->max[r] = -INFINITY;
+        w->sum[r] = 0.0f;
+    }
+    memset(w->acc, 0, sizeof(float) * rows * d);
+
+    for (int tile_start = first_key; tile_start <= last_key; tile_start += MULTI_TILE) {
+        const int tile_end =
+            tile_start + MULTI_TILE - 1 < last_key ? tile_start + MULTI_TILE - 1 : last_key;
+        /* kt[h][i][j] = K[key j][head h][i]; vt[h][j][i] = V[key j][head h][i]. */
+        float *restrict kt = w->kt, *restrict vt = w->vt;
+        for (int pos = tile_start, count; pos <= tile_end; pos += count) {
+            const char *krow, *vrow, *ahead;
+            count = ps_run(&c->k, table, pos, tile_end, last_key, bs, esize, h0, &krow, &ahead);
+            ps_run(&c->v, table, pos, tile_end, last_key, bs, esize, h0, &vrow, &ahead);
+            for (int s = 0; s < count; s++) {
+                const int j = pos - tile_start + s;
+                for (int h = 0; h < nh; h++) {
+                    const char *kr = krow + (s * c->k.slot + h * c->k.head) * esize;
+                    const char *vr = vrow + (s * c->v.slot + h * c->v.head) * esize;
+                    float *kh = kt + (size_t)h * d * MULTI_TILE + j;
+                    float *vh = vt + ((size_t)h * MULTI_TILE + j) * d;
+                    for (int i = 0; i < d; i++) kh[i * MULTI_TILE] = ps_load(kr, dtype, i);
+                    for (int i = 0; i < d; i++) vh[i] = ps_load(vr, dtype, i);
+                }
+            }
+        }
+        /* Rows sharing a kv head, MULTI_ROWS at a time: each K element loaded for all of
+           them, their scores kept in registers across d. */
+        for (int h = 0; h < nh; h++) {
+            const float *kh = kt + (size_t)h * d * MULTI_TILE;
+            for (int b0 = 0; b0 < nq * group; b0 += MULTI_ROWS) {
+                float sc[MULTI_ROWS][MULTI_TILE];
+                const float *qr[MULTI_ROWS];
+                for (int b = 0; b < MULTI_ROWS; b++) {
+                    /* Past the last row: recompute the last one (never stored). */
+                    const int rb = b0 + b < nq * group ? b0 + b : nq * group - 1;
+                    qr[b] = q + (rb / group) * c->q_tok + (h * group + rb % group) * c->q_head;
+                    for (int j = 0; j < MULTI_TILE; j++) sc[b][j] = 0.0f;
+                }
+                /* Key chunks of MULTI_CHUNK: the chunk's MULTI_ROWS x MULTI_CHUNK sums fit
+                   in vector registers across the loop over d. */
+                for (int j0 = 0; j0 < MULTI_TILE; j0 += MULTI_CHUNK) {
+                    for (int i = 0; i < d; i++) {
+                        const float *kk = kh + (size_t)i * MULTI_TILE + j0;
+                        for (int b = 0; b < MULTI_ROWS; b++) {
+                            const float qv = qr[b][i];
+#pragma omp simd
+                            for (int j = 0; j < MULTI_CHUNK; j++) sc[b][j0 + j] += qv * kk[j];
+                        }
+                    }
+                }
+                for (int b = 0; b < MULTI_ROWS && b0 + b < nq * group; b++) {
+                    const int qi = (b0 + b) / group;
+                    const int r = qi * heads + h * group + (b0 + b) % group;
+                    ps_multi_row(c, d, tile_start, tile_end, first_pos + qi, sc[b],
+                                 vt + (size_t)h * MULTI_TILE * d, w->acc + (size_t)r * d,
+                                 &w->max[r], &w->sum[r]);
+                }
+            }
+        }
+    }
+
+    for (int r = 0; r < rows; r++) {
+        const float inv = 1.0f / w->sum[r];
+        float *o = out + (r / heads) * c->out_tok + (r % heads) * c->out_head;
+        const float *a = w->acc + (size_t)r * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) o[i] = a[i] * inv;
+    }
+}
+
+typedef void (*ps_attend_fn)(const ps_call *, int, int, const float *, float *,
+                             const int32_t *, int, int, int, int, ps_scratch *);
+
+/* D_ARG is the head size a copy computes with: a constant, or its argument d. The _1 copy
+   is the plain decode (one query, nq ignored), the _n copy any query count. */
 #define PS_SPECIALIZE(NAME, DTYPE, D_ARG)                                                    \
-    static void NAME(const ps_call *c, int d, const float *q, float *out,                    \
-                     const int32_t *table, int first_key, int last_key, int h0, int nh,      \
-                     ps_scratch *w) {                                                        \
+    static void NAME##_1(const ps_call *c, int d, int nq, const float *q, float *out,        \
+                         const int32_t *table, int first_key, int last_key, int h0, int nh,  \
+                         ps_scratch *w) {                                                    \
         (void)d;                                                                             \
+        (void)nq;                                                                            \
         ps_attend(c, DTYPE, D_ARG, q, out, table, first_key, last_key, h0, nh, w);          \
+    }                                                                                        \
+    static void NAME##_n(const ps_call *c, int d, int nq, const float *q, float *out,        \
+                         const int32_t *table, int first_key, int last_key, int h0, int nh,  \
+                         ps_scratch *w) {                                                    \
+        (void)d;                                                                             \
+        ps_attend_multi(c, DTYPE, D_ARG, nq, q, out, table, first_key, last_key, h0, nh, w); \
     }
 #define PS_FOR_DTYPES(D, SUFFIX)                       \
     PS_SPECIALIZE(ps_attend_f32_##SUFFIX, PS_F32, D)   \
@@ -224,12 +372,21 @@ PS_FOR_DTYPES(128, 128)
 PS_FOR_DTYPES(256, 256)
 PS_FOR_DTYPES(d, any)
 
-static ps_attend_fn ps_pick(int dtype, int d) {
-#define PS_CASE(D)                                                        \
-    case D:                                                               \
-        return dtype == PS_F32    ? ps_attend_f32_##D                     \
-               : dtype == PS_BF16 ? ps_attend_bf16_##D                    \
-                                  : ps_attend_f16_##D;
+/* The copies for one dtype and head size: [0] one query, [1] several. */
+static void ps_pick(int dtype, int d, ps_attend_fn fns[2]) {
+#define PS_SET(D)                                                                    \
+    do {                                                                             \
+        fns[0] = dtype == PS_F32    ? ps_attend_f32_##D##_1                          \
+                 : dtype == PS_BF16 ? ps_attend_bf16_##D##_1                         \
+                                    : ps_attend_f16_##D##_1;                         \
+        fns[1] = dtype == PS_F32    ? ps_attend_f32_##D##_n                          \
+                 : dtype == PS_BF16 ? ps_attend_bf16_##D##_n                         \
+                                    : ps_attend_f16_##D##_n;                         \
+    } while (0)
+#define PS_CASE(D) \
+    case D:        \
+        PS_SET(D); \
+        return;
     switch (d) {
         PS_CASE(16)
         PS_CASE(32)
@@ -239,10 +396,9 @@ static ps_attend_fn ps_pick(int dtype, int d) {
         PS_CASE(128)
         PS_CASE(256)
     }
+    PS_SET(any);
 #undef PS_CASE
-    return dtype == PS_F32    ? ps_attend_f32_any
-           : dtype == PS_BF16 ? ps_attend_bf16_any
-                              : ps_attend_f16_any;
+#undef PS_SET
 }
 
 /* Threads a parallel region started by the calling thread gets. */
@@ -270,11 +426,12 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     const ps_call call = {
         {(const char *)key_cache, k_block_stride, k_slot_stride, k_head_stride},
         {(const char *)value_cache, v_block_stride, v_slot_stride, v_head_stride},
-        q_head_stride, out_head_stride,
-        block_size, num_q_heads / num_kv_heads,
+        q_tok_stride, q_head_stride, out_tok_stride, out_head_stride,
+        block_size, num_q_heads / num_kv_heads, window,
         scale, soft_cap,
     };
-    const ps_attend_fn attend = ps_pick(dtype, head_dim);
+    ps_attend_fn attend[2];
+    ps_pick(dtype, head_dim, attend);
     /* The fewest head ranges per request (a divisor of the kv heads) that still give every
        thread a few items. */
     int splits = 1;
@@ -284,21 +441,30 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
         splits++;
     const int nh = num_kv_heads / splits, items = num_reqs * splits;
     const int heads = nh * call.group;
+    int most_queries = 1;
+    for (int i = 0; i < num_reqs; i++) {
+        const int n = query_start_loc[reqs[i] + 1] - query_start_loc[reqs[i]];
+        most_queries = n > most_queries ? n : most_queries;
+    }
+    const size_t rows = (size_t)heads * (most_queries < MAX_QUERIES ? most_queries : MAX_QUERIES);
     int failed = 0;
 
 #pragma omp parallel
     {
         ps_scratch w;
-        float *mem = malloc(sizeof(float) * ((size_t)heads * (TILE + head_dim + 2) + head_dim));
+        const size_t tile = most_queries > 1 ? (size_t)nh * MULTI_TILE * head_dim : 0;
+        float *mem = malloc(sizeof(float) * (rows * (TILE + head_dim + 2) + head_dim + 2 * tile));
         if (mem == NULL) {
 #pragma omp atomic write
             failed = 1;
         } else {
             w.scores = mem;
-            w.acc = w.scores + (size_t)heads * TILE;
-            w.max = w.acc + (size_t)heads * head_dim;
-            w.sum = w.max + heads;
-            w.widened = w.sum + heads;
+            w.acc = w.scores + rows * TILE;
+            w.max = w.acc + rows * head_dim;
+            w.sum = w.max + rows;
+            w.widened = w.sum + rows;
+            w.kt = w.widened + head_dim;
+            w.vt = w.kt + tile;
         }
 #pragma omp barrier
         if (!failed) {
@@ -308,13 +474,17 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
                 const int start = query_start_loc[b], end = query_start_loc[b + 1];
                 const int first_query_pos = seq_lens[b] - (end - start);
                 const int32_t *table = block_table + b * table_stride;
-                for (int row = start; row < end; row++) {
-                    const int pos = first_query_pos + (row - start);
+                const int64_t q0 = (int64_t)h0 * call.group;
+                /* Groups of up to MAX_QUERIES consecutive queries, each attending the keys
+                   up to its last query's position. */
+                for (int row = start; row < end; row += MAX_QUERIES) {
+                    const int nq = end - row < MAX_QUERIES ? end - row : MAX_QUERIES;
+                    const int pos = first_query_pos + (row - start);  /* the group's first */
                     const int first_key = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                    const int64_t q0 = (int64_t)h0 * call.group;
-                    attend(&call, head_dim, query + row * q_tok_stride + q0 * q_head_stride,
-                           out + row * out_tok_stride + q0 * out_head_stride, table, first_key,
-                           pos, h0, nh, &w);
+                    attend[nq > 1](&call, head_dim, nq,
+                                   query + row * q_tok_stride + q0 * q_head_stride,
+                                   out + row * out_tok_stride + q0 * out_head_stride, table,
+                                   first_key, pos + nq - 1, h0, nh, &w);
                 }
             }
         }
