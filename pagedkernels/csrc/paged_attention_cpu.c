@@ -18,10 +18,12 @@
    query head (each key read once for the query heads that share it), an online softmax that
    rescales the running sums when the tile's maximum grows, then the values of the tile.
    A request with several queries (a verify step's last token and its drafts, a short
-   extend) runs them together, up to MAX_QUERIES: each key is read once for all of them and
-   query j sees it only up to its own position (causal), so a verify of K drafts costs about
-   one decode's memory traffic instead of K + 1. One-query requests run a copy compiled
-   without that mask, the plain decode's code.
+   extend) runs them together, up to MAX_QUERIES: each key is read (and widened) once for
+   all of them, and query j sees it only up to its own position (causal), so a verify of K
+   drafts reads its K/V once, as a decode does, and adds only the K + 1 queries' arithmetic.
+   One-query requests run a copy compiled without the mask: the plain decode's code. (A
+   variant that copied 64-key tiles into scratch, K transposed, to drop the horizontal sum
+   per key was slower at 2 to 9 queries: the transposing copy cost more than it saved.)
    Everything is float32; half-precision caches are widened as they are read. */
 
 #include <math.h>
@@ -44,12 +46,6 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 /* Queries of one request attended together (more run in groups of this many): a
    speculative verify's K + 1 <= 33, with room for short extends. */
 #define MAX_QUERIES 64
-/* Keys per tile of a several-query request: its K and V tiles stay in L2 beside the
-   scores. */
-#define MULTI_TILE 64
-/* Query rows whose scores are computed together (registers: MULTI_ROWS x MULTI_TILE). */
-#define MULTI_ROWS 4
-#define MULTI_CHUNK 32
 /* Items per thread worth splitting a request's heads for (load balance vs locality). */
 #define ITEMS_PER_THREAD 4
 
@@ -88,10 +84,9 @@ static inline const float *ps_widen(const char *row, int dtype, int d, float *bu
 }
 
 /* Scratch of one thread: scores [rows * TILE], acc [rows * d], running max and sum
-   [rows], one widened row [d], a tile of K and of V [nh * MULTI_TILE * d] each (several
-   queries only); rows = queries x the query heads of one work item. */
+   [rows], one widened row [d]; rows = queries x the query heads of one work item. */
 typedef struct {
-    float *scores, *acc, *max, *sum, *widened, *kt, *vt;
+    float *scores, *acc, *max, *sum, *widened;
 } ps_scratch;
 
 /* The keys from pos to the end of its block or to tile_end: returns how many, with the row
@@ -115,21 +110,32 @@ static inline void ps_prefetch(const char *ahead, int64_t at, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + at + b, 0, 3);
 }
 
-/* One query position's attention for query heads [h0 * group, (h0 + nh) * group), keys
-   first_key .. last_key. Inlined into one copy per (cache dtype, head size) below: with
-   both constant, the loops over d are unrolled vector code and the dtype switch is gone. */
+/* The queries a key at pos is visible to, [*lo, *hi] of 0 .. nq-1: query j sits at
+   first_pos + j and sees keys first_pos + j - window < key <= first_pos + j. */
+static inline void ps_visible(int pos, int first_pos, int nq, int window, int *lo, int *hi) {
+    const int j = pos - first_pos;
+    *lo = j > 0 ? j : 0;
+    *hi = window > 0 && j + window - 1 < nq - 1 ? j + window - 1 : nq - 1;
+}
+
+/* The attention of nq consecutive query rows of one request (positions last_key-nq+1 ..
+   last_key) for query heads [h0 * group, (h0 + nh) * group), keys first_key .. last_key.
+   Inlined into one copy per (cache dtype, head size, multi) below: with those constant,
+   the loops over d are unrolled vector code, the dtype switch is gone, and the one-query
+   copy (multi 0, nq 1) has no causal mask at all. Row r = query * heads + head. */
 static inline __attribute__((always_inline)) void ps_attend(
-    const ps_call *c, const int dtype, const int d, const float *q, float *out,
-    const int32_t *table, int first_key, int last_key, int h0, int nh, ps_scratch *w) {
-    const int group = c->group, heads = nh * group, bs = c->block_size;
-    const int esize = dtype == PS_F32 ? 4 : 2;
+    const ps_call *c, const int dtype, const int d, const int multi, const int nq,
+    const float *q, float *out, const int32_t *table, int first_key, int last_key, int h0,
+    int nh, ps_scratch *w) {
+    const int group = c->group, heads = nh * group, bs = c->block_size, rows = nq * heads;
+    const int esize = dtype == PS_F32 ? 4 : 2, first_pos = last_key - nq + 1;
     /* The bytes of one slot's heads h0 .. h0+nh-1 (contiguous when heads are dense). */
     const int64_t row_bytes = ((int64_t)(nh - 1) * c->k.head + d) * esize;
-    for (int r = 0; r < heads; r++) {
+    for (int r = 0; r < rows; r++) {
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
     }
-    memset(w->acc, 0, sizeof(float) * heads * d);
+    memset(w->acc, 0, sizeof(float) * rows * d);
 
     for (int tile_start = first_key; tile_start <= last_key; tile_start += TILE) {
         const int tile_end = tile_start + TILE - 1 < last_key ? tile_start + TILE - 1 : last_key;
@@ -141,24 +147,37 @@ static inline __attribute__((always_inline)) void ps_attend(
             count = ps_run(&c->k, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
             for (int s = 0; s < count; s++, row += c->k.slot * esize) {
                 const int j = pos - tile_start + s;
+                int lo = 0, hi = 0;
+                if (multi) ps_visible(pos + s, first_pos, nq, c->window, &lo, &hi);
                 ps_prefetch(ahead, s * c->k.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
                     const float *k = ps_widen(row + h * c->k.head * esize, dtype, d, w->widened);
-                    for (int g = 0; g < group; g++) {
-                        const int r = h * group + g;
-                        const float *qr = q + r * c->q_head;
-                        float dot = 0.0f;
+                    for (int qi = 0; qi < nq; qi++) {
+                        for (int g = 0; g < group; g++) {
+                            const int r = qi * heads + h * group + g;
+                            if (multi && (qi < lo || qi > hi)) {
+                                w->scores[r * TILE + j] = -INFINITY;
+                                continue;
+                            }
+                            const float *qr = q + qi * c->q_tok + (h * group + g) * c->q_head;
+                            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int i = 0; i < d; i++) dot += qr[i] * k[i];
-                        w->scores[r * TILE + j] = dot * c->scale;
+                            for (int i = 0; i < d; i++) dot += qr[i] * k[i];
+                            dot *= c->scale;
+                            /* Capped here, not in the tile pass below: that pass would turn
+                               a masked -inf into -cap. */
+                            if (multi && c->soft_cap > 0.0f)
+                                dot = c->soft_cap * tanhf(dot / c->soft_cap);
+                            w->scores[r * TILE + j] = dot;
+                        }
                     }
                 }
             }
         }
 
-        for (int r = 0; r < heads; r++) {
+        for (int r = 0; r < rows; r++) {
             float *s = w->scores + r * TILE;
-            if (c->soft_cap > 0.0f) {
+            if (!multi && c->soft_cap > 0.0f) {
                 const float cap = c->soft_cap, inv = 1.0f / cap;
 #pragma omp simd
                 for (int j = 0; j < n; j++) s[j] = cap * tanhf(s[j] * inv);
@@ -166,6 +185,9 @@ static inline __attribute__((always_inline)) void ps_attend(
             float tile_max = -INFINITY;
             for (int j = 0; j < n; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
             const float new_max = tile_max > w->max[r] ? tile_max : w->max[r];
+            /* A query that sees no key yet (a window's start past this tile): nothing to
+               add, and exp(-inf - -inf) would be NaN. */
+            if (multi && new_max == -INFINITY) continue;
             /* The first tile: exp(-inf) rescales the empty sums to 0. */
             const float rescale = expf(w->max[r] - new_max);
             w->max[r] = new_max;
@@ -188,141 +210,20 @@ static inline __attribute__((always_inline)) void ps_attend(
             count = ps_run(&c->v, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
             for (int s = 0; s < count; s++, row += c->v.slot * esize) {
                 const int j = pos - tile_start + s;
+                int lo = 0, hi = nq - 1;
+                if (multi) ps_visible(pos + s, first_pos, nq, c->window, &lo, &hi);
                 ps_prefetch(ahead, s * c->v.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
                     const float *v = ps_widen(row + h * c->v.head * esize, dtype, d, w->widened);
-                    for (int g = 0; g < group; g++) {
-                        const int r = h * group + g;
-                        const float p = w->scores[r * TILE + j];
-                        float *a = w->acc + r * d;
+                    for (int qi = lo; qi <= hi; qi++) {
+                        for (int g = 0; g < group; g++) {
+                            const int r = qi * heads + h * group + g;
+                            const float p = w->scores[r * TILE + j];
+                            float *a = w->acc + r * d;
 #pragma omp simd
-                        for (int i = 0; i < d; i++) a[i] += p * v[i];
-                    }
-                }
-            }
-        }
-    }
-
-    for (int r = 0; r < heads; r++) {
-        const float inv = 1.0f / w->sum[r];
-        float *o = out + r * c->out_head;
-        const float *a = w->acc + r * d;
-#pragma omp simd
-        for (int i = 0; i < d; i++) o[i] = a[i] * inv;
-    }
-}
-
-/* One query row's tile of ps_attend_multi: its raw scores sc (unscaled) for the tile's
-   keys tile_start .. tile_end, masked to those query position qpos sees, folded into its
-   online softmax (max, sum) and its accumulated values acc. */
-static inline __attribute__((always_inline)) void ps_multi_row(
-    const ps_call *c, const int d, int tile_start, int tile_end, int qpos, float *sc,
-    const float *vh, float *acc_out, float *max, float *sum_out) {
-    const int lo = c->window > 0 && qpos - c->window + 1 > tile_start
-                       ? qpos - c->window + 1 - tile_start
-                       : 0;
-    const int hi = (qpos < tile_end ? qpos : tile_end) - tile_start;
-    if (hi < lo) return; /* sees none of this tile's keys */
-    float tile_max = -INFINITY;
-    for (int j = lo; j <= hi; j++) {
-        float v = sc[j] * c->scale;
-        if (c->soft_cap > 0.0f) v = c->soft_cap * tanhf(v / c->soft_cap);
-        sc[j] = v;
-        tile_max = v > tile_max ? v : tile_max;
-    }
-    const float new_max = tile_max > *max ? tile_max : *max;
-    const float rescale = expf(*max - new_max);
-    *max = new_max;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = lo; j <= hi; j++) {
-        sc[j] = expf(sc[j] - new_max);
-        sum += sc[j];
-    }
-    *sum_out = *sum_out * rescale + sum;
-    float acc[MAX_HEAD_DIM];
-#pragma omp simd
-    for (int i = 0; i < d; i++) acc[i] = acc_out[i] * rescale;
-    for (int j = lo; j <= hi; j++) {
-        const float p = sc[j];
-        const float *vv = vh + (size_t)j * d;
-#pragma omp simd
-        for (int i = 0; i < d; i++) acc[i] += p * vv[i];
-    }
-#pragma omp simd
-    for (int i = 0; i < d; i++) acc_out[i] = acc[i];
-}
-
-/* The attention of nq consecutive query rows of one request, at positions last_key-nq+1
-   .. last_key (query j sees keys last_key-nq+1+j-window < key <= last_key-nq+1+j), for
-   query heads [h0 * group, (h0 + nh) * group), keys first_key .. last_key. Keys and values
-   come in tiles of MULTI_TILE, copied (widened) once into scratch, K transposed: each query
-   row's scores are then a product vectorised over keys, and its values a sum vectorised
-   over d, with no horizontal sum per (query, key) as ps_attend has. Row r = query * heads +
-   head, each with its own online softmax over the keys it sees. */
-static inline __attribute__((always_inline)) void ps_attend_multi(
-    const ps_call *c, const int dtype, const int d, const int nq, const float *q, float *out,
-    const int32_t *table, int first_key, int last_key, int h0, int nh, ps_scratch *w) {
-    const int group = c->group, heads = nh * group, bs = c->block_size, rows = nq * heads;
-    const int esize = dtype == PS_F32 ? 4 : 2, first_pos = last_key - nq + 1;
-    for (int r = 0; r < rows; r++) {
-        w->max[r] = -INFINITY;
-        w->sum[r] = 0.0f;
-    }
-    memset(w->acc, 0, sizeof(float) * rows * d);
-
-    for (int tile_start = first_key; tile_start <= last_key; tile_start += MULTI_TILE) {
-        const int tile_end =
-            tile_start + MULTI_TILE - 1 < last_key ? tile_start + MULTI_TILE - 1 : last_key;
-        /* kt[h][i][j] = K[key j][head h][i]; vt[h][j][i] = V[key j][head h][i]. */
-        float *restrict kt = w->kt, *restrict vt = w->vt;
-        for (int pos = tile_start, count; pos <= tile_end; pos += count) {
-            const char *krow, *vrow, *ahead;
-            count = ps_run(&c->k, table, pos, tile_end, last_key, bs, esize, h0, &krow, &ahead);
-            ps_run(&c->v, table, pos, tile_end, last_key, bs, esize, h0, &vrow, &ahead);
-            for (int s = 0; s < count; s++) {
-                const int j = pos - tile_start + s;
-                for (int h = 0; h < nh; h++) {
-                    const char *kr = krow + (s * c->k.slot + h * c->k.head) * esize;
-                    const char *vr = vrow + (s * c->v.slot + h * c->v.head) * esize;
-                    float *kh = kt + (size_t)h * d * MULTI_TILE + j;
-                    float *vh = vt + ((size_t)h * MULTI_TILE + j) * d;
-                    for (int i = 0; i < d; i++) kh[i * MULTI_TILE] = ps_load(kr, dtype, i);
-                    for (int i = 0; i < d; i++) vh[i] = ps_load(vr, dtype, i);
-                }
-            }
-        }
-        /* Rows sharing a kv head, MULTI_ROWS at a time: each K element loaded for all of
-           them, their scores kept in registers across d. */
-        for (int h = 0; h < nh; h++) {
-            const float *kh = kt + (size_t)h * d * MULTI_TILE;
-            for (int b0 = 0; b0 < nq * group; b0 += MULTI_ROWS) {
-                float sc[MULTI_ROWS][MULTI_TILE];
-                const float *qr[MULTI_ROWS];
-                for (int b = 0; b < MULTI_ROWS; b++) {
-                    /* Past the last row: recompute the last one (never stored). */
-                    const int rb = b0 + b < nq * group ? b0 + b : nq * group - 1;
-                    qr[b] = q + (rb / group) * c->q_tok + (h * group + rb % group) * c->q_head;
-                    for (int j = 0; j < MULTI_TILE; j++) sc[b][j] = 0.0f;
-                }
-                /* Key chunks of MULTI_CHUNK: the chunk's MULTI_ROWS x MULTI_CHUNK sums fit
-                   in vector registers across the loop over d. */
-                for (int j0 = 0; j0 < MULTI_TILE; j0 += MULTI_CHUNK) {
-                    for (int i = 0; i < d; i++) {
-                        const float *kk = kh + (size_t)i * MULTI_TILE + j0;
-                        for (int b = 0; b < MULTI_ROWS; b++) {
-                            const float qv = qr[b][i];
-#pragma omp simd
-                            for (int j = 0; j < MULTI_CHUNK; j++) sc[b][j0 + j] += qv * kk[j];
+                            for (int i = 0; i < d; i++) a[i] += p * v[i];
                         }
                     }
-                }
-                for (int b = 0; b < MULTI_ROWS && b0 + b < nq * group; b++) {
-                    const int qi = (b0 + b) / group;
-                    const int r = qi * heads + h * group + (b0 + b) % group;
-                    ps_multi_row(c, d, tile_start, tile_end, first_pos + qi, sc[b],
-                                 vt + (size_t)h * MULTI_TILE * d, w->acc + (size_t)r * d,
-                                 &w->max[r], &w->sum[r]);
                 }
             }
         }
@@ -331,7 +232,7 @@ static inline __attribute__((always_inline)) void ps_attend_multi(
     for (int r = 0; r < rows; r++) {
         const float inv = 1.0f / w->sum[r];
         float *o = out + (r / heads) * c->out_tok + (r % heads) * c->out_head;
-        const float *a = w->acc + (size_t)r * d;
+        const float *a = w->acc + r * d;
 #pragma omp simd
         for (int i = 0; i < d; i++) o[i] = a[i] * inv;
     }
@@ -348,13 +249,13 @@ typedef void (*ps_attend_fn)(const ps_call *, int, int, const float *, float *,
                          ps_scratch *w) {                                                    \
         (void)d;                                                                             \
         (void)nq;                                                                            \
-        ps_attend(c, DTYPE, D_ARG, q, out, table, first_key, last_key, h0, nh, w);          \
+        ps_attend(c, DTYPE, D_ARG, 0, 1, q, out, table, first_key, last_key, h0, nh, w);    \
     }                                                                                        \
     static void NAME##_n(const ps_call *c, int d, int nq, const float *q, float *out,        \
                          const int32_t *table, int first_key, int last_key, int h0, int nh,  \
                          ps_scratch *w) {                                                    \
         (void)d;                                                                             \
-        ps_attend_multi(c, DTYPE, D_ARG, nq, q, out, table, first_key, last_key, h0, nh, w); \
+        ps_attend(c, DTYPE, D_ARG, 1, nq, q, out, table, first_key, last_key, h0, nh, w);   \
     }
 #define PS_FOR_DTYPES(D, SUFFIX)                       \
     PS_SPECIALIZE(ps_attend_f32_##SUFFIX, PS_F32, D)   \
@@ -452,8 +353,7 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
 #pragma omp parallel
     {
         ps_scratch w;
-        const size_t tile = most_queries > 1 ? (size_t)nh * MULTI_TILE * head_dim : 0;
-        float *mem = malloc(sizeof(float) * (rows * (TILE + head_dim + 2) + head_dim + 2 * tile));
+        float *mem = malloc(sizeof(float) * (rows * (TILE + head_dim + 2) + head_dim));
         if (mem == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -463,8 +363,6 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
             w.max = w.acc + rows * head_dim;
             w.sum = w.max + rows;
             w.widened = w.sum + rows;
-            w.kt = w.widened + head_dim;
-            w.vt = w.kt + tile;
         }
 #pragma omp barrier
         if (!failed) {
