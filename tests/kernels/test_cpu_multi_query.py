@@ -4,6 +4,7 @@ the same call, against the torch reference (pagedkernels.reference), their oracl
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Iterator
 
@@ -29,7 +30,7 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def lib(monkeypatch: pytest.MonkeyPatch) -> object:
+def lib(monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
     monkeypatch.setenv(cpu_native.NATIVE_ENV, "1")
     built = cpu_native.library()
     assert built is not None, "the C kernel did not build (a C compiler is part of the setup)"
@@ -37,7 +38,7 @@ def lib(monkeypatch: pytest.MonkeyPatch) -> object:
 
 
 def native_vs_reference(
-    lib: object,
+    lib: ctypes.CDLL,
     seed: int,
     seq_lens: list[int],
     query_lens: list[int],
@@ -69,12 +70,14 @@ def native_vs_reference(
     reqs = torch.arange(len(seq_lens), dtype=torch.int32)
     cpu_native.paged_attention(
         lib, query.float(), kc, vc, table, qsl, lens, reqs, scale, window, soft_cap, out
-    )  # type: ignore[arg-type]
+    )
     return out.to(dtype), want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_verifies_mixed_with_decodes_equal_the_reference(lib: object, dtype: torch.dtype) -> None:
+def test_verifies_mixed_with_decodes_equal_the_reference(
+    lib: ctypes.CDLL, dtype: torch.dtype
+) -> None:
     # q_len 1..9 in one call, GQA groups 1/2/4/9, block sizes 1..32, context lengths that
     # are rarely a multiple of the block size, windows narrower than a verify, soft caps.
     rng = random.Random(str(dtype))
@@ -94,7 +97,7 @@ def test_verifies_mixed_with_decodes_equal_the_reference(lib: object, dtype: tor
 
 
 @pytest.mark.parametrize("window", [None, 2, 100])
-def test_long_verifies_across_tiles_and_query_groups(lib: object, window: int | None) -> None:
+def test_long_verifies_across_tiles_and_query_groups(lib: ctypes.CDLL, window: int | None) -> None:
     # 33 queries (32 drafts) and query counts past the kernel's group of 64, over contexts
     # that cross several key tiles; SmolLM2's 9/3 heads and d 64.
     seq_lens, query_lens = [700, 300, 90, 180, 1], [33, 70, 64, 1, 1]
@@ -105,7 +108,7 @@ def test_long_verifies_across_tiles_and_query_groups(lib: object, window: int | 
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
-def test_stale_slots_past_a_verify_s_keys_never_reach_its_output(lib: object) -> None:
+def test_stale_slots_past_a_verify_s_keys_never_reach_its_output(lib: ctypes.CDLL) -> None:
     # The last block's slots past the request's keys hold inf keys and NaN values.
     got, want = native_vs_reference(
         lib, 3, [37, 9, 70, 23], [5, 9, 1, 3], 8, (4, 2), 16, torch.float32, poison_tails=True
@@ -114,7 +117,7 @@ def test_stale_slots_past_a_verify_s_keys_never_reach_its_output(lib: object) ->
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
-def test_the_batched_path_sends_verifies_to_the_c_kernel(lib: object) -> None:
+def test_the_batched_path_sends_verifies_to_the_c_kernel(lib: ctypes.CDLL) -> None:
     # Decodes and verifies of up to NATIVE_MAX_QUERIES queries go to the C kernel; a longer
     # prefill chunk to the gather path; the answer is the reference's either way.
     gen = torch.Generator().manual_seed(2)
