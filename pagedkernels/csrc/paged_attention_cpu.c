@@ -14,9 +14,16 @@
    The library is loaded into a process that already holds torch, whose bundled libgomp has
    the same soname, so the threads are torch's own pool and torch.set_num_threads sizes them.
 
-   For each query the keys are walked in tiles of TILE: the scores of the tile for every
+   For each request the keys are walked in tiles of TILE: the scores of the tile for every
    query head (each key read once for the query heads that share it), an online softmax that
    rescales the running sums when the tile's maximum grows, then the values of the tile.
+   A request with several queries (a verify step's last token and its drafts, a short
+   extend) runs them together, up to MAX_QUERIES: each key is read (and widened) once for
+   all of them, and query j sees it only up to its own position (causal), so a verify of K
+   drafts reads its K/V once, as a decode does, and adds only the K + 1 queries' arithmetic.
+   One-query requests run a copy compiled without the mask: the plain decode's code. (A
+   variant that copied 64-key tiles into scratch, K transposed, to drop the horizontal sum
+   per key was slower at 2 to 9 queries: the transposing copy cost more than it saved.)
    Everything is float32; half-precision caches are widened as they are read. */
 
 #include <math.h>
@@ -36,6 +43,9 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 
 #define TILE 256
 #define MAX_HEAD_DIM 512
+/* Queries of one request attended together (more run in groups of this many): a
+   speculative verify's K + 1 <= 33, with room for short extends. */
+#define MAX_QUERIES 64
 /* Items per thread worth splitting a request's heads for (load balance vs locality). */
 #define ITEMS_PER_THREAD 4
 
@@ -50,8 +60,8 @@ typedef struct {
 /* What every work item of one call shares. Strides are in elements. */
 typedef struct {
     ps_cache k, v;
-    int64_t q_head, out_head;
-    int block_size, group;
+    int64_t q_tok, q_head, out_tok, out_head;
+    int block_size, group, window;
     float scale, soft_cap;
 } ps_call;
 
@@ -73,8 +83,8 @@ static inline const float *ps_widen(const char *row, int dtype, int d, float *bu
     return buf;
 }
 
-/* Scratch of one thread: scores [heads * TILE], acc [heads * d], running max and sum
-   [heads], one widened row [d]; heads = the query heads of one work item. */
+/* Scratch of one thread: scores [rows * TILE], acc [rows * d], running max and sum
+   [rows], one widened row [d]; rows = queries x the query heads of one work item. */
 typedef struct {
     float *scores, *acc, *max, *sum, *widened;
 } ps_scratch;
@@ -100,21 +110,32 @@ static inline void ps_prefetch(const char *ahead, int64_t at, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + at + b, 0, 3);
 }
 
-/* One query position's attention for query heads [h0 * group, (h0 + nh) * group), keys
-   first_key .. last_key. Inlined into one copy per (cache dtype, head size) below: with
-   both constant, the loops over d are unrolled vector code and the dtype switch is gone. */
+/* The queries a key at pos is visible to, [*lo, *hi] of 0 .. nq-1: query j sits at
+   first_pos + j and sees keys first_pos + j - window < key <= first_pos + j. */
+static inline void ps_visible(int pos, int first_pos, int nq, int window, int *lo, int *hi) {
+    const int j = pos - first_pos;
+    *lo = j > 0 ? j : 0;
+    *hi = window > 0 && j + window - 1 < nq - 1 ? j + window - 1 : nq - 1;
+}
+
+/* The attention of nq consecutive query rows of one request (positions last_key-nq+1 ..
+   last_key) for query heads [h0 * group, (h0 + nh) * group), keys first_key .. last_key.
+   Inlined into one copy per (cache dtype, head size, multi) below: with those constant,
+   the loops over d are unrolled vector code, the dtype switch is gone, and the one-query
+   copy (multi 0, nq 1) has no causal mask at all. Row r = query * heads + head. */
 static inline __attribute__((always_inline)) void ps_attend(
-    const ps_call *c, const int dtype, const int d, const float *q, float *out,
-    const int32_t *table, int first_key, int last_key, int h0, int nh, ps_scratch *w) {
-    const int group = c->group, heads = nh * group, bs = c->block_size;
-    const int esize = dtype == PS_F32 ? 4 : 2;
+    const ps_call *c, const int dtype, const int d, const int multi, const int nq,
+    const float *q, float *out, const int32_t *table, int first_key, int last_key, int h0,
+    int nh, ps_scratch *w) {
+    const int group = c->group, heads = nh * group, bs = c->block_size, rows = nq * heads;
+    const int esize = dtype == PS_F32 ? 4 : 2, first_pos = last_key - nq + 1;
     /* The bytes of one slot's heads h0 .. h0+nh-1 (contiguous when heads are dense). */
     const int64_t row_bytes = ((int64_t)(nh - 1) * c->k.head + d) * esize;
-    for (int r = 0; r < heads; r++) {
+    for (int r = 0; r < rows; r++) {
         w->max[r] = -INFINITY;
         w->sum[r] = 0.0f;
     }
-    memset(w->acc, 0, sizeof(float) * heads * d);
+    memset(w->acc, 0, sizeof(float) * rows * d);
 
     for (int tile_start = first_key; tile_start <= last_key; tile_start += TILE) {
         const int tile_end = tile_start + TILE - 1 < last_key ? tile_start + TILE - 1 : last_key;
@@ -126,24 +147,37 @@ static inline __attribute__((always_inline)) void ps_attend(
             count = ps_run(&c->k, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
             for (int s = 0; s < count; s++, row += c->k.slot * esize) {
                 const int j = pos - tile_start + s;
+                int lo = 0, hi = 0;
+                if (multi) ps_visible(pos + s, first_pos, nq, c->window, &lo, &hi);
                 ps_prefetch(ahead, s * c->k.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
                     const float *k = ps_widen(row + h * c->k.head * esize, dtype, d, w->widened);
-                    for (int g = 0; g < group; g++) {
-                        const int r = h * group + g;
-                        const float *qr = q + r * c->q_head;
-                        float dot = 0.0f;
+                    for (int qi = 0; qi < nq; qi++) {
+                        for (int g = 0; g < group; g++) {
+                            const int r = qi * heads + h * group + g;
+                            if (multi && (qi < lo || qi > hi)) {
+                                w->scores[r * TILE + j] = -INFINITY;
+                                continue;
+                            }
+                            const float *qr = q + qi * c->q_tok + (h * group + g) * c->q_head;
+                            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int i = 0; i < d; i++) dot += qr[i] * k[i];
-                        w->scores[r * TILE + j] = dot * c->scale;
+                            for (int i = 0; i < d; i++) dot += qr[i] * k[i];
+                            dot *= c->scale;
+                            /* Capped here, not in the tile pass below: that pass would turn
+                               a masked -inf into -cap. */
+                            if (multi && c->soft_cap > 0.0f)
+                                dot = c->soft_cap * tanhf(dot / c->soft_cap);
+                            w->scores[r * TILE + j] = dot;
+                        }
                     }
                 }
             }
         }
 
-        for (int r = 0; r < heads; r++) {
+        for (int r = 0; r < rows; r++) {
             float *s = w->scores + r * TILE;
-            if (c->soft_cap > 0.0f) {
+            if (!multi && c->soft_cap > 0.0f) {
                 const float cap = c->soft_cap, inv = 1.0f / cap;
 #pragma omp simd
                 for (int j = 0; j < n; j++) s[j] = cap * tanhf(s[j] * inv);
@@ -151,6 +185,9 @@ static inline __attribute__((always_inline)) void ps_attend(
             float tile_max = -INFINITY;
             for (int j = 0; j < n; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
             const float new_max = tile_max > w->max[r] ? tile_max : w->max[r];
+            /* A query that sees no key yet (a window's start past this tile): nothing to
+               add, and exp(-inf - -inf) would be NaN. */
+            if (multi && new_max == -INFINITY) continue;
             /* The first tile: exp(-inf) rescales the empty sums to 0. */
             const float rescale = expf(w->max[r] - new_max);
             w->max[r] = new_max;
@@ -173,40 +210,52 @@ static inline __attribute__((always_inline)) void ps_attend(
             count = ps_run(&c->v, table, pos, tile_end, last_key, bs, esize, h0, &row, &ahead);
             for (int s = 0; s < count; s++, row += c->v.slot * esize) {
                 const int j = pos - tile_start + s;
+                int lo = 0, hi = nq - 1;
+                if (multi) ps_visible(pos + s, first_pos, nq, c->window, &lo, &hi);
                 ps_prefetch(ahead, s * c->v.slot * esize, row_bytes);
                 for (int h = 0; h < nh; h++) {
                     const float *v = ps_widen(row + h * c->v.head * esize, dtype, d, w->widened);
-                    for (int g = 0; g < group; g++) {
-                        const int r = h * group + g;
-                        const float p = w->scores[r * TILE + j];
-                        float *a = w->acc + r * d;
+                    for (int qi = lo; qi <= hi; qi++) {
+                        for (int g = 0; g < group; g++) {
+                            const int r = qi * heads + h * group + g;
+                            const float p = w->scores[r * TILE + j];
+                            float *a = w->acc + r * d;
 #pragma omp simd
-                        for (int i = 0; i < d; i++) a[i] += p * v[i];
+                            for (int i = 0; i < d; i++) a[i] += p * v[i];
+                        }
                     }
                 }
             }
         }
     }
 
-    for (int r = 0; r < heads; r++) {
+    for (int r = 0; r < rows; r++) {
         const float inv = 1.0f / w->sum[r];
-        float *o = out + r * c->out_head;
+        float *o = out + (r / heads) * c->out_tok + (r % heads) * c->out_head;
         const float *a = w->acc + r * d;
 #pragma omp simd
         for (int i = 0; i < d; i++) o[i] = a[i] * inv;
     }
 }
 
-typedef void (*ps_attend_fn)(const ps_call *, int, const float *, float *, const int32_t *, int,
-                             int, int, int, ps_scratch *);
+typedef void (*ps_attend_fn)(const ps_call *, int, int, const float *, float *,
+                             const int32_t *, int, int, int, int, ps_scratch *);
 
-/* D_ARG is the head size a copy computes with: a constant, or its argument d. */
+/* D_ARG is the head size a copy computes with: a constant, or its argument d. The _1 copy
+   is the plain decode (one query, nq ignored), the _n copy any query count. */
 #define PS_SPECIALIZE(NAME, DTYPE, D_ARG)                                                    \
-    static void NAME(const ps_call *c, int d, const float *q, float *out,                    \
-                     const int32_t *table, int first_key, int last_key, int h0, int nh,      \
-                     ps_scratch *w) {                                                        \
+    static void NAME##_1(const ps_call *c, int d, int nq, const float *q, float *out,        \
+                         const int32_t *table, int first_key, int last_key, int h0, int nh,  \
+                         ps_scratch *w) {                                                    \
         (void)d;                                                                             \
-        ps_attend(c, DTYPE, D_ARG, q, out, table, first_key, last_key, h0, nh, w);          \
+        (void)nq;                                                                            \
+        ps_attend(c, DTYPE, D_ARG, 0, 1, q, out, table, first_key, last_key, h0, nh, w);    \
+    }                                                                                        \
+    static void NAME##_n(const ps_call *c, int d, int nq, const float *q, float *out,        \
+                         const int32_t *table, int first_key, int last_key, int h0, int nh,  \
+                         ps_scratch *w) {                                                    \
+        (void)d;                                                                             \
+        ps_attend(c, DTYPE, D_ARG, 1, nq, q, out, table, first_key, last_key, h0, nh, w);   \
     }
 #define PS_FOR_DTYPES(D, SUFFIX)                       \
     PS_SPECIALIZE(ps_attend_f32_##SUFFIX, PS_F32, D)   \
@@ -224,12 +273,21 @@ PS_FOR_DTYPES(128, 128)
 PS_FOR_DTYPES(256, 256)
 PS_FOR_DTYPES(d, any)
 
-static ps_attend_fn ps_pick(int dtype, int d) {
-#define PS_CASE(D)                                                        \
-    case D:                                                               \
-        return dtype == PS_F32    ? ps_attend_f32_##D                     \
-               : dtype == PS_BF16 ? ps_attend_bf16_##D                    \
-                                  : ps_attend_f16_##D;
+/* The copies for one dtype and head size: [0] one query, [1] several. */
+static void ps_pick(int dtype, int d, ps_attend_fn fns[2]) {
+#define PS_SET(D)                                                                    \
+    do {                                                                             \
+        fns[0] = dtype == PS_F32    ? ps_attend_f32_##D##_1                          \
+                 : dtype == PS_BF16 ? ps_attend_bf16_##D##_1                         \
+                                    : ps_attend_f16_##D##_1;                         \
+        fns[1] = dtype == PS_F32    ? ps_attend_f32_##D##_n                          \
+                 : dtype == PS_BF16 ? ps_attend_bf16_##D##_n                         \
+                                    : ps_attend_f16_##D##_n;                         \
+    } while (0)
+#define PS_CASE(D) \
+    case D:        \
+        PS_SET(D); \
+        return;
     switch (d) {
         PS_CASE(16)
         PS_CASE(32)
@@ -239,10 +297,9 @@ static ps_attend_fn ps_pick(int dtype, int d) {
         PS_CASE(128)
         PS_CASE(256)
     }
+    PS_SET(any);
 #undef PS_CASE
-    return dtype == PS_F32    ? ps_attend_f32_any
-           : dtype == PS_BF16 ? ps_attend_bf16_any
-                              : ps_attend_f16_any;
+#undef PS_SET
 }
 
 /* Threads a parallel region started by the calling thread gets. */
@@ -270,11 +327,12 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     const ps_call call = {
         {(const char *)key_cache, k_block_stride, k_slot_stride, k_head_stride},
         {(const char *)value_cache, v_block_stride, v_slot_stride, v_head_stride},
-        q_head_stride, out_head_stride,
-        block_size, num_q_heads / num_kv_heads,
+        q_tok_stride, q_head_stride, out_tok_stride, out_head_stride,
+        block_size, num_q_heads / num_kv_heads, window,
         scale, soft_cap,
     };
-    const ps_attend_fn attend = ps_pick(dtype, head_dim);
+    ps_attend_fn attend[2];
+    ps_pick(dtype, head_dim, attend);
     /* The fewest head ranges per request (a divisor of the kv heads) that still give every
        thread a few items. */
     int splits = 1;
@@ -284,21 +342,27 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
         splits++;
     const int nh = num_kv_heads / splits, items = num_reqs * splits;
     const int heads = nh * call.group;
+    int most_queries = 1;
+    for (int i = 0; i < num_reqs; i++) {
+        const int n = query_start_loc[reqs[i] + 1] - query_start_loc[reqs[i]];
+        most_queries = n > most_queries ? n : most_queries;
+    }
+    const size_t rows = (size_t)heads * (most_queries < MAX_QUERIES ? most_queries : MAX_QUERIES);
     int failed = 0;
 
 #pragma omp parallel
     {
         ps_scratch w;
-        float *mem = malloc(sizeof(float) * ((size_t)heads * (TILE + head_dim + 2) + head_dim));
+        float *mem = malloc(sizeof(float) * (rows * (TILE + head_dim + 2) + head_dim));
         if (mem == NULL) {
 #pragma omp atomic write
             failed = 1;
         } else {
             w.scores = mem;
-            w.acc = w.scores + (size_t)heads * TILE;
-            w.max = w.acc + (size_t)heads * head_dim;
-            w.sum = w.max + heads;
-            w.widened = w.sum + heads;
+            w.acc = w.scores + rows * TILE;
+            w.max = w.acc + rows * head_dim;
+            w.sum = w.max + rows;
+            w.widened = w.sum + rows;
         }
 #pragma omp barrier
         if (!failed) {
@@ -308,13 +372,17 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
                 const int start = query_start_loc[b], end = query_start_loc[b + 1];
                 const int first_query_pos = seq_lens[b] - (end - start);
                 const int32_t *table = block_table + b * table_stride;
-                for (int row = start; row < end; row++) {
-                    const int pos = first_query_pos + (row - start);
+                const int64_t q0 = (int64_t)h0 * call.group;
+                /* Groups of up to MAX_QUERIES consecutive queries, each attending the keys
+                   up to its last query's position. */
+                for (int row = start; row < end; row += MAX_QUERIES) {
+                    const int nq = end - row < MAX_QUERIES ? end - row : MAX_QUERIES;
+                    const int pos = first_query_pos + (row - start);  /* the group's first */
                     const int first_key = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                    const int64_t q0 = (int64_t)h0 * call.group;
-                    attend(&call, head_dim, query + row * q_tok_stride + q0 * q_head_stride,
-                           out + row * out_tok_stride + q0 * out_head_stride, table, first_key,
-                           pos, h0, nh, &w);
+                    attend[nq > 1](&call, head_dim, nq,
+                                   query + row * q_tok_stride + q0 * q_head_stride,
+                                   out + row * out_tok_stride + q0 * out_head_stride, table,
+                                   first_key, pos + nq - 1, h0, nh, &w);
                 }
             }
         }
