@@ -39,12 +39,10 @@ CHUNK_BYTES = 4 << 20
 LOGITS_ELEMENTS = 16 << 20
 # Requests with at most this many queries run in the C kernel when it is built: decodes,
 # and speculative verifies of up to 8 drafts (a verify is its last token and its drafts),
-# whose queries it runs in one pass over the request's keys. The torch path gathers and
-# pads each such request alone and calls SDPA for it, whose matrix products win from
-# about ten queries. One layer, SmolLM2's 9/3 heads, d 64, 16 requests, one thread, CPU ms
-# C kernel / gather: 5 queries on 160 keys 1.62 / 2.99, 9 on 160 3.69 / 4.90, 9 on 600
-# 11.5 / 11.1, 17 on 160 7.7 / 6.7, 17 on 600 25.2 / 13.9. Decode rows (one query):
-# 64 x ~270 keys 0.75 vs 2.2 ms.
+# which it runs as one multi-query request, each key read once for all of its queries. The
+# torch path gathers and pads each such request alone and calls SDPA for it; past about
+# this many queries its matrix products win on long contexts (docs/benchmarks.md, "CPU
+# attention").
 NATIVE_MAX_QUERIES = 9
 # Plans kept: a step with full and sliding-window layers needs one per (table, window).
 PLAN_CACHE_SIZE = 4
