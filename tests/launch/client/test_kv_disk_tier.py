@@ -204,3 +204,32 @@ def test_a_disk_only_tier_holds_more_than_the_pool_and_survives_a_byte_flipped_w
         tier = stats.kv_tier if stats else None
         assert tier is not None and tier.failed_blocks >= DOC_TOKENS // BLOCK
         assert tier.disk_loaded_blocks >= 2 * DOC_TOKENS // BLOCK and tier.load_seconds > 0
+
+
+def test_tp2_ranks_agree_on_a_block_only_one_rank_cannot_read(
+    llama_dir: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    # Only rank 1's files are damaged while serving: rank 0 reads its shard fine, yet
+    # both ranks recompute the block (they must run the same step), and tokens stay.
+    with LLM(
+        str(llama_dir),
+        device=CPU,
+        tensor_parallel_size=2,
+        num_gpu_blocks=24,
+        block_size=BLOCK,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        kv_cache_dir=str(tmp_path),
+    ) as llm:
+        for d in _docs():
+            llm.generate([[*d, 1]], GREEDY, use_tqdm=False)
+        for f in _wait_for_files(tmp_path / "rank1", 4 * DOC_TOKENS // BLOCK - 23):
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0x08
+            f.write_bytes(bytes(data))
+        out = [llm.generate([q], GREEDY, use_tqdm=False)[0].token_ids for q in _questions()]
+        stats = llm.last_summary.stats
+    assert out == expected
+    tier = stats.kv_tier if stats else None
+    assert tier is not None and tier.disk_loaded_blocks > 0
+    assert 0 < tier.failed_blocks <= tier.disk_loaded_blocks
