@@ -29,6 +29,7 @@ from worker.kv_tier_recompute import recompute_failed
 from worker.parallel import TPContext
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+STAGING_BYTES = 64 << 20  # the disk load buffer's bound; reused from step to step
 
 
 class HostKVTier:
@@ -53,7 +54,9 @@ class HostKVTier:
         self.layer_bytes = [2 * k[0].numel() * k.element_size() for k, _ in kv_caches]
         self.block_bytes = sum(self.layer_bytes)
         self.disk: DiskKVTier | None = None
+        # Disk loads stage at most this many blocks at once (about 64 MiB).
         self._staging = torch.empty((0, self.block_bytes), dtype=torch.uint8)
+        self._chunk_blocks = max(1, STAGING_BYTES // max(self.block_bytes, 1))
         # Reported with the next answer (TierOutput), then reset.
         self.load_seconds = 0.0
         self.failed_disk_slots: list[int] = []
@@ -140,31 +143,43 @@ class HostKVTier:
         ):
             disk.write(slot, h, hash_input, memoryview(data[j]))
 
-    @torch.inference_mode()
     def _read_disk(self, ops: KVTierOps) -> set[int]:
-        """Read each disk slot into a staging row, verified, then one scatter per layer;
-        a block that fails on any rank fails on all (the ranks must run the same step)."""
-        n = len(ops.disk_load_slots)
+        """Load the disk slots in chunks of a bounded staging buffer; the device blocks
+        whose read failed on any rank."""
+        failed: set[int] = set()
+        step = self._chunk_blocks
+        for i in range(0, len(ops.disk_load_slots), step):
+            j = i + step
+            failed |= self._read_chunk(
+                ops.disk_load_slots[i:j], ops.disk_load_hashes[i:j], ops.disk_load_block_ids[i:j]
+            )
+        return failed
+
+    @torch.inference_mode()
+    def _read_chunk(self, slots: list[int], hashes: list[bytes], block_ids: list[int]) -> set[int]:
+        """Read each slot into a staging row, verified, then one scatter per layer; a
+        block that fails on any rank fails on all (the ranks must run the same step)."""
+        n = len(slots)
         if self._staging.shape[0] < n:
             self._staging = torch.empty((n, self.block_bytes), dtype=torch.uint8)
         staging = self._staging[:n]
         data = staging.numpy()
         disk = self.disk
         bad = torch.zeros(n, dtype=torch.int32)
-        for j, (slot, h) in enumerate(zip(ops.disk_load_slots, ops.disk_load_hashes, strict=True)):
+        for j, (slot, h) in enumerate(zip(slots, hashes, strict=True)):
             if disk is None or not disk.read_into(slot, h, memoryview(data[j])):
                 bad[j] = 1
         self.tp.all_reduce(bad)
         ok = (bad == 0).nonzero().flatten()
         device = self._device_caches[0][0].device
-        blocks = torch.tensor(ops.disk_load_block_ids, dtype=torch.int64)[ok].to(device)
+        blocks = torch.tensor(block_ids, dtype=torch.int64)[ok].to(device)
         for (key, value), rows in zip(self._device_caches, self._rows(staging)):
             key.index_copy_(0, blocks, rows[ok, 0].to(device))
             value.index_copy_(0, blocks, rows[ok, 1].to(device))
         self.loaded_bytes += len(ok) * self.block_bytes
         failed = [j for j, b in enumerate(bad.tolist()) if b]
-        self.failed_disk_slots += [ops.disk_load_slots[j] for j in failed]
-        return {ops.disk_load_block_ids[j] for j in failed}
+        self.failed_disk_slots += [slots[j] for j in failed]
+        return {block_ids[j] for j in failed}
 
     def _check(self, ops: KVTierOps) -> None:
         """A malformed frame fails the step with its reason, before any byte moves."""

@@ -122,6 +122,19 @@ def test_a_disk_only_tier_stores_device_blocks_and_loads_them_back_verified(
     before = caches[0][0][1].clone()
     assert tier.apply(load(1, 1, hashes[3])) == {1}
     assert torch.equal(caches[0][0][1], before) and tier.failed_disk_slots == [1]
+    # Read in chunks of one block: the good one lands, the damaged one is reported.
+    tier._chunk_blocks = 1
+    ops = KVTierOps(
+        [],
+        [],
+        [],
+        [],
+        disk_load_slots=[1, 0],
+        disk_load_block_ids=[1, 3],
+        disk_load_hashes=[hashes[3], hashes[2]],
+    )
+    assert tier.apply(ops) == {1}
+    assert torch.equal(caches[1][1][3], caches[1][1][2])
     tier.close()
 
 
