@@ -134,6 +134,46 @@ def disk_bandwidth(kv_dir: str) -> dict[str, float]:
     }
 
 
+def transfer_costs(model: str, blocks: int, kv_dir: str) -> dict[str, float]:
+    """Worker-side cost of moving one document's blocks (the model's KV shapes, float32):
+    seconds to store them into host memory, to queue them for disk, to load them back
+    from host memory and from disk (read, verify, scatter). Best of five."""
+    import torch
+
+    from protocol.worker import KVTierOps
+    from worker.kv_host_tier import HostKVTier
+
+    config = json.loads(Path(model, "config.json").read_text())
+    heads = config["num_key_value_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    shape = (blocks * 3 + 1, BLOCK, heads, dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config["num_hidden_layers"])]
+    tier = HostKVTier(caches, num_slots=blocks)
+    tier.disk = DiskKVTier(kv_dir, 0, b"f" * 32, blocks, tier.block_bytes)
+    src, dst = list(range(1, blocks + 1)), list(range(blocks + 1, 2 * blocks + 1))
+    slots = list(range(blocks))
+    hashes = [i.to_bytes(16, "little") for i in slots]
+    cases = {
+        "host_store_s": KVTierOps(src, slots, [], []),
+        "host_load_s": KVTierOps([], [], slots, dst),
+        "disk_store_s": KVTierOps([], [], [], [], hashes, [b""] * blocks, src, slots),
+        "disk_load_s": KVTierOps(
+            [], [], [], [], disk_load_slots=slots, disk_load_block_ids=dst, disk_load_hashes=hashes
+        ),
+    }
+    out: dict[str, float] = {"blocks": blocks, "block_bytes": tier.block_bytes}
+    for name, ops in cases.items():
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            assert not tier.apply(ops)
+            best = min(best, time.perf_counter() - start)
+            tier.disk.flush()  # the writer's time is off the step: not counted
+        out[name] = best
+    tier.close()
+    return out
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -180,11 +220,16 @@ def main() -> int:
     parser.add_argument("--docs", type=int, default=7)
     parser.add_argument("--doc-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transfers-only", action="store_true", help="only the copy costs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=4000)
     args = parser.parse_args()
     model = args.model or str(fetch_real_model())
+    if args.transfers_only:
+        with tempfile.TemporaryDirectory() as d:
+            print(json.dumps(transfer_costs(model, args.doc_tokens // BLOCK, d)))
+        return 0
     result: dict[str, Any] = {"model": Path(model).name, "block_size": BLOCK}
     with tempfile.TemporaryDirectory() as d:
         result.update(compare(model, args, d))
@@ -194,6 +239,8 @@ def main() -> int:
             result["restart"]["warm_s"] / result["restart"]["cold_s"]
         )
         result["disk_read"] = disk_bandwidth(d)
+    with tempfile.TemporaryDirectory() as d:
+        result["transfers"] = transfer_costs(model, args.doc_tokens // BLOCK, d)
     print(json.dumps(result))
     return 0
 

@@ -105,6 +105,14 @@ class HostKVTier:
     @torch.inference_mode()
     def _move(self, block_ids: list[int], slot_ids: list[int], to_host: bool) -> None:
         device = self._device_caches[0][0].device
+        if device.type == "cpu":
+            runs = _runs(slot_ids, block_ids) if to_host else _runs(block_ids, slot_ids)
+            for (key, value), host in zip(self._device_caches, self._host, strict=True):
+                for i, cache in enumerate((key, value)):
+                    _copy_runs(host[i], cache, runs) if to_host else _copy_runs(
+                        cache, host[i], runs
+                    )
+            return
         blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
         slots = torch.tensor(slot_ids, dtype=torch.int64)
         for (key, value), host in zip(self._device_caches, self._host, strict=True):
@@ -132,11 +140,17 @@ class HostKVTier:
             return
         n = len(ops.disk_store_block_ids)
         device = self._device_caches[0][0].device
-        blocks = torch.tensor(ops.disk_store_block_ids, dtype=torch.int64, device=device)
         staging = torch.empty((n, self.block_bytes), dtype=torch.uint8)
-        for (key, value), rows in zip(self._device_caches, self._rows(staging)):
-            rows[:, 0].copy_(key.index_select(0, blocks))
-            rows[:, 1].copy_(value.index_select(0, blocks))
+        if device.type == "cpu":
+            runs = _runs(list(range(n)), ops.disk_store_block_ids)
+            for (key, value), rows in zip(self._device_caches, self._rows(staging)):
+                _copy_runs(rows[:, 0], key, runs)
+                _copy_runs(rows[:, 1], value, runs)
+        else:
+            blocks = torch.tensor(ops.disk_store_block_ids, dtype=torch.int64, device=device)
+            for (key, value), rows in zip(self._device_caches, self._rows(staging)):
+                rows[:, 0].copy_(key.index_select(0, blocks))
+                rows[:, 1].copy_(value.index_select(0, blocks))
         data = staging.numpy()
         for j, (slot, h, hash_input) in enumerate(
             zip(ops.disk_store_slots, ops.store_hashes, ops.store_inputs, strict=True)
@@ -170,14 +184,22 @@ class HostKVTier:
             if disk is None or not disk.read_into(slot, h, memoryview(data[j])):
                 bad[j] = 1
         self.tp.all_reduce(bad)
-        ok = (bad == 0).nonzero().flatten()
+        flags = bad.tolist()
+        good = [j for j, b in enumerate(flags) if not b]
         device = self._device_caches[0][0].device
-        blocks = torch.tensor(block_ids, dtype=torch.int64)[ok].to(device)
-        for (key, value), rows in zip(self._device_caches, self._rows(staging)):
-            key.index_copy_(0, blocks, rows[ok, 0].to(device))
-            value.index_copy_(0, blocks, rows[ok, 1].to(device))
-        self.loaded_bytes += len(ok) * self.block_bytes
-        failed = [j for j, b in enumerate(bad.tolist()) if b]
+        if device.type == "cpu":
+            runs = _runs([block_ids[j] for j in good], good)
+            for (key, value), rows in zip(self._device_caches, self._rows(staging)):
+                _copy_runs(key, rows[:, 0], runs)
+                _copy_runs(value, rows[:, 1], runs)
+        else:
+            ok = torch.tensor(good, dtype=torch.int64)
+            blocks = torch.tensor([block_ids[j] for j in good], dtype=torch.int64, device=device)
+            for (key, value), rows in zip(self._device_caches, self._rows(staging)):
+                key.index_copy_(0, blocks, rows[ok, 0].to(device))
+                value.index_copy_(0, blocks, rows[ok, 1].to(device))
+        self.loaded_bytes += len(good) * self.block_bytes
+        failed = [j for j, b in enumerate(flags) if b]
         self.failed_disk_slots += [slots[j] for j in failed]
         return {block_ids[j] for j in failed}
 
@@ -225,3 +247,23 @@ def make_kv_tier(
     disk = DiskKVTier(msg.kv_tier_dir, config.rank, fp, msg.kv_tier_dir_slots, tier.block_bytes)
     tier.disk = disk
     return tier, [RestoredBlock(*entry) for entry in disk.restore()]
+
+
+def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of each stretch where both indices go up by one:
+    on the CPU a slice copy per stretch is a memcpy, several times faster than
+    index_copy_, and a tier's slots and blocks mostly come in stretches."""
+    runs: list[tuple[int, int, int]] = []
+    i, n = 0, len(dst)
+    while i < n:
+        j = i + 1
+        while j < n and dst[j] == dst[j - 1] + 1 and src[j] == src[j - 1] + 1:
+            j += 1
+        runs.append((dst[i], src[i], j - i))
+        i = j
+    return runs
+
+
+def _copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    for d, s, n in runs:
+        dst[d : d + n].copy_(src[s : s + n])

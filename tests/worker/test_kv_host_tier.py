@@ -146,3 +146,16 @@ def test_a_step_with_a_failed_load_recomputes_its_request_from_that_block() -> N
     out = recompute_failed(so, {9}, 4)
     assert [r.num_computed_tokens for r in out.new_reqs] == [8, 8]
     assert out.num_scheduled_tokens == [12, 1] and out.total_num_scheduled_tokens == 13
+
+
+def test_scattered_blocks_and_slots_move_to_the_right_places() -> None:
+    # Stretches and strays: blocks 1, 2 and 4 into slots 0, 1 and 3, back into 5, 3, 1.
+    caches = _caches(num_blocks=8)
+    original = [k.clone() for k, _ in caches]
+    tier = HostKVTier(caches, num_slots=4)
+    tier.apply(KVTierOps([1, 2, 4], [0, 1, 3], [], []))
+    tier.apply(KVTierOps([], [], [3, 0, 1], [5, 3, 1]))
+    for (key, _), before in zip(caches, original):
+        assert [float(key[b].flatten()[0]) for b in (5, 3, 1)] == [
+            float(before[b].flatten()[0]) for b in (4, 1, 2)
+        ]
