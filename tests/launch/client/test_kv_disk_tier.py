@@ -92,6 +92,16 @@ def test_a_restart_onto_a_warm_disk_tier_loads_the_stored_prefixes(
     assert _serve(llama_dir, _questions()[:1])[0][1] == 0
 
 
+def test_a_restart_with_the_disk_level_alone_loads_the_stored_prefixes(
+    llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    path = _copy(warm_dir, tmp_path / "d")
+    out = _serve(llama_dir, _questions(), kv_cache_dir=str(path), kv_offload_memory=None)
+    assert [t for t, _ in out] == expected
+    assert [c for _, c in out] == [DOC_TOKENS] * 4
+    assert _STATS[0] is not None and _STATS[0].disk_loaded_blocks == 4 * DOC_TOKENS // BLOCK
+
+
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
 def test_a_damaged_block_file_is_a_miss_never_a_wrong_token(
     llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path, damage: str
