@@ -82,14 +82,20 @@ def working_set(model: str, args: argparse.Namespace, **tier: Any) -> dict[str, 
     }
 
 
-def restart_ttft(model: str, args: argparse.Namespace, kv_dir: str) -> dict[str, float]:
+def restart_ttft(
+    model: str, args: argparse.Namespace, kv_dir: str, chunk: int | None = None
+) -> dict[str, Any]:
     """TTFT of a long-prefix request on a fresh engine, then after a restart onto the
-    disk tier that kept it (a second long request evicted it into the tier first)."""
+    disk level that kept it (a second long request evicted it there first). chunk: the
+    step's token budget (None: the default); a request loads at most that many tokens
+    from disk when admitted, since a block that fails its check is recomputed in the
+    same step."""
     rng = random.Random(2)
     prefix, filler = _tokens(rng, args.prefix_tokens), _tokens(rng, args.prefix_tokens)
     one = SamplingParams(max_tokens=1, temperature=0)
     blocks = (args.prefix_tokens + 64) // BLOCK + 8
-    tier = dict(kv_cache_dir=kv_dir)  # the disk level alone: the load reads the files
+    # The disk level alone: the load reads the files.
+    tier: dict[str, Any] = dict(kv_cache_dir=kv_dir, max_num_batched_tokens=chunk)
 
     def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
         start = time.perf_counter()
@@ -101,7 +107,14 @@ def restart_ttft(model: str, args: argparse.Namespace, kv_dir: str) -> dict[str,
         ttft(llm, [*filler, 1])  # evicts the prefix's blocks into the tier
     with _engine(model, blocks, args.prefix_tokens + 64, **tier) as llm:
         warm, cached = ttft(llm, [*prefix, 2])
-    return {"prefix_tokens": args.prefix_tokens, "cold_s": cold, "warm_s": warm, "cached": cached}
+    return {
+        "prefix_tokens": args.prefix_tokens,
+        "max_num_batched_tokens": chunk,
+        "cold_s": cold,
+        "warm_s": warm,
+        "cached": cached,
+        "warm_over_cold": warm / cold,
+    }
 
 
 def disk_bandwidth(kv_dir: str) -> dict[str, float]:
@@ -221,11 +234,22 @@ def main() -> int:
     parser.add_argument("--doc-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transfers-only", action="store_true", help="only the copy costs")
+    parser.add_argument("--restart-only", action="store_true", help="only the restart TTFT")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=4000)
     args = parser.parse_args()
     model = args.model or str(fetch_real_model())
+    if args.restart_only:
+        out = {}
+        for name, chunk in (
+            ("default_budget", None),
+            ("budget_over_prefix", args.prefix_tokens + 64),
+        ):
+            with tempfile.TemporaryDirectory() as d:
+                out[name] = restart_ttft(model, args, d, chunk)
+        print(json.dumps(out))
+        return 0
     if args.transfers_only:
         with tempfile.TemporaryDirectory() as d:
             print(json.dumps(transfer_costs(model, args.doc_tokens // BLOCK, d)))
@@ -235,10 +259,9 @@ def main() -> int:
         result.update(compare(model, args, d))
     with tempfile.TemporaryDirectory() as d:
         result["restart"] = restart_ttft(model, args, d)
-        result["restart"]["warm_over_cold"] = (
-            result["restart"]["warm_s"] / result["restart"]["cold_s"]
-        )
         result["disk_read"] = disk_bandwidth(d)
+    with tempfile.TemporaryDirectory() as d:
+        result["restart_budget_over_prefix"] = restart_ttft(model, args, d, args.prefix_tokens + 64)
     with tempfile.TemporaryDirectory() as d:
         result["transfers"] = transfer_costs(model, args.doc_tokens // BLOCK, d)
     print(json.dumps(result))
