@@ -88,7 +88,8 @@ class KVCacheManager:
             raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
         if len(groups) != 1 or self.has_sliding_window:
             raise ConfigError(
-                "--kv-offload-memory supports one full-attention KV cache group only (this "
+                "the KV tier (--kv-offload-memory, --kv-cache-dir) supports one full-attention "
+                "KV cache group only (this "
                 f"model has {len(groups)} group(s)"
                 f"{', sliding window' if self.has_sliding_window else ''})"
             )
