@@ -47,6 +47,7 @@ class KVCacheManager:
         kv_events_medium: str = MEDIUM_GPU,
         hash_seed: bytes | None = None,
         kv_tier_slots: int = 0,
+        kv_tier_disk_slots: int = 0,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -74,22 +75,30 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.has_sliding_window = self.coordinator.has_sliding_window
         self._running_fast_path = self.coordinator.has_running_fast_path
-        self.tier = self._make_tier(kv_cache_config, kv_tier_slots) if kv_tier_slots else None
+        self.tier = (
+            self._make_tier(kv_cache_config, kv_tier_slots, kv_tier_disk_slots)
+            if kv_tier_slots or kv_tier_disk_slots
+            else None
+        )
 
-    def _make_tier(self, kv_cache_config: KVCacheConfig, num_slots: int) -> KVTier:
+    def _make_tier(self, kv_cache_config: KVCacheConfig, num_slots: int, disk_slots: int) -> KVTier:
         """A second tier behind the pool: evicted cached blocks are stored into it."""
         groups = kv_cache_config.kv_cache_groups
         if not self.enable_caching:
             raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
         if len(groups) != 1 or self.has_sliding_window:
             raise ConfigError(
-                "--kv-offload-memory supports one full-attention KV cache group only (this "
+                "the KV tier (--kv-offload-memory, --kv-cache-dir) supports one full-attention "
+                "KV cache group only (this "
                 f"model has {len(groups)} group(s)"
                 f"{', sliding window' if self.has_sliding_window else ''})"
             )
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
         tier = KVTier(
-            num_slots, groups[0].kv_cache_spec.block_size, block_bytes // kv_cache_config.num_blocks
+            num_slots,
+            groups[0].kv_cache_spec.block_size,
+            block_bytes // kv_cache_config.num_blocks,
+            disk_slots,
         )
         self.block_pool.on_evict = tier.on_evict
         if self.block_pool.enable_kv_events:

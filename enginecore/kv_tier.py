@@ -14,18 +14,18 @@ import hashlib
 import logging
 import os
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_block import KVCacheBlock
+from enginecore.kv_tier_level import NO_ROOM, TierLevel
 from enginecore.request import Request
 from protocol.config import EngineCoreConfig
 from protocol.engine import KVTierStats
 from protocol.kv_cache import KVCacheConfig
-from protocol.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
-from protocol.worker import KVTierOps, RestoredBlock
+from protocol.kv_events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored, KVCacheEvent
+from protocol.worker import KVTierOps, RestoredBlock, TierOutput
 
 log = logging.getLogger("pagedserve.core")
 
@@ -40,29 +40,35 @@ class TierSettings:
     kv_tier_key: str = ""
 
 
+# The disk level's size per worker when --kv-cache-dir-size is not given.
+DEFAULT_DISK_BYTES = 16 << 30
+
+
 def tier_settings(config: EngineCoreConfig, kv_cache_config: KVCacheConfig) -> TierSettings:
-    """The tier's size in blocks from the flags (ConfigError when they make no sense)."""
-    memory = config.kv_offload_memory
-    if memory is None:
-        if config.kv_cache_dir is not None:
-            raise ConfigError("--kv-cache-dir persists the host tier: give --kv-offload-memory")
+    """The tier's levels in blocks from the flags (ConfigError when they make no sense):
+    host memory (--kv-offload-memory) and disk (--kv-cache-dir, its own capacity)."""
+    memory, directory = config.kv_offload_memory, config.kv_cache_dir
+    if memory is None and directory is None:
         return TierSettings()
-    block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(
-        kv_cache_config.num_blocks, 1
+    block_bytes = max(
+        sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(kv_cache_config.num_blocks, 1),
+        1,
     )
-    slots = memory // max(block_bytes, 1)
-    if slots < 1:
+    slots = 0 if memory is None else memory // block_bytes
+    if memory is not None and slots < 1:
         raise ConfigError(
             f"--kv-offload-memory {memory} bytes holds no KV block ({block_bytes} bytes "
             "each per worker): give more"
         )
-    if config.kv_cache_dir is None:
+    if directory is None:
         return TierSettings(slots)
-    dir_slots = 0
-    if config.kv_cache_dir_size is not None:
-        dir_slots = min(slots, config.kv_cache_dir_size // block_bytes)
-        if dir_slots < 1:
-            raise ConfigError("--kv-cache-dir-size holds no KV block: give more")
+    size = config.kv_cache_dir_size or DEFAULT_DISK_BYTES
+    dir_slots = size // block_bytes
+    if dir_slots < 1:
+        raise ConfigError(
+            f"--kv-cache-dir-size {size} bytes holds no KV block ({block_bytes} bytes "
+            "each per worker): give more"
+        )
     seed = config.prefix_cache_hash_seed
     if seed is None:
         log.warning(
@@ -74,45 +80,61 @@ def tier_settings(config: EngineCoreConfig, kv_cache_config: KVCacheConfig) -> T
         f"{config.hash_algo}:{seed if seed is not None else os.urandom(16).hex()}".encode(),
         digest_size=16,
     ).hexdigest()
-    return TierSettings(slots, config.kv_cache_dir, dir_slots, key)
+    return TierSettings(slots, directory, dir_slots, key)
 
 
 @dataclass
 class KVTierCounts:
-    """Tier lookups in blocks (asked after a device miss), and transfers in blocks."""
+    """Tier lookups in blocks (asked after a device miss, once per admitted request),
+    and transfers in blocks."""
 
     queries: int = 0
     hits: int = 0
     stored: int = 0
     loaded: int = 0
+    disk_loaded: int = 0  # of loaded: read from the disk level
+    failed: int = 0  # disk loads a worker could not verify (recomputed instead)
     dropped: int = 0  # stores skipped: every slot was in use by this step's transfers
+    load_seconds: float = 0.0  # rank 0's time in loads
 
 
 class KVTier:
-    """Slots 0..num_slots-1, an LRU over their content; a lookup matches a block only if
-    its hash and its exact content (the hash input) are equal, as on the device."""
+    """Two levels behind the device pool: host memory (num_slots) and disk (disk_slots),
+    either may be absent. A stored block goes to both (the disk is written through), so
+    a block pushed out of host memory stays loadable from disk. A lookup matches a block
+    only if its hash and its exact content (the hash input) are equal, as on the device;
+    host memory is asked first."""
 
-    def __init__(self, num_slots: int, block_size: int, block_bytes: int = 0) -> None:
-        if num_slots < 1:
+    def __init__(
+        self, num_slots: int, block_size: int, block_bytes: int = 0, disk_slots: int = 0
+    ) -> None:
+        if num_slots < 1 and disk_slots < 1:
             raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
-        self.num_slots = num_slots
         self.block_size = block_size
         self.block_bytes = block_bytes  # per worker, for the stats
-        # hash -> (slot, hash input); first = least recently stored or loaded.
-        self._index: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
-        self._free = list(range(num_slots - 1, -1, -1))
-        # Slots this step already stores into or loads from: never reused within the
-        # step, so the workers' order (stores, then loads) reads what the core meant.
-        self._busy: set[int] = set()
+        self.host = TierLevel(num_slots, self._removed_host) if num_slots else None
+        self.disk = TierLevel(disk_slots, self._removed_disk) if disk_slots else None
+        self.num_slots = num_slots
         self._store_blocks: list[int] = []
         self._store_slots: list[int] = []
         self._load_slots: list[int] = []
         self._load_blocks: list[int] = []
-        self._found: list[bytes] = []  # hashes of the last lookup, until load_found
-        # With a disk tier, stores carry each block's hash and hash input to the workers.
-        self.persist = False
+        # The disk level's transfers; stores carry each block's hash and hash input (a
+        # restart rebuilds the index from them), loads the hash the file must hold.
+        self._disk_store_blocks: list[int] = []
+        self._disk_store_slots: list[int] = []
         self._store_hashes: list[bytes] = []
         self._store_inputs: list[bytes] = []
+        self._disk_load_slots: list[int] = []
+        self._disk_load_blocks: list[int] = []
+        self._disk_load_hashes: list[bytes] = []
+        # The last lookup's blocks until load_found: (hash, slot, from disk).
+        self._found: list[tuple[bytes, int, bool]] = []
+        self._queried = 0
+        # Tokens of the last lookup that load from disk: such a load may fail, and the
+        # worker then recomputes them in the same step, so the step's budget keeps room.
+        self.reserve = 0
+        self.persist = self.disk is not None
         self.stats = KVTierCounts()
         # KV events for tier blocks (set by the KV cache manager when events are on): a
         # router counts tier hits too. root: the hash chain's root (a first block's parent).
@@ -120,8 +142,16 @@ class KVTier:
         self.medium = MEDIUM_CPU
         self.root = b""
 
-    def _stored(self, block_hash: bytes, hash_input: bytes) -> None:
-        """Announce a block now in the tier; its parent and tokens are read back from the
+    def _removed_host(self, block_hash: bytes) -> None:
+        if self.emit is not None:
+            self.emit(BlockRemoved([block_hash], self.medium))
+
+    def _removed_disk(self, block_hash: bytes) -> None:
+        if self.emit is not None:
+            self.emit(BlockRemoved([block_hash], MEDIUM_DISK))
+
+    def _stored(self, block_hash: bytes, hash_input: bytes, medium: str) -> None:
+        """Announce a block now in a level; its parent and tokens are read back from the
         bytes its hash was computed from (parent hash, uint32 token ids, extra keys)."""
         assert self.emit is not None
         n, width = len(block_hash), 4 * self.block_size
@@ -134,116 +164,158 @@ class KVTier:
                 tokens,
                 self.block_size,
                 None,
-                self.medium,
+                medium,
                 None,
             )
         )
 
     def restore(self, ranks: Sequence[Sequence[RestoredBlock]]) -> int:
-        """Persist from now on, and index the slots every rank read back from its disk
-        tier with equal content (a rank that lost its shard of a block makes it a miss);
-        how many."""
-        self.persist = True
+        """Index the disk slots every rank found at start-up with equal content (a rank
+        that lost its shard of a block makes it a miss); how many."""
+        if self.disk is None:
+            return 0
         common = {(b.slot, b.block_hash, b.hash_input) for b in ranks[0]} if ranks else set()
         for blocks in ranks[1:]:
             common &= {(b.slot, b.block_hash, b.hash_input) for b in blocks}
-        for slot, block_hash, hash_input in sorted(common):
-            if slot < self.num_slots and block_hash not in self._index:
-                self._index[block_hash] = (slot, hash_input)
-                if self.emit is not None:
-                    self._stored(block_hash, hash_input)
-        used = {slot for slot, _ in self._index.values()}
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
-        return len(self._index)
+        taken = self.disk.restore(common)
+        if self.emit is not None:
+            for block_hash, hash_input in taken:
+                self._stored(block_hash, hash_input, MEDIUM_DISK)
+        return len(taken)
 
     def wire_stats(self) -> KVTierStats:
         """The counts for SchedulerStats, lookups in tokens."""
         c, bs = self.stats, self.block_size
-        return KVTierStats(c.queries * bs, c.hits * bs, c.stored, c.loaded, self.block_bytes)
+        return KVTierStats(
+            c.queries * bs,
+            c.hits * bs,
+            c.stored,
+            c.loaded,
+            self.block_bytes,
+            c.disk_loaded,
+            c.failed,
+            c.load_seconds,
+        )
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.host or ()) + len(self.disk or ())
 
     # -- stores -----------------------------------------------------------------------
     def on_evict(self, block: KVCacheBlock) -> None:
         """The block pool is about to hand out `block`, still holding its cached content:
-        keep a copy in the tier (unless it is there already)."""
-        block_hash = block.block_hash
-        assert block_hash is not None and block.hash_input is not None
-        entry = self._index.get(block_hash)
-        if entry is not None:
-            if entry[1] == block.hash_input:
-                self._index.move_to_end(block_hash)
-            return  # equal content kept, or a digest collision: keep the first
-        slot = self._take_slot()
-        if slot < 0:
-            self.stats.dropped += 1
-            return
-        self._index[block_hash] = (slot, block.hash_input)
-        self._busy.add(slot)
-        self._store_blocks.append(block.block_id)
-        self._store_slots.append(slot)
-        if self.persist:
-            self._store_hashes.append(block_hash)
-            self._store_inputs.append(block.hash_input)
-        if self.emit is not None:
-            self._stored(block_hash, block.hash_input)
-        self.stats.stored += 1
-
-    def _take_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        busy = self._busy
-        for block_hash, (slot, _) in self._index.items():  # oldest first
-            if slot not in busy:
-                del self._index[block_hash]
+        keep a copy in each level (unless it is there already)."""
+        block_hash, hash_input = block.block_hash, block.hash_input
+        assert block_hash is not None and hash_input is not None
+        stored = False
+        if self.host is not None:
+            slot = self.host.offer(block_hash, hash_input)
+            if slot >= 0:
+                self._store_blocks.append(block.block_id)
+                self._store_slots.append(slot)
                 if self.emit is not None:
-                    self.emit(BlockRemoved([block_hash], self.medium))
-                return slot
-        return -1
+                    self._stored(block_hash, hash_input, self.medium)
+                stored = True
+            elif slot == NO_ROOM:
+                self.stats.dropped += 1
+        if self.disk is not None:
+            slot = self.disk.offer(block_hash, hash_input)
+            if slot >= 0:
+                self._disk_store_blocks.append(block.block_id)
+                self._disk_store_slots.append(slot)
+                self._store_hashes.append(block_hash)
+                self._store_inputs.append(hash_input)
+                if self.emit is not None:
+                    self._stored(block_hash, hash_input, MEDIUM_DISK)
+                stored = True
+            elif slot == NO_ROOM:
+                self.stats.dropped += 1
+        if stored:
+            self.stats.stored += 1
 
     # -- loads ------------------------------------------------------------------------
-    def lookup(self, request: Request, num_hit_tokens: int) -> int:
+    def lookup(self, request: Request, num_hit_tokens: int, budget: int = 1 << 62) -> int:
         """Tokens past the device's num_hit_tokens (block-aligned) that the tier holds,
-        leaving the last prompt token to compute; their slots are held for load_found."""
+        leaving the last prompt token to compute; their slots are held for load_found.
+        Disk tokens (self.reserve) stay below budget: a failed read is recomputed."""
         bs = self.block_size
         first = num_hit_tokens // bs
         last = (request.num_tokens - 1) // bs
         found = self._found
         found.clear()
+        self.reserve = 0
+        self._queried = max(last - first, 0)
         if first >= last:
             return 0
         hashes, inputs = request.block_hashes, request.block_hash_inputs
-        index = self._index
+        host, disk = self.host, self.disk
+        room = budget - 1
         for i in range(first, min(last, len(hashes))):
-            entry = index.get(hashes[i])
-            if entry is None or entry[1] != inputs[i]:
+            block_hash, hash_input = hashes[i], inputs[i]
+            # Held busy now: the allocation that follows may evict device blocks into
+            # the tier, and must not take these slots.
+            if host is not None and (slot := host.find(block_hash, hash_input)) >= 0:
+                host.busy.add(slot)
+                found.append((block_hash, slot, False))
+            elif (
+                disk is not None
+                and self.reserve + bs <= room
+                and (slot := disk.find(block_hash, hash_input)) >= 0
+            ):
+                disk.busy.add(slot)
+                found.append((block_hash, slot, True))
+                self.reserve += bs
+            else:
                 break
-            found.append(hashes[i])
-            # Held now: the allocation that follows may evict device blocks into the tier.
-            self._busy.add(entry[0])
-        self.stats.queries += last - first
         return len(found) * bs
 
     def load_found(self, block_ids: Sequence[int], num_hit_tokens: int) -> None:
-        """Load the last lookup's slots into the request's blocks after its device hits
-        (block_ids: its whole table); they become the most recently used."""
+        """The request is admitted: load the last lookup's slots into its blocks after
+        its device hits (block_ids: its whole table); they become the most recently
+        used. Its lookup counts here, once, however often it waited for room."""
         first = num_hit_tokens // self.block_size
-        index = self._index
-        # Still indexed: their slots were held busy since the lookup.
-        for k, block_hash in enumerate(self._found):
-            self._load_slots.append(index[block_hash][0])
-            self._load_blocks.append(block_ids[first + k])
-            index.move_to_end(block_hash)
-        self.stats.hits += len(self._found)
-        self.stats.loaded += len(self._found)
+        for k, (block_hash, slot, on_disk) in enumerate(self._found):
+            # Still indexed: their slots were held busy since the lookup.
+            if on_disk:
+                assert self.disk is not None
+                self._disk_load_slots.append(slot)
+                self._disk_load_blocks.append(block_ids[first + k])
+                self._disk_load_hashes.append(block_hash)
+                self.disk.touch(block_hash)
+                self.stats.disk_loaded += 1
+            else:
+                assert self.host is not None
+                self._load_slots.append(slot)
+                self._load_blocks.append(block_ids[first + k])
+                self.host.touch(block_hash)
+        n = len(self._found)
+        self.stats.queries += self._queried
+        self.stats.hits += n
+        self.stats.loaded += n
         self._found = []
+        self._queried = 0
+
+    def answered(self, output: TierOutput) -> None:
+        """A worker's report: time in loads, and disk slots it could not verify (their
+        blocks were recomputed; forgotten here, stored again when evicted again)."""
+        self.stats.load_seconds += output.load_seconds
+        failed = output.failed_disk_slots
+        if failed and self.disk is not None:
+            self.stats.failed += len(failed)
+            self.disk.drop_slots(failed)
 
     # -- per step ---------------------------------------------------------------------
     def take_ops(self) -> KVTierOps | None:
         """This step's transfers for the SchedulerOutput (None: none)."""
-        self._busy.clear()
-        if not self._store_blocks and not self._load_blocks:
+        if self.host is not None:
+            self.host.busy.clear()
+        if self.disk is not None:
+            self.disk.busy.clear()
+        if not (
+            self._store_blocks
+            or self._load_blocks
+            or self._disk_store_blocks
+            or self._disk_load_blocks
+        ):
             return None
         ops = KVTierOps(
             self._store_blocks,
@@ -252,17 +324,22 @@ class KVTier:
             self._load_blocks,
             self._store_hashes,
             self._store_inputs,
+            self._disk_store_blocks,
+            self._disk_store_slots,
+            self._disk_load_slots,
+            self._disk_load_blocks,
+            self._disk_load_hashes,
         )
         self._store_blocks, self._store_slots = [], []
-        if self.persist:
-            self._store_hashes, self._store_inputs = [], []
         self._load_slots, self._load_blocks = [], []
+        if self.disk is not None:
+            self._store_hashes, self._store_inputs = [], []
+            self._disk_store_blocks, self._disk_store_slots = [], []
+            self._disk_load_slots, self._disk_load_blocks, self._disk_load_hashes = [], [], []
         return ops
 
     def check_invariants(self) -> None:
-        """Debugging and tests: every slot is free or indexed once."""
-        used = [slot for slot, _ in self._index.values()]
-        if len(set(used)) != len(used):
-            raise AssertionError("a tier slot is indexed twice")
-        if set(used) & set(self._free) or len(used) + len(self._free) != self.num_slots:
-            raise AssertionError("tier slots are lost or both free and indexed")
+        """Debugging and tests: every slot of each level is free or indexed once."""
+        for level in (self.host, self.disk):
+            if level is not None:
+                level.check_invariants()

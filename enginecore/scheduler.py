@@ -55,6 +55,7 @@ from protocol.worker import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TierOutput,
     with_kv_tier,
 )
 
@@ -78,6 +79,7 @@ class SchedulerConfig:
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
     speculative_config: SpeculativeConfig | None = None  # drafts (spec_decode/); None: off
     kv_tier_slots: int = 0  # blocks of the second KV tier (enginecore/kv_tier.py); 0: none
+    kv_tier_disk_slots: int = 0  # blocks of its disk level; 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -108,6 +110,7 @@ class Scheduler:
             kv_events_medium=config.kv_events_medium,
             hash_seed=config.hash_seed,
             kv_tier_slots=config.kv_tier_slots,
+            kv_tier_disk_slots=config.kv_tier_disk_slots,
         )
         self.requests: dict[str, Request] = {}
         spec = config.speculative_config
@@ -374,10 +377,12 @@ class Scheduler:
             hits, num_hit = kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
             tier = None if request.skip_reading_prefix_cache else kv.tier
-            num_tier = tier.lookup(request, num_hit) if tier is not None else 0
+            num_tier = tier.lookup(request, num_hit, plan.budget) if tier is not None else 0
+            # A disk load may fail; the worker then recomputes it within this budget.
+            reserve = tier.reserve if tier is not None else 0
             num_new = request.num_tokens - num_hit - num_tier
-            if num_new > plan.budget:
-                num_new = plan.budget
+            if num_new > plan.budget - reserve:
+                num_new = plan.budget - reserve
             if (
                 request.known_to_worker
                 and running
@@ -389,7 +394,7 @@ class Scheduler:
             )
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
-            if tier is not None and num_tier:
+            if tier is not None:  # admitted: its lookup counts once, its loads go out
                 tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
                 num_hit += num_tier  # loaded before the step's forward: computed
             waiting.pop_head()
@@ -430,7 +435,7 @@ class Scheduler:
             if num_hit + num_new == request.num_tokens:
                 plan.num_due += 1
                 request.num_pending_tokens = 1
-            plan.budget -= num_new
+            plan.budget -= num_new + reserve
             plan.total += num_new
 
     def _resume_fits(self, num_tokens: int) -> bool:
@@ -502,6 +507,8 @@ class Scheduler:
         wire is not trusted: a wrong answer must stop the engine with a reason, not leave
         a request waiting forever)."""
         check_runner_output(scheduler_output, output, self._due, self.vocab_size)
+        if isinstance(output, TierOutput) and (tier := self.kv_cache_manager.tier) is not None:
+            tier.answered(output)  # load time; unreadable disk blocks
         # Before the tokens: a request may finish at its first token, and still gets these.
         answered = (
             take_prompt_logprobs(self.requests, output.prompt_logprobs)

@@ -258,7 +258,10 @@ def _tier_summary(s: Any) -> str:
     return (
         f" | KV tier: {t.hits}/{t.queries} tokens hit, {t.stored_blocks} blocks stored "
         f"({t.stored_blocks * mib:.1f} MiB), {t.loaded_blocks} loaded "
-        f"({t.loaded_blocks * mib:.1f} MiB)"
+        f"({t.loaded_blocks * mib:.1f} MiB"
+        + (f", {t.disk_loaded_blocks} from disk" if t.disk_loaded_blocks else "")
+        + f") in {t.load_seconds:.3f} s"
+        + (f", {t.failed_blocks} unreadable (recomputed)" if t.failed_blocks else "")
     )
 
 

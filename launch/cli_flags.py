@@ -78,14 +78,15 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-dir",
-        help="persist the --kv-offload-memory tier here (one file per block and rank), and "
-        "read it back at start-up: a restart keeps its prefix cache (with a fixed "
-        "--prefix-cache-hash-seed-file)",
+        help="a disk level for the second KV tier (one file per block and rank), behind "
+        "--kv-offload-memory or alone; indexed again at start-up: a restart keeps its "
+        "prefix cache (with a fixed --prefix-cache-hash-seed-file)",
     )
     p.add_argument(
         "--kv-cache-dir-size",
         type=parse_bytes("--kv-cache-dir-size"),
-        help="disk each worker may use under --kv-cache-dir (default: the whole tier)",
+        help="disk each worker may use under --kv-cache-dir: the disk level's capacity "
+        "(default: 16GiB)",
     )
     p.add_argument(
         "--gpu-memory-utilization",

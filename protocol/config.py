@@ -113,10 +113,10 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # Host memory per worker for the second KV tier (evicted prefix-cache blocks are kept
     # there and loaded back instead of recomputed); None: no tier.
     kv_offload_memory: int | None
-    # Each worker persists its tier slots under this directory (one file per slot), and
-    # reads them back at start-up; None: memory only. Needs kv_offload_memory.
+    # The tier's disk level: each worker keeps blocks under this directory (one file
+    # per slot), indexed again at start-up; None: no disk level.
     kv_cache_dir: str | None
-    kv_cache_dir_size: int | None  # bytes of it a worker may use; None: every slot
+    kv_cache_dir_size: int | None  # the disk level's bytes per worker; None: 16 GiB
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).

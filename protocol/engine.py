@@ -431,6 +431,9 @@ class KVTierStats(msgspec.Struct, frozen=True):
     stored_blocks: int = 0
     loaded_blocks: int = 0
     block_bytes: int = 0
+    disk_loaded_blocks: int = 0  # of loaded_blocks: read from the disk level
+    failed_blocks: int = 0  # disk reads that failed verification: recomputed
+    load_seconds: float = 0.0  # time rank 0 spent loading blocks
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):

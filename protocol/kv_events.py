@@ -24,6 +24,7 @@ BlockHash = bytes
 # Where the blocks live, in vLLM's words.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"  # the second KV tier's disk level
 
 
 class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

@@ -117,10 +117,18 @@ class KVTierOps(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     store_slots: list[int]  # distinct within a step
     load_slots: list[int]
     load_block_ids: list[int]  # freshly allocated, distinct
-    # With a disk tier, parallel to store_slots: each block's hash and hash input, kept
-    # beside its bytes so that a restart can rebuild the index. Empty without one.
+    # With a disk level, parallel to disk_store_slots: each block's hash and hash input,
+    # kept beside its bytes so that a restart can rebuild the index. Empty without one.
     store_hashes: list[bytes] = []
     store_inputs: list[bytes] = []
+    # The disk level (--kv-cache-dir): device block -> disk slot (written on a thread,
+    # after the stores above), and disk slot -> device block, read and verified (the
+    # file must hold load_hashes[i] and its checksum) after the host loads.
+    disk_store_block_ids: list[int] = []
+    disk_store_slots: list[int] = []  # distinct within a step
+    disk_load_slots: list[int] = []
+    disk_load_block_ids: list[int] = []  # freshly allocated, distinct
+    disk_load_hashes: list[bytes] = []
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="step", array_like=True, omit_defaults=True):
@@ -194,6 +202,16 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True, tag="output", array_like=Tr
     spec_logprobs: list[list[Logprobs]] = []
 
 
+class TierOutput(ModelRunnerOutput, frozen=True, tag="tier_output", array_like=True):
+    """A step's answer that also reports on KV tier loads: its own type, so that every
+    other answer's frame stays exactly a ModelRunnerOutput's."""
+
+    load_seconds: float = 0.0  # this rank's time in loads since its last report
+    # Disk slots whose block a rank could not read or verify: the worker recomputed
+    # those blocks in the step instead; the core forgets them.
+    failed_disk_slots: list[int] = []
+
+
 class WorkerFailed(msgspec.Struct, frozen=True, tag="failed", array_like=True):
     rank: int
     error: str
@@ -226,5 +244,11 @@ CoreToWorker = (
     | DumpBlockTables
 )
 WorkerToCore = (
-    WorkerConnected | WorkerHello | WorkerReady | ModelRunnerOutput | WorkerFailed | BlockTables
+    WorkerConnected
+    | WorkerHello
+    | WorkerReady
+    | ModelRunnerOutput
+    | TierOutput
+    | WorkerFailed
+    | BlockTables
 )

@@ -1,11 +1,13 @@
-"""DiskKVTier: the host tier's slots persisted to local disk, one file per slot and rank.
+"""DiskKVTier: the second KV tier's disk level, one file per slot and rank.
 
 A file holds one block of this rank's shard: a header (magic, fingerprint, slot, the
 block's hash and hash input, payload length, crc32 of all that follows it), then the
 bytes. Writes run on a thread, off the step's path, and are atomic (tmp + os.replace),
-so a file is always a whole, earlier block. At start-up every file whose fingerprint
-matches and whose checksum verifies is read back into its host slot; anything else is
-a miss. A disk that fills up or refuses writes turns persistence off with one warning.
+so a file is always a whole, earlier block. At start-up the headers of files whose
+fingerprint matches and whose length is whole are indexed; a load reads the payload
+straight into its staging row and verifies the hash and the checksum there, so a file
+damaged at any time is a miss (recomputed), never wrong KV. A disk that fills up or
+refuses writes turns the disk level's writes off with one warning.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import queue
 import struct
 import threading
 import zlib
-from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -43,16 +45,9 @@ def fingerprint(model_dir: str, *parts: object) -> bytes:
     return h.digest()
 
 
-def _read(path: Path) -> bytearray:
-    """The whole file, read into one writable buffer (the payload is copied once more,
-    into its host slot, without an intermediate bytes object)."""
-    with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        n = f.readinto(data)
-    return data[:n] if n != len(data) else data
-
-
 class DiskKVTier:
+    """This rank's disk level: slot S's block in DIR/rank<r>/slot<S>.kv."""
+
     def __init__(
         self, directory: str, rank: int, fingerprint: bytes, num_slots: int, block_bytes: int
     ) -> None:
@@ -62,8 +57,13 @@ class DiskKVTier:
         self.block_bytes = block_bytes
         self.enabled = True
         self.written_bytes = 0
-        self._queue: queue.Queue[tuple[int, bytes, bytes, bytes] | None] = queue.Queue()
+        self.bad_reads = 0
+        self._queue: queue.Queue[tuple[int, bytes, bytes, memoryview] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # Queued, not yet on disk: a read of such a slot takes these bytes, so a block
+        # stored a moment ago loads before its file is written.
+        self._pending: dict[int, tuple[bytes, memoryview]] = {}
+        self._lock = threading.Lock()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -78,68 +78,118 @@ class DiskKVTier:
         return self.dir / f"slot{slot}.kv"
 
     # -- start-up ---------------------------------------------------------------------
-    def restore(self, put: Callable[[int, memoryview], None]) -> list[tuple[int, bytes, bytes]]:
-        """Read every usable slot file back (put(slot, payload)); (slot, hash, hash input)
-        of each. Other settings' files and corrupt ones are skipped, logged once."""
+    def restore(self) -> list[tuple[int, bytes, bytes]]:
+        """(slot, hash, hash input) of every slot file of this fingerprint and whole
+        length; only headers are read (a payload's checksum is verified when it loads).
+        Other settings' files and damaged ones are skipped, logged once."""
         restored: list[tuple[int, bytes, bytes]] = []
         other = corrupt = 0
         if not self.dir.is_dir():
             return restored
-        for slot in range(self.num_slots):
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if not (name.startswith("slot") and name.endswith(".kv")):
+                continue
             try:
-                data = _read(self._path(slot))
-            except FileNotFoundError:
+                slot = int(name[4:-3])
+            except ValueError:
                 continue
+            if not 0 <= slot < self.num_slots:
+                continue
+            try:
+                with open(entry.path, "rb") as f:
+                    found = self._head(f, slot, os.fstat(f.fileno()).st_size)
             except OSError:
+                found = None
+            if found is None:
                 corrupt += 1
-                continue
-            entry = self._parse(slot, data)
-            if entry is None:
-                corrupt += 1
-            elif entry == "other":
+            elif isinstance(found, str):
                 other += 1
             else:
-                block_hash, hash_input, payload = entry
-                put(slot, payload)
-                restored.append((slot, block_hash, hash_input))
+                restored.append((slot, found[0], found[1]))
         if other:
             log.warning("KV tier: %d stored block(s) of other settings ignored", other)
         if corrupt:
             log.warning("KV tier: %d stored block(s) corrupt or truncated, ignored", corrupt)
-        return restored
+        return sorted(restored)
 
-    def _parse(self, slot: int, data: bytearray) -> tuple[bytes, bytes, memoryview] | str | None:
-        if len(data) < _HEADER.size:
+    def _head(self, f: BinaryIO, slot: int, size: int) -> tuple[bytes, bytes, int] | str | None:
+        """(hash, hash input, crc32) from a slot file's header; "other": another
+        fingerprint; None: not a whole slot file of this slot."""
+        head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
             return None
-        magic, fp, file_slot, hlen, ilen, plen, crc = _HEADER.unpack_from(data)
+        magic, fp, file_slot, hlen, ilen, plen, crc = _HEADER.unpack(head)
         if magic != MAGIC or file_slot != slot:
             return None
         if fp != self.fingerprint or plen != self.block_bytes:
             return "other"
-        body = memoryview(data)[_HEADER.size :]
-        if len(body) != hlen + ilen + plen or zlib.crc32(body) != crc:
+        if size != _HEADER.size + hlen + ilen + plen:
             return None
-        return bytes(body[:hlen]), bytes(body[hlen : hlen + ilen]), body[hlen + ilen :]
+        meta = f.read(hlen + ilen)
+        if len(meta) != hlen + ilen:
+            return None
+        return meta[:hlen], meta[hlen:], crc
+
+    # -- loads ------------------------------------------------------------------------
+    def read_into(self, slot: int, block_hash: bytes, out: memoryview) -> bool:
+        """Slot's block into out (block_bytes), if it holds block_hash and its checksum
+        verifies; False otherwise (the caller recomputes it; logged once)."""
+        with self._lock:
+            pending = self._pending.get(slot)
+        if pending is not None:
+            if pending[0] != block_hash:
+                return self._bad(slot, "holds another block")
+            out[:] = pending[1]
+            return True
+        try:
+            with open(self._path(slot), "rb", buffering=0) as f:
+                found = self._head(f, slot, os.fstat(f.fileno()).st_size)
+                if found is None or isinstance(found, str) or found[0] != block_hash:
+                    return self._bad(slot, "holds another block or is damaged")
+                n = f.readinto(out)
+        except OSError as e:
+            return self._bad(slot, str(e))
+        _, hash_input, crc = found
+        if n != len(out) or zlib.crc32(out, zlib.crc32(block_hash + hash_input)) != crc:
+            return self._bad(slot, "fails its checksum")
+        return True
+
+    def _bad(self, slot: int, why: str) -> bool:
+        if not self.bad_reads:
+            log.warning(
+                "KV tier: %s %s; such blocks are recomputed (logged once)", self._path(slot), why
+            )
+        self.bad_reads += 1
+        return False
 
     # -- writes -----------------------------------------------------------------------
-    def write(self, slot: int, block_hash: bytes, hash_input: bytes, payload: bytes) -> None:
-        """Queue slot's new content (payload copied already: the slot may change)."""
+    def write(self, slot: int, block_hash: bytes, hash_input: bytes, payload: memoryview) -> None:
+        """Queue slot's new content (payload: a copy the step no longer writes)."""
         if not self.enabled or slot >= self.num_slots:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="kv-tier-disk", daemon=True)
             self._thread.start()
+        with self._lock:
+            self._pending[slot] = (block_hash, payload)
         self._queue.put((slot, block_hash, hash_input, payload))
 
     def _writer(self) -> None:
         while (item := self._queue.get()) is not None:
             if self.enabled:
                 self._write_one(*item)
+            with self._lock:
+                # A newer store of the slot keeps its own pending bytes.
+                if self._pending.get(item[0], (b"", None))[1] is item[3]:
+                    del self._pending[item[0]]
             self._queue.task_done()
         self._queue.task_done()
 
-    def _write_one(self, slot: int, block_hash: bytes, hash_input: bytes, payload: bytes) -> None:
-        body = block_hash + hash_input + payload
+    def _write_one(
+        self, slot: int, block_hash: bytes, hash_input: bytes, payload: memoryview
+    ) -> None:
+        meta = block_hash + hash_input
         header = _HEADER.pack(
             MAGIC,
             self.fingerprint,
@@ -147,16 +197,17 @@ class DiskKVTier:
             len(block_hash),
             len(hash_input),
             len(payload),
-            zlib.crc32(body),
+            zlib.crc32(payload, zlib.crc32(meta)),
         )
         path = self._path(slot)
         tmp = path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
-                f.write(body)
+                f.write(meta)
+                f.write(payload)
             os.replace(tmp, path)
-            self.written_bytes += len(header) + len(body)
+            self.written_bytes += len(header) + len(meta) + len(payload)
         except OSError as e:
             self._off(e)
             tmp.unlink(missing_ok=True)

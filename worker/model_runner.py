@@ -225,7 +225,9 @@ class ModelRunner:
         if missing:
             raise ValueError(f"KV cache config leaves layers without a cache: {missing}")
         self.kv_caches = [caches[name] for name in layers]
-        self.kv_tier, self.kv_tier_restored = make_kv_tier(msg, self.kv_caches, self.config)
+        self.kv_tier, self.kv_tier_restored = make_kv_tier(
+            msg, self.kv_caches, self.config, self.tp
+        )
         # One extra column: a request's last sampled token lands at position max_model_len.
         self.batch = InputBatch(msg.max_num_reqs, msg.max_model_len + 1, block_sizes, self.device)
         self.buffers = StepBuffers(
@@ -260,7 +262,7 @@ class ModelRunner:
         before that step's tokens are known) only a step that can_plan_ahead may come here."""
         batch = self._configured("SchedulerOutput")
         if so.__class__ is TierStep:
-            self._kv_tier_transfers(so)  # type: ignore[arg-type]
+            so = self._kv_tier_transfers(so)  # type: ignore[arg-type]
         grammars = self.grammars
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
@@ -276,12 +278,12 @@ class ModelRunner:
             self.hooks.planning()
         return self.prepare_step(so)
 
-    def _kv_tier_transfers(self, so: TierStep) -> None:
+    def _kv_tier_transfers(self, so: TierStep) -> SchedulerOutput:
         # Before the step's forward; a step in flight before it ran first (on the CPU it
         # is done, on a GPU the copies queue behind it), so stores read its writes.
         if self.kv_tier is None:
             raise ValueError(f"step {so.step_id} moves KV tier blocks, but no tier is configured")
-        self.kv_tier.apply(so.kv_tier)
+        return self.kv_tier.run_step(so)  # rewritten when a disk load failed
 
     def can_plan_ahead(self, so: SchedulerOutput) -> bool:
         """Whether `so` can be planned while the previous step's tokens are unknown: not
@@ -523,7 +525,7 @@ class ModelRunner:
             embeddings = self._embeddings(
                 [step.sampling_req_ids[i] for i in step.embed_rows.tolist()], flight.embed_hidden
             )
-        return ModelRunnerOutput(
+        out = ModelRunnerOutput(
             step.step_id,
             step.sampling_req_ids,
             tokens,
@@ -533,6 +535,7 @@ class ModelRunner:
             flight.spec_tokens or NO_SPEC_TOKENS,
             step.drafts.extra_logprobs if step.drafts is not None else [],
         )
+        return out if self.kv_tier is None else self.kv_tier.answer(out)
 
     def _embeddings(self, req_ids: list[str], hidden: torch.Tensor) -> list[PromptEmbedding]:
         """Each request's embedding from its last prompt token's final hidden state: the

@@ -150,9 +150,9 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     # Host memory per worker for the second KV tier (docs/kv_tier.md); None: off.
     kv_offload_memory: int | None = None
-    # The host tier's slots persisted there, read back at start-up; None: memory only.
+    # The tier's disk level (with or without host memory), indexed again at start-up.
     kv_cache_dir: str | None = None
-    kv_cache_dir_size: int | None = None  # bytes of it each worker may use; None: all slots
+    kv_cache_dir_size: int | None = None  # the disk level's bytes per worker; None: 16 GiB
     # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
@@ -238,12 +238,11 @@ class EngineArgs:
             )
         if self.kv_offload_memory is not None and self.kv_offload_memory < 1:
             raise ValueError(f"kv_offload_memory must be >= 1 byte, got {self.kv_offload_memory}")
-        if self.kv_cache_dir is not None and self.kv_offload_memory is None:
-            raise ValueError("kv_cache_dir persists the host tier: set kv_offload_memory too")
         if self.kv_cache_dir_size is not None and self.kv_cache_dir_size < 1:
             raise ValueError(f"kv_cache_dir_size must be >= 1 byte, got {self.kv_cache_dir_size}")
-        if self.kv_offload_memory is not None and not self.enable_prefix_caching:
-            raise ValueError("kv_offload_memory keeps prefix-cache blocks: enable prefix caching")
+        tiered = self.kv_offload_memory is not None or self.kv_cache_dir is not None
+        if tiered and not self.enable_prefix_caching:
+            raise ValueError("a KV tier keeps prefix-cache blocks: enable prefix caching")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len < 1:

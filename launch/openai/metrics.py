@@ -55,6 +55,9 @@ TIER_COUNTERS = {
     "loaded_blocks": "Blocks loaded from the KV tier.",
     "stored_bytes": "Bytes stored into the KV tier, per worker.",
     "loaded_bytes": "Bytes loaded from the KV tier, per worker.",
+    "disk_loaded_blocks": "Blocks loaded from the KV tier's disk level.",
+    "failed_blocks": "Blocks whose disk read failed verification (recomputed instead).",
+    "load_seconds": "Seconds the first worker spent loading KV tier blocks.",
 }
 
 
@@ -320,6 +323,9 @@ class EngineSeries:
         c["loaded_blocks"].inc(loaded)
         c["stored_bytes"].inc(stored * now.block_bytes)
         c["loaded_bytes"].inc(loaded * now.block_bytes)
+        c["disk_loaded_blocks"].inc(now.disk_loaded_blocks - last.disk_loaded_blocks)
+        c["failed_blocks"].inc(now.failed_blocks - last.failed_blocks)
+        c["load_seconds"].inc(max(now.load_seconds - last.load_seconds, 0.0))
 
     def update(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)

@@ -18,8 +18,9 @@ from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.kv_events import BlockRemoved, BlockStored
-from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierStep
+from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierOutput, TierStep
 from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
+from worker.kv_tier_recompute import recompute_failed
 
 BS = 4
 PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks each
@@ -28,32 +29,55 @@ PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks e
 Label = tuple[int, ...]
 
 
-def tier_scheduler(num_blocks: int, slots: int, chunk: int = 64, events: bool = False) -> Scheduler:
+def tier_scheduler(
+    num_blocks: int, slots: int, chunk: int = 64, events: bool = False, disk: int = 0
+) -> Scheduler:
     groups = [KVCacheGroupSpec(["l0"], full(BS))]
     config = sched_config(
         48, max_num_batched_tokens=chunk, max_num_seqs=4, enable_prefix_caching=True
     )
-    config = type(config)(**{**config.__dict__, "kv_tier_slots": slots, "enable_kv_events": events})
+    tier = {"kv_tier_slots": slots, "kv_tier_disk_slots": disk, "enable_kv_events": events}
+    config = type(config)(**{**config.__dict__, **tier})
     return Scheduler(config, with_num_blocks(groups, num_blocks), SCHEDULER_VOCAB)
 
 
 class SimWorker:
     """Block contents as labels; stores, loads and writes exactly as a worker runs them."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_every: int = 0) -> None:
         self.device: dict[int, list[Label | None]] = {}
         self.tier: dict[int, list[Label | None]] = {}
+        self.disk: dict[int, list[Label | None]] = {}
         self.tables: dict[str, list[int]] = {}
         self.loaded = 0
+        self.fail_every = fail_every  # every n-th disk read fails (a damaged file)
+        self.disk_reads = 0
 
     def run(self, so: SchedulerOutput, sched: Scheduler) -> None:
         if isinstance(so, TierStep):
             ops = so.kv_tier
             for block, slot in zip(ops.store_block_ids, ops.store_slots):
                 self.tier[slot] = list(self.device.get(block, [None] * BS))
+            for block, slot in zip(ops.disk_store_block_ids, ops.disk_store_slots):
+                self.disk[slot] = list(self.device.get(block, [None] * BS))
             for slot, block in zip(ops.load_slots, ops.load_block_ids):
                 self.device[block] = list(self.tier[slot])
                 self.loaded += 1
+            failed = set()
+            for slot, block in zip(ops.disk_load_slots, ops.disk_load_block_ids):
+                self.disk_reads += 1
+                if self.fail_every and self.disk_reads % self.fail_every == 0:
+                    failed.add(block)
+                    self.device[block] = [None] * BS
+                else:
+                    self.device[block] = list(self.disk[slot])
+                    self.loaded += 1
+            if failed:  # as the worker does: its requests recompute from that block
+                so = recompute_failed(so, failed, BS)
+                sched.kv_cache_manager.tier.answered(  # type: ignore[union-attr]
+                    TierOutput(so.step_id, [], [], failed_disk_slots=[0])
+                )
+            assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         for rid in [*so.finished_req_ids, *so.preempted_req_ids]:
             self.tables.pop(rid, None)
         for new in so.new_reqs:
@@ -163,18 +187,63 @@ def test_a_tier_needs_one_full_attention_group() -> None:
     ),
     rounds=st.integers(1, 3),
     num_blocks=st.integers(8, 16),
-    slots=st.integers(1, 12),
+    slots=st.integers(0, 12),
+    disk=st.sampled_from([0, 1, 4, 30]),
     chunk=st.sampled_from([5, 8, 64]),
+    fail_every=st.sampled_from([0, 1, 3]),
 )
 def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
     requests: list[tuple[int, list[int], int]],
     rounds: int,
     num_blocks: int,
     slots: int,
+    disk: int,
     chunk: int,
+    fail_every: int,
 ) -> None:
-    sched = tier_scheduler(num_blocks, slots, chunk)
+    if not slots and not disk:
+        slots = 1
+    sched = tier_scheduler(num_blocks, slots, chunk, disk=disk)
     prompts = [(PREFIXES[p] + tail, m) for p, tail, m in requests]
-    worker = SimWorker()
+    worker = SimWorker(fail_every)
     for _ in range(rounds):  # later rounds find earlier prefixes on the device or tier
         drive(sched, worker, prompts)
+
+
+def test_a_request_waiting_for_room_counts_its_tier_lookup_once() -> None:
+    # r0 holds 5 of 7 usable blocks and grows; r1 (3 blocks) waits until r0 finishes,
+    # looked up at every step meanwhile: its lookup counts once, when it is admitted.
+    sched = tier_scheduler(num_blocks=8, slots=8)
+    drive(sched, SimWorker(), [(list(range(1, 21)), 8), (list(range(30, 39)), 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None
+    assert tier.stats.queries == (20 - 1) // BS + (9 - 1) // BS
+
+
+def test_a_disk_level_keeps_blocks_the_host_level_pushed_out_and_loads_them() -> None:
+    # Host memory holds 2 blocks, the disk 16: doc_a's four blocks come back, two or
+    # more of them from disk, each read verified by the worker.
+    sched = tier_scheduler(num_blocks=8, slots=2, disk=16)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    worker = SimWorker()
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
+    assert tier.stats.disk_loaded >= 2 and worker.disk_reads == tier.stats.disk_loaded
+    assert sched.num_prompt_cached_tokens == 16
+
+
+def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
+    # Disk only, 8 tokens a step: a disk hit keeps its tokens free in the budget, so the
+    # worker's recompute of a block it cannot read fits the step (SimWorker asserts it).
+    sched = tier_scheduler(num_blocks=8, slots=0, chunk=8, disk=16)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    worker = SimWorker(fail_every=1)
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
+    assert tier.stats.failed == worker.disk_reads

@@ -40,6 +40,7 @@ from protocol.worker import (
     CoreToWorker,
     ModelRunnerOutput,
     SchedulerOutput,
+    TierStep,
     WorkerToCore,
 )
 from tests.helpers.cli_helpers import CPU, ENV, generate_cli
@@ -148,6 +149,18 @@ def has_prefix_hit_on_2_ranks(sos: list[SchedulerOutput]) -> bool:
     return has_prefix_hit(sos)  # the manifest's world size is checked below
 
 
+def has_tier_loads(sos: list[SchedulerOutput]) -> bool:
+    return any(isinstance(so, TierStep) and so.kv_tier.load_block_ids for so in sos)
+
+
+def evict_and_reload() -> Workload:
+    """A 40-token document, another that evicts it from a 15-block pool, then the first
+    again: it comes back from the KV tier (its answer reports the load's time)."""
+    rng = random.Random(9)
+    a, b = ([rng.randrange(3, VOCAB) for _ in range(40)] for _ in range(2))
+    return Workload([mixed([[*a, 1]]), mixed([[*b, 1]], wave=1), mixed([[*a, 2]], wave=2)])
+
+
 @dataclass
 class Scenario:
     model: str  # "llama", "qwen2_interleaved" or "builtin"
@@ -205,6 +218,12 @@ SCENARIOS = {
         has_abort_mid_run,
     ),
     "tp2": Scenario("llama", {}, two_waves, has_prefix_hit_on_2_ranks, world_size=2),
+    "kv-tier": Scenario(
+        "llama",
+        {"num_gpu_blocks": 16, "kv_offload_memory": 1 << 20},
+        evict_and_reload,
+        has_tier_loads,
+    ),
 }
 
 

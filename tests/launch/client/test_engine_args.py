@@ -40,3 +40,9 @@ def test_memory_no_machine_has_is_refused_with_numbers(
 def test_engine_choices_are_checked_against_their_types(field: str, value: str, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineArgs(model="unused", **{field: value}).validate()
+
+
+def test_a_disk_kv_tier_needs_no_host_memory_but_needs_prefix_caching() -> None:
+    EngineArgs(model="m", kv_cache_dir="/tmp/kv").validate()  # the disk level alone
+    with pytest.raises(ValueError, match="a KV tier keeps prefix-cache blocks"):
+        EngineArgs(model="m", kv_cache_dir="/tmp/kv", enable_prefix_caching=False).validate()

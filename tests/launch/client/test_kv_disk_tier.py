@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,9 @@ import torch
 import transformers
 
 from launch import LLM, SamplingParams
+from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
-from tests.helpers.hf_checkpoints import VOCAB
+from tests.helpers.hf_checkpoints import VOCAB, hf_greedy
 
 BLOCK = 4
 DOC_TOKENS = 40
@@ -28,6 +30,9 @@ SEED = "a test deployment's seed"
 def _docs() -> list[list[int]]:
     rng = random.Random(11)
     return [[rng.randrange(1, VOCAB) for _ in range(DOC_TOKENS)] for _ in range(4)]
+
+
+_STATS: list[KVTierStats | None] = [None]  # the last _serve's tier counts
 
 
 def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[list[int], int]]:
@@ -45,6 +50,8 @@ def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[lis
         for prompt in prompts:  # one at a time: eviction order is fixed
             (res,) = llm.generate([prompt], GREEDY, use_tqdm=False)
             out.append((res.token_ids, res.num_cached_tokens))
+        stats = llm.last_summary.stats
+        _STATS[0] = stats.kv_tier if stats else None
         return out
 
 
@@ -85,6 +92,16 @@ def test_a_restart_onto_a_warm_disk_tier_loads_the_stored_prefixes(
     assert _serve(llama_dir, _questions()[:1])[0][1] == 0
 
 
+def test_a_restart_with_the_disk_level_alone_loads_the_stored_prefixes(
+    llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    path = _copy(warm_dir, tmp_path / "d")
+    out = _serve(llama_dir, _questions(), kv_cache_dir=str(path), kv_offload_memory=None)
+    assert [t for t, _ in out] == expected
+    assert [c for _, c in out] == [DOC_TOKENS] * 4
+    assert _STATS[0] is not None and _STATS[0].disk_loaded_blocks == 4 * DOC_TOKENS // BLOCK
+
+
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate"])
 def test_a_damaged_block_file_is_a_miss_never_a_wrong_token(
     llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path, damage: str
@@ -99,7 +116,10 @@ def test_a_damaged_block_file_is_a_miss_never_a_wrong_token(
             f.write_bytes(bytes(data[: len(data) // 2]))
     out = _serve(llama_dir, _questions(), kv_cache_dir=str(path))
     assert [t for t, _ in out] == expected
-    assert [c for _, c in out] == [0, 0, 0, 0]
+    if damage == "truncate":  # not a whole file: never indexed
+        assert [c for _, c in out] == [0, 0, 0, 0]
+    else:  # indexed from its header; its checksum fails on the read: recomputed
+        assert _STATS[0] is not None and _STATS[0].failed_blocks == 4 * DOC_TOKENS // BLOCK
 
 
 def test_blocks_of_another_seed_or_model_are_ignored(
@@ -142,3 +162,84 @@ def test_an_unwritable_dir_or_a_full_disk_turns_the_disk_tier_off_and_serving_go
     assert [t for t, _ in out][4:] == expected
     assert out[4][1] == DOC_TOKENS
     assert not list(full.glob("slot*.kv"))
+
+
+def _wait_for_files(directory: Path, count: int) -> list[Path]:
+    """The slot files once at least count are written (the writer thread runs on)."""
+    deadline = time.monotonic() + 60
+    while len(files := sorted(directory.glob("slot*.kv"))) < count:
+        assert time.monotonic() < deadline, f"only {len(files)} block files written"
+        time.sleep(0.05)
+    return files
+
+
+def test_a_disk_only_tier_holds_more_than_the_pool_and_survives_a_byte_flipped_while_serving(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).float().eval()
+    hf_model.config._attn_implementation = "eager"
+    docs = _docs()
+    rounds = [[[*d, 2 + r] for d in docs] for r in range(2)]
+    with LLM(
+        str(llama_dir),
+        device=CPU,
+        num_gpu_blocks=24,
+        block_size=BLOCK,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        kv_cache_dir=str(tmp_path),
+    ) as llm:
+
+        def ask(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+            return [
+                (r.token_ids, r.num_cached_tokens)
+                for p in prompts
+                for r in llm.generate([p], GREEDY, use_tqdm=False)
+            ]
+
+        ask([[*d, 1] for d in docs])  # 40 blocks through a pool of 23: most go to disk
+        first = ask(rounds[0])
+        assert [t for t, _ in first] == [hf_greedy(hf_model, p, 5) for p in rounds[0]]
+        # No host memory: the evicted documents came back from disk alone.
+        assert [c for _, c in first][:2] == [DOC_TOKENS] * 2
+        # Every stored block's file flipped while the engine runs: a miss, never a token
+        # of other KV.
+        for f in _wait_for_files(tmp_path / "rank0", 4 * DOC_TOKENS // BLOCK - 23):
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0x08
+            f.write_bytes(bytes(data))
+        second = ask(rounds[1])
+        assert [t for t, _ in second] == [hf_greedy(hf_model, p, 5) for p in rounds[1]]
+        stats = llm.last_summary.stats
+        tier = stats.kv_tier if stats else None
+        assert tier is not None and tier.failed_blocks >= DOC_TOKENS // BLOCK
+        assert tier.disk_loaded_blocks >= 2 * DOC_TOKENS // BLOCK and tier.load_seconds > 0
+
+
+def test_tp2_ranks_agree_on_a_block_only_one_rank_cannot_read(
+    llama_dir: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    # Only rank 1's files are damaged while serving: rank 0 reads its shard fine, yet
+    # both ranks recompute the block (they must run the same step), and tokens stay.
+    with LLM(
+        str(llama_dir),
+        device=CPU,
+        tensor_parallel_size=2,
+        num_gpu_blocks=24,
+        block_size=BLOCK,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        kv_cache_dir=str(tmp_path),
+    ) as llm:
+        for d in _docs():
+            llm.generate([[*d, 1]], GREEDY, use_tqdm=False)
+        for f in _wait_for_files(tmp_path / "rank1", 4 * DOC_TOKENS // BLOCK - 23):
+            data = bytearray(f.read_bytes())
+            data[-5] ^= 0x08
+            f.write_bytes(bytes(data))
+        out = [llm.generate([q], GREEDY, use_tqdm=False)[0].token_ids for q in _questions()]
+        stats = llm.last_summary.stats
+    assert out == expected
+    tier = stats.kv_tier if stats else None
+    assert tier is not None and tier.disk_loaded_blocks > 0
+    assert 0 < tier.failed_blocks <= tier.disk_loaded_blocks

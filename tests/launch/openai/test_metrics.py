@@ -19,7 +19,7 @@ from launch.openai.metric_families import token_buckets
 from launch.openai.metrics import ServerMetrics, StatsLog
 from launch.openai.protocol import APIError
 from launch.openai.serving_base import Admission
-from protocol.engine import SchedulerStats
+from protocol.engine import KVTierStats, SchedulerStats
 from tests.helpers.server import MODEL_NAME, Server, metrics, post, start_server
 
 
@@ -263,3 +263,19 @@ def test_a_refusal_by_the_waiting_bound_is_counted_as_vllm_names_it() -> None:
     assert (
         'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_tokens"} 0.0' in text
     )
+
+
+def test_kv_tier_loads_their_time_and_failed_disk_reads_are_counted() -> None:
+    metrics = ServerMetrics("m", 1024, lambda: 0)
+    for loaded, disk, failed, seconds in ((4, 1, 0, 0.25), (10, 6, 2, 0.75)):
+        tier = KVTierStats(40, 4 * loaded, 20, loaded, 2048, disk, failed, seconds)
+        metrics.on_stats(SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, kv_tier=tier))
+    families = {
+        s.name: s.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for s in f.samples
+    }
+    assert families["pagedserve:kv_tier_loaded_blocks_total"] == 10
+    assert families["pagedserve:kv_tier_disk_loaded_blocks_total"] == 6
+    assert families["pagedserve:kv_tier_failed_blocks_total"] == 2
+    assert families["pagedserve:kv_tier_load_seconds_total"] == 0.75
