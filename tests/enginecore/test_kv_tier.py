@@ -128,15 +128,21 @@ def drive(sched: Scheduler, worker: SimWorker, prompts: list[tuple[list[int], in
     assert not sched.has_unfinished_requests()
 
 
-def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> None:
-    # 7 usable blocks: the second request (7 blocks) evicts all four cached blocks of
-    # the first, which the tier keeps; the third loads them instead of recomputing.
-    sched = tier_scheduler(num_blocks=8, slots=8)
+def evict_and_ask_again(sched: Scheduler) -> SimWorker:
+    """doc_a (4 blocks), then doc_b (7 blocks), which evicts doc_a's, then doc_a again."""
     doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
     worker = SimWorker()
     drive(sched, worker, [([*doc_a, 5], 1)])
     drive(sched, worker, [([*doc_b, 5], 1)])
     drive(sched, worker, [([*doc_a, 6], 1)])
+    return worker
+
+
+def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> None:
+    # 7 usable blocks: the second request (7 blocks) evicts all four cached blocks of
+    # the first, which the tier keeps; the third loads them instead of recomputing.
+    sched = tier_scheduler(num_blocks=8, slots=8)
+    worker = evict_and_ask_again(sched)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
     assert sched.num_prompt_cached_tokens == 16  # the first 16 tokens of doc_a: loaded
@@ -224,11 +230,7 @@ def test_a_disk_level_keeps_blocks_the_host_level_pushed_out_and_loads_them() ->
     # Host memory holds 2 blocks, the disk 16: doc_a's four blocks come back, two or
     # more of them from disk, each read verified by the worker.
     sched = tier_scheduler(num_blocks=8, slots=2, disk=16)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
-    worker = SimWorker()
-    drive(sched, worker, [([*doc_a, 5], 1)])
-    drive(sched, worker, [([*doc_b, 5], 1)])
-    drive(sched, worker, [([*doc_a, 6], 1)])
+    worker = evict_and_ask_again(sched)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4 and worker.loaded == 4
     assert tier.stats.disk_loaded >= 2 and worker.disk_reads == tier.stats.disk_loaded

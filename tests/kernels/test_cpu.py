@@ -7,7 +7,6 @@ import json
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,13 +31,7 @@ TOLERANCE = {
 CACHE_LAYOUTS = ("contiguous", "kv_halves", "kv_per_block", "padded_blocks")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tiny ops on two OpenMP threads crawl when other processes hold the other core.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=["native", "gather"])

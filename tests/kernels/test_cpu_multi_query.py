@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,12 +20,7 @@ TOLERANCE = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -173,6 +173,14 @@ def _wait_for_files(directory: Path, count: int) -> list[Path]:
     return files
 
 
+def _flip_a_byte_in_each(folder: Path, count: int) -> None:
+    """Flip a payload byte in each of the first `count` block files written to folder."""
+    for f in _wait_for_files(folder, count):
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0x08
+        f.write_bytes(bytes(data))
+
+
 def test_a_disk_only_tier_holds_more_than_the_pool_and_survives_a_byte_flipped_while_serving(
     llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -204,10 +212,7 @@ def test_a_disk_only_tier_holds_more_than_the_pool_and_survives_a_byte_flipped_w
         assert [c for _, c in first][:2] == [DOC_TOKENS] * 2
         # Every stored block's file flipped while the engine runs: a miss, never a token
         # of other KV.
-        for f in _wait_for_files(tmp_path / "rank0", 4 * DOC_TOKENS // BLOCK - 23):
-            data = bytearray(f.read_bytes())
-            data[-5] ^= 0x08
-            f.write_bytes(bytes(data))
+        _flip_a_byte_in_each(tmp_path / "rank0", 4 * DOC_TOKENS // BLOCK - 23)
         second = ask(rounds[1])
         assert [t for t, _ in second] == [hf_greedy(hf_model, p, 5) for p in rounds[1]]
         stats = llm.last_summary.stats
@@ -233,10 +238,7 @@ def test_tp2_ranks_agree_on_a_block_only_one_rank_cannot_read(
     ) as llm:
         for d in _docs():
             llm.generate([[*d, 1]], GREEDY, use_tqdm=False)
-        for f in _wait_for_files(tmp_path / "rank1", 4 * DOC_TOKENS // BLOCK - 23):
-            data = bytearray(f.read_bytes())
-            data[-5] ^= 0x08
-            f.write_bytes(bytes(data))
+        _flip_a_byte_in_each(tmp_path / "rank1", 4 * DOC_TOKENS // BLOCK - 23)
         out = [llm.generate([q], GREEDY, use_tqdm=False)[0].token_ids for q in _questions()]
         stats = llm.last_summary.stats
     assert out == expected
