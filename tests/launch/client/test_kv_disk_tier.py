@@ -173,6 +173,20 @@ def _wait_for_files(directory: Path, count: int) -> list[Path]:
     return files
 
 
+def _disk_only_llm(model: Path, cache_dir: Path, **extra: Any) -> LLM:
+    """A 24-block pool of 4-token blocks with a disk-only tier in cache_dir."""
+    return LLM(
+        str(model),
+        device=CPU,
+        num_gpu_blocks=24,
+        block_size=BLOCK,
+        max_model_len=64,
+        enable_prefix_caching=True,
+        kv_cache_dir=str(cache_dir),
+        **extra,
+    )
+
+
 def _flip_a_byte_in_each(folder: Path, count: int) -> None:
     """Flip a payload byte in each of the first `count` block files written to folder."""
     for f in _wait_for_files(folder, count):
@@ -188,15 +202,7 @@ def test_a_disk_only_tier_holds_more_than_the_pool_and_survives_a_byte_flipped_w
     hf_model.config._attn_implementation = "eager"
     docs = _docs()
     rounds = [[[*d, 2 + r] for d in docs] for r in range(2)]
-    with LLM(
-        str(llama_dir),
-        device=CPU,
-        num_gpu_blocks=24,
-        block_size=BLOCK,
-        max_model_len=64,
-        enable_prefix_caching=True,
-        kv_cache_dir=str(tmp_path),
-    ) as llm:
+    with _disk_only_llm(llama_dir, tmp_path) as llm:
 
         def ask(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
             return [
@@ -226,16 +232,7 @@ def test_tp2_ranks_agree_on_a_block_only_one_rank_cannot_read(
 ) -> None:
     # Only rank 1's files are damaged while serving: rank 0 reads its shard fine, yet
     # both ranks recompute the block (they must run the same step), and tokens stay.
-    with LLM(
-        str(llama_dir),
-        device=CPU,
-        tensor_parallel_size=2,
-        num_gpu_blocks=24,
-        block_size=BLOCK,
-        max_model_len=64,
-        enable_prefix_caching=True,
-        kv_cache_dir=str(tmp_path),
-    ) as llm:
+    with _disk_only_llm(llama_dir, tmp_path, tensor_parallel_size=2) as llm:
         for d in _docs():
             llm.generate([[*d, 1]], GREEDY, use_tqdm=False)
         _flip_a_byte_in_each(tmp_path / "rank1", 4 * DOC_TOKENS // BLOCK - 23)
