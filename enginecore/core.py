@@ -59,6 +59,7 @@ from protocol.worker import (
     SchedulerOutput,
     WorkerConfigure,
     WorkerHello,
+    is_answered,
     with_kv_tier,
 )
 from protocol.zmq_security import (
@@ -395,7 +396,7 @@ class EngineCore:
             # An empty schedule while a step runs is a wait for its answer, not a step.
             if self.config.log_kv and (so.total_num_scheduled_tokens or not in_flight):
                 kv_log.info("%s", scheduler.describe_kv_step(so))
-            if so.total_num_scheduled_tokens:
+            if is_answered(so):  # tokens, or two-phase tier loads to report on
                 self.executor.send(so)
                 in_flight.append(so)
                 sent = True

@@ -96,6 +96,7 @@ class KVTierCounts:
     failed: int = 0  # disk loads a worker could not verify (recomputed instead)
     dropped: int = 0  # stores skipped: every slot was in use by this step's transfers
     load_seconds: float = 0.0  # rank 0's time in loads
+    promoted: int = 0  # blocks loaded from disk and copied into host memory
 
 
 class KVTier:
@@ -195,6 +196,7 @@ class KVTier:
             c.disk_loaded,
             c.failed,
             c.load_seconds,
+            c.promoted,
         )
 
     def __len__(self) -> int:
@@ -266,6 +268,9 @@ class KVTier:
                 self.reserve += bs
             else:
                 break
+        # A failed disk block is recomputed with every block after it, host ones too.
+        disk_at = next((k for k, entry in enumerate(found) if entry[2]), len(found))
+        self.reserve = (len(found) - disk_at) * bs
         return len(found) * bs
 
     def load_found(self, block_ids: Sequence[int], num_hit_tokens: int) -> None:
@@ -343,3 +348,48 @@ class KVTier:
         for level in (self.host, self.disk):
             if level is not None:
                 level.check_invariants()
+
+    # -- two-phase loads and promotion (enginecore/kv_tier_loads.py) ----------------
+    def take_found(self) -> list[tuple[bytes, int, bool]]:
+        """The last lookup's (hash, slot, from disk) for a request admitted to load over
+        later steps; its lookup counts here, once."""
+        found, n = self._found, len(self._found)
+        self.stats.queries += self._queried
+        self.stats.hits += n
+        for block_hash, _, on_disk in found:
+            level = self.disk if on_disk else self.host
+            assert level is not None
+            level.touch(block_hash)
+        self._found = []
+        self._queried = 0
+        return found
+
+    def queue_load(self, block_hash: bytes, slot: int, on_disk: bool, block_id: int) -> None:
+        """Load slot into block_id with this step (the slot was held since the lookup)."""
+        if on_disk:
+            self._disk_load_slots.append(slot)
+            self._disk_load_blocks.append(block_id)
+            self._disk_load_hashes.append(block_hash)
+            self.stats.disk_loaded += 1
+        else:
+            self._load_slots.append(slot)
+            self._load_blocks.append(block_id)
+        self.stats.loaded += 1
+
+    def promote(self, block_id: int, block_hash: bytes) -> bool:
+        """Copy a device block loaded from disk into host memory with this step, so the
+        next hit is a host hit; whether a store was queued."""
+        if self.host is None or self.disk is None:
+            return False
+        entry = self.disk.index.get(block_hash)
+        if entry is None:
+            return False  # its read failed (forgotten) or it left the disk level
+        slot = self.host.offer(block_hash, entry[1])
+        if slot < 0:
+            return False
+        self._store_blocks.append(block_id)
+        self._store_slots.append(slot)
+        if self.emit is not None:
+            self._stored(block_hash, entry[1], self.medium)
+        self.stats.promoted += 1
+        return True

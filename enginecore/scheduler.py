@@ -24,11 +24,11 @@ from itertools import repeat
 
 from msgspec.structs import replace
 
-from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.kv_step_log import describe_kv_step
+from enginecore.kv_tier_loads import TierLoads
 from enginecore.request import Request, RequestStatus
-from enginecore.request_checks import request_error
+from enginecore.request_checks import check_capacity, request_error
 from enginecore.request_queue import make_request_queue
 from enginecore.runner_output import (
     attach_first_token_extras,
@@ -36,7 +36,7 @@ from enginecore.runner_output import (
     take_prompt_logprobs,
 )
 from enginecore.spec_decode.speculator import Speculator
-from enginecore.step_plan import StepPlan, block_ids, rank
+from enginecore.step_plan import StepPlan, block_ids, rank, resume_fits
 from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.block_hash import HashAlgo
 from protocol.config import SchedulingPolicy
@@ -56,6 +56,7 @@ from protocol.worker import (
     NewRequestData,
     SchedulerOutput,
     TierOutput,
+    is_answered,
     with_kv_tier,
 )
 
@@ -113,6 +114,8 @@ class Scheduler:
             kv_tier_disk_slots=config.kv_tier_disk_slots,
         )
         self.requests: dict[str, Request] = {}
+        tier = self.kv_cache_manager.tier  # tier hits too long for one step load first:
+        self.loads = None if tier is None else TierLoads(self.kv_cache_manager, tier)
         spec = config.speculative_config
         self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
         self.waiting = make_request_queue(config.scheduling_policy)
@@ -185,19 +188,9 @@ class Scheduler:
         return self.kv_cache_manager.take_events()
 
     def check_capacity(self) -> None:
-        """ValueError unless one request of max_model_len tokens fits the pool: refusing
+        """ConfigError unless one request of max_model_len tokens fits the pool: refusing
         to start beats failing every long request later."""
-        kv = self.kv_cache_manager
-        max_len, chunk = self.config.max_model_len, self.config.max_num_batched_tokens
-        need = kv.max_blocks_held(max_len, chunk)
-        if need > kv.num_usable_blocks:
-            fits = kv.longest_request(max_len, chunk)
-            raise ConfigError(
-                f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
-                f"max_model_len {max_len} tokens needs {need}: "
-                "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
-                + (f" (at most {fits} fits)" if fits else "")
-            )
+        check_capacity(self.kv_cache_manager, self.config)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -207,8 +200,10 @@ class Scheduler:
             if request is None or request.status == RequestStatus.FINISHED:
                 continue
             aborted.add(rid)
-            if request.status == RequestStatus.RUNNING:
+            if request.holds_kv_blocks:  # running, loading, or loaded and waiting
                 self.kv_cache_manager.free(request)
+                if self.loads is not None:
+                    self.loads.drop(rid)
             self._finish(request, "abort")
             self._queue_times.pop(rid, None)  # ended before its first token: no output
             outputs.append(RequestOutput(rid, [], "abort", max(request.num_cached_tokens, 0)))
@@ -220,9 +215,12 @@ class Scheduler:
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Every open request fails with reason (a worker died); their blocks are freed."""
         outputs = []
-        for request in [*self.running, *self.waiting]:
-            if request.status == RequestStatus.RUNNING:
+        loading = self.loads.requests() if self.loads is not None else []
+        for request in [*self.running, *self.waiting, *loading]:
+            if request.holds_kv_blocks:
                 self.kv_cache_manager.free(request)
+                if self.loads is not None:
+                    self.loads.drop(request.request_id)
             self._finish(request, "error")
             self._queue_times.pop(request.request_id, None)
             outputs.append(
@@ -235,13 +233,13 @@ class Scheduler:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loads)
 
     def fail_unschedulable(self) -> list[RequestOutput]:
         """After a step that scheduled nothing: the head waiting request can never fit
         (nothing runs, yet it got no blocks); fail it alone."""
-        if self.running or not self.waiting:
-            return []
+        if self.running or self.loads or not self.waiting:
+            return []  # a loading request computes once its loads are known
         head = self.waiting.peek()
         usable = self.kv_cache_manager.num_usable_blocks
         reason = (
@@ -338,9 +336,12 @@ class Scheduler:
                 new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = running.pop()
+                # A loading request first: it made the least progress, and no worker knows it.
+                loading = self.loads.last() if self.loads else None
+                victim = running.pop() if loading is None else loading
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                if loading is None:
+                    preempted.append(victim.request_id)
                 if victim is request:
                     break
             if new_blocks is None:
@@ -368,27 +369,35 @@ class Scheduler:
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
         running, waiting = self.running, self.waiting
-        while waiting and plan.budget > 0:
-            if len(running) >= self.config.max_num_seqs:
+        loads = self.loads
+        ready = loads.ready if loads is not None else ()  # loaded from the tier: first
+        while (ready or waiting) and plan.budget > 0:
+            if len(running) + len(loads or ()) - bool(ready) >= self.config.max_num_seqs:
                 break
-            request = waiting.peek()
+            request = ready[0] if ready else waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
-            hits, num_hit = kv.get_computed_blocks(request)
+            # Holding blocks: its tier loads are verified up to num_computed_tokens.
+            held = request.holds_kv_blocks
+            hits, num_hit = (None, 0) if held else kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
-            tier = None if request.skip_reading_prefix_cache else kv.tier
-            num_tier = tier.lookup(request, num_hit, plan.budget) if tier is not None else 0
-            # A disk load may fail; the worker then recomputes it within this budget.
-            reserve = tier.reserve if tier is not None else 0
-            num_new = request.num_tokens - num_hit - num_tier
-            if num_new > plan.budget - reserve:
-                num_new = plan.budget - reserve
+            tier = None if request.skip_reading_prefix_cache or held else kv.tier
+            num_tier = tier.lookup(request, num_hit, 1 << 62) if tier is not None else 0
+            base = request.num_computed_tokens if held else 0
+            num_new = min(request.num_tokens - base - num_hit - num_tier, plan.budget)
             if (
                 request.known_to_worker
                 and running
-                and not self._resume_fits(request.num_tokens + 1)
+                and not resume_fits(kv, running, request.num_tokens + 1, self.config)
             ):
                 break  # resumed now, it would be the next victim: wait for room
+            # Disk tokens (a read may fail) load first (kv_tier_loads.py); host ones now.
+            if tier is not None and tier.reserve:
+                assert loads is not None
+                if not loads.admit(request, num_hit, hits, num_tier):
+                    break
+                waiting.pop_head()
+                continue
             new_blocks = kv.allocate_slots(
                 request, num_new, num_hit, hits if num_hit else None, 0, num_tier
             )
@@ -397,7 +406,8 @@ class Scheduler:
             if tier is not None:  # admitted: its lookup counts once, its loads go out
                 tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
                 num_hit += num_tier  # loaded before the step's forward: computed
-            waiting.pop_head()
+            num_hit += base
+            ready.popleft() if held else waiting.pop_head()  # type: ignore[union-attr]
             if self._by_priority:
                 # Ahead of every running request it outranks: scheduled before them, and
                 # preempted after them.
@@ -435,25 +445,8 @@ class Scheduler:
             if num_hit + num_new == request.num_tokens:
                 plan.num_due += 1
                 request.num_pending_tokens = 1
-            plan.budget -= num_new + reserve
+            plan.budget -= num_new
             plan.total += num_new
-
-    def _resume_fits(self, num_tokens: int) -> bool:
-        """Whether a preempted request's num_tokens fit beside what the running requests
-        will take while it recomputes them: the rest of their prompts and the tokens they
-        decode meanwhile. Resumed with less, the next block any of them needs preempts it
-        again (it is the latest admitted) before it made progress. Runs only while a
-        preempted request heads the queue."""
-        kv = self.kv_cache_manager
-        chunk = self.config.max_num_batched_tokens
-        held = kv.max_blocks_held
-        # Its recompute gets what the running requests leave of each step's budget.
-        steps = -(-num_tokens // max(chunk - len(self.running), 1))
-        need = held(num_tokens, chunk)
-        for request in self.running:
-            computed = request.num_computed_tokens
-            need += held(request.num_tokens + steps, chunk) - held(computed, chunk)
-        return kv.num_free_blocks >= need
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         """Encode the step: the delta the workers apply."""
@@ -470,8 +463,6 @@ class Scheduler:
         total = plan.total
         finished, self._finished_req_ids = self._finished_req_ids, []
         self.step_id += 1
-        if total:  # workers answer only steps that run tokens
-            self._due.append((self.step_id, plan.num_due))
         so = SchedulerOutput(
             step_id=self.step_id,
             new_reqs=plan.new_reqs,
@@ -484,10 +475,16 @@ class Scheduler:
             preempted_req_ids=plan.preempted,
             spec_token_ids=plan.spec_token_ids,
         )
-        return so if kv.tier is None else with_kv_tier(so, kv.tier.take_ops())
+        if self.loads is not None:  # with a tier: its transfers
+            so = with_kv_tier(so, self.loads.take_ops(self.step_id))
+        if is_answered(so):  # it runs tokens, or loads to report on
+            self._due.append((self.step_id, plan.num_due))
+        return so
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.loads is not None:
+            self.loads.drop(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -509,6 +506,8 @@ class Scheduler:
         check_runner_output(scheduler_output, output, self._due, self.vocab_size)
         if isinstance(output, TierOutput) and (tier := self.kv_cache_manager.tier) is not None:
             tier.answered(output)  # load time; unreadable disk blocks
+        if self.loads:  # loading requests whose loads are all known compute next
+            self.loads.answered(scheduler_output.step_id, output)
         # Before the tokens: a request may finish at its first token, and still gets these.
         answered = (
             take_prompt_logprobs(self.requests, output.prompt_logprobs)

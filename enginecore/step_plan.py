@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from enginecore.request import Request
 from protocol.worker import NewRequestData
+
+if TYPE_CHECKING:
+    from enginecore.kv_cache_manager import KVCacheManager
+    from enginecore.scheduler import SchedulerConfig
 
 # Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
 NO_DRAFTS: dict[str, list[int]] = {}
@@ -65,3 +71,22 @@ def block_ids(blocks: tuple) -> list[list[int]] | None:
     if not any(blocks):
         return None
     return [[b.block_id for b in group] for group in blocks]
+
+
+def resume_fits(
+    kv: KVCacheManager, running: list[Request], num_tokens: int, config: SchedulerConfig
+) -> bool:
+    """Whether a preempted request's num_tokens fit beside what the running requests
+    will take while it recomputes them: the rest of their prompts and the tokens they
+    decode meanwhile. Resumed with less, the next block any of them needs preempts it
+    again (it is the latest admitted) before it made progress. Runs only while a
+    preempted request heads the queue."""
+    chunk = config.max_num_batched_tokens
+    held = kv.max_blocks_held
+    # Its recompute gets what the running requests leave of each step's budget.
+    steps = -(-num_tokens // max(chunk - len(running), 1))
+    need = held(num_tokens, chunk)
+    for request in running:
+        computed = request.num_computed_tokens
+        need += held(request.num_tokens + steps, chunk) - held(computed, chunk)
+    return kv.num_free_blocks >= need

@@ -47,6 +47,7 @@ from protocol.worker import (
     WorkerConfigure,
     WorkerHello,
     WorkerToCore,
+    is_answered,
 )
 
 log = logging.getLogger("pagedserve.replay")
@@ -169,7 +170,7 @@ def _split(recording: Recording) -> _Parts:
             configure = payload
         elif kind == STEP and configure is not None:
             so = from_core.decode(payload)
-            if isinstance(so, SchedulerOutput) and so.total_num_scheduled_tokens > 0:
+            if isinstance(so, SchedulerOutput) and is_answered(so):
                 unanswered.append(len(steps))
             steps.append((payload, None))
         elif kind == OUTPUT and unanswered:
@@ -214,8 +215,8 @@ def _play(executor: Executor, parts: _Parts) -> ReplaySummary:
         so = from_core.decode(frame)
         if not isinstance(so, SchedulerOutput):
             raise RecordingError(f"a step record holds a {type(so).__name__}")
-        # Workers answer exactly the steps that schedule tokens.
-        answered = so.total_num_scheduled_tokens > 0
+        # Workers answer exactly the steps that schedule tokens or load tier blocks.
+        answered = is_answered(so)
         if answered != (recorded is not None) and (recorded is not None or i < answered_until):
             raise RecordingError(
                 f"step {so.step_id} schedules {so.total_num_scheduled_tokens} tokens but has "

@@ -434,6 +434,7 @@ class KVTierStats(msgspec.Struct, frozen=True):
     disk_loaded_blocks: int = 0  # of loaded_blocks: read from the disk level
     failed_blocks: int = 0  # disk reads that failed verification: recomputed
     load_seconds: float = 0.0  # time rank 0 spent loading blocks
+    promoted_blocks: int = 0  # blocks loaded from disk and copied into host memory
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, omit_defaults=True):

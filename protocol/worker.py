@@ -161,6 +161,17 @@ def with_kv_tier(so: SchedulerOutput, ops: KVTierOps | None) -> SchedulerOutput:
     return TierStep(*msgspec.structs.astuple(so), ops)
 
 
+def is_answered(so: SchedulerOutput) -> bool:
+    """Whether rank 0 answers this step: it runs tokens, or it loads KV tier blocks (a
+    two-phase load, enginecore/kv_tier_loads.py: the core waits for the loads' report)."""
+    if so.total_num_scheduled_tokens:
+        return True
+    if so.__class__ is not TierStep:
+        return False
+    ops = so.kv_tier  # type: ignore[attr-defined]
+    return bool(ops.load_block_ids or ops.disk_load_block_ids)
+
+
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """The logprobs of prompt tokens start, start + 1, ... of one request, computed in
     this step's chunk of its prefill (empty when the chunk holds no token's predecessor:

@@ -35,6 +35,7 @@ from protocol.worker import (
     BlockTables,
     CoreToWorker,
     DumpBlockTables,
+    ModelRunnerOutput,
     SchedulerOutput,
     ShutdownWorker,
     WorkerAccepted,
@@ -45,6 +46,7 @@ from protocol.worker import (
     WorkerReady,
     WorkerRejected,
     WorkerToCore,
+    is_answered,
 )
 from protocol.zmq_security import ClientKeys, load_client_keys, secure_client
 from worker.generation_config import load_generation_config
@@ -194,26 +196,46 @@ def _run_steps(
     step = runner.plan(so)
     answered = step is not None
     held: CoreToWorker | None = None
+    if step is None and is_answered(so):
+        # Loads only (a two-phase tier load): the core waits for their report.
+        if config.rank == 0 and not send_or_drop(
+            push, to_core.encode(_loads_answer(runner, so)), core_is_alive
+        ):
+            return None
+        return True, None
     while step is not None:
         flight = runner.launch(step)
         step = None
+        loads_only = None  # the next step, planned ahead: it runs loads only
         if wait_for_next(pull, runner, flight):
             # Async scheduling sent the next step already: plan it while this one runs
             # on the device.
             held = from_core.decode(pull.recv(copy=False).buffer)
             if isinstance(held, SchedulerOutput) and runner.can_plan_ahead(held):
                 step = runner.plan(held)
+                if step is None and is_answered(held):
+                    loads_only = held
                 held = None
         out = runner.collect(flight)
         if config.rank == 0 and not send_or_drop(push, to_core.encode(out), core_is_alive):
             log.warning("worker rank %d: the engine core went away", config.rank)
             return None
+        if loads_only is not None:
+            late = _loads_answer(runner, loads_only)
+            if config.rank == 0 and not send_or_drop(push, to_core.encode(late), core_is_alive):
+                return None
         if runner.hooks is not None:
             runner.hooks.answered(step is not None)
         # Steps planned back to back skip the wait for messages: check here too.
         if step is not None and not parent_alive(config.parent_pid):
             return None
     return answered, held
+
+
+def _loads_answer(runner: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+    """The answer to a step that ran tier loads and no tokens: the loads' report."""
+    out = ModelRunnerOutput(so.step_id, [], [])
+    return out if runner.kv_tier is None else runner.kv_tier.answer(out)
 
 
 def wait_for_next(pull: zmq.Socket, runner: ModelRunner, flight: InFlight) -> bool:

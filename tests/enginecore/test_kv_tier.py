@@ -18,7 +18,13 @@ from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
 from protocol.kv_events import BlockRemoved, BlockStored
-from protocol.worker import ModelRunnerOutput, SchedulerOutput, TierOutput, TierStep
+from protocol.worker import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    TierOutput,
+    TierStep,
+    is_answered,
+)
 from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
 from worker.kv_tier_recompute import recompute_failed
 
@@ -53,7 +59,9 @@ class SimWorker:
         self.fail_every = fail_every  # every n-th disk read fails (a damaged file)
         self.disk_reads = 0
 
-    def run(self, so: SchedulerOutput, sched: Scheduler) -> None:
+    def run(self, so: SchedulerOutput, sched: Scheduler) -> list[int]:
+        """Run the step; the disk slots it could not read (the answer reports them)."""
+        failed_slots: list[int] = []
         if isinstance(so, TierStep):
             ops = so.kv_tier
             for block, slot in zip(ops.store_block_ids, ops.store_slots):
@@ -68,15 +76,13 @@ class SimWorker:
                 self.disk_reads += 1
                 if self.fail_every and self.disk_reads % self.fail_every == 0:
                     failed.add(block)
+                    failed_slots.append(slot)
                     self.device[block] = [None] * BS
                 else:
                     self.device[block] = list(self.disk[slot])
                     self.loaded += 1
             if failed:  # as the worker does: its requests recompute from that block
                 so = recompute_failed(so, failed, BS)
-                sched.kv_cache_manager.tier.answered(  # type: ignore[union-attr]
-                    TierOutput(so.step_id, [], [], failed_disk_slots=[0])
-                )
             assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         for rid in [*so.finished_req_ids, *so.preempted_req_ids]:
             self.tables.pop(rid, None)
@@ -103,6 +109,7 @@ class SimWorker:
             for p in range(start + count):  # what attention reads
                 got = self.device.get(table[p // BS], [None] * BS)[p % BS]
                 assert got == tuple(tokens[: p + 1]), f"{rid} reads wrong KV at {p}"
+        return failed_slots
 
 
 def drive(sched: Scheduler, worker: SimWorker, prompts: list[tuple[list[int], int]]) -> None:
@@ -116,14 +123,19 @@ def drive(sched: Scheduler, worker: SimWorker, prompts: list[tuple[list[int], in
         if not sched.has_unfinished_requests():
             break
         so = sched.schedule()
-        worker.run(so, sched)
+        failed = worker.run(so, sched)
+        if not is_answered(so):
+            continue
         rids = [r.req_id for r in so.new_reqs] + list(so.cached_reqs.req_ids)
         due = [
             r for r in rids if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
         ]
         # The "model": the next token depends on the whole sequence.
         sampled = [sum(sched.requests[r].all_token_ids) % SCHEDULER_VOCAB for r in due]
-        sched.update_from_output(so, ModelRunnerOutput(so.step_id, due, sampled))
+        out = ModelRunnerOutput(so.step_id, due, sampled)
+        if failed:
+            out = TierOutput(so.step_id, due, sampled, failed_disk_slots=failed)
+        sched.update_from_output(so, out)
         sched.check_invariants()
     assert not sched.has_unfinished_requests()
 
