@@ -377,8 +377,7 @@ class Scheduler:
             request = ready[0] if ready else waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
-            # Holding blocks: its tier loads are verified up to num_computed_tokens.
-            held = request.holds_kv_blocks
+            held = request.holds_kv_blocks  # ready: tier loads verified to num_computed
             hits, num_hit = (None, 0) if held else kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
             tier = None if request.skip_reading_prefix_cache or held else kv.tier
@@ -391,10 +390,8 @@ class Scheduler:
                 and not resume_fits(kv, running, request.num_tokens + 1, self.config)
             ):
                 break  # resumed now, it would be the next victim: wait for room
-            # Disk tokens (a read may fail) load first (kv_tier_loads.py); host ones now.
-            if tier is not None and tier.reserve:
-                assert loads is not None
-                if not loads.admit(request, num_hit, hits, num_tier):
+            if tier is not None and tier.reserve:  # disk hits load first (kv_tier_loads.py)
+                if not loads.admit(request, num_hit, hits, num_tier):  # type: ignore[union-attr]
                     break
                 waiting.pop_head()
                 continue

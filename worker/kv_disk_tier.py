@@ -19,6 +19,7 @@ import queue
 import struct
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +28,8 @@ log = logging.getLogger("pagedserve.worker")
 MAGIC = b"PSKVTIER"
 # magic, fingerprint (32 bytes), slot, hash length, hash-input length, payload length, crc32
 _HEADER = struct.Struct("<8s32sIHIQI")
+# Threads a load reads and verifies files on (a few cover a local disk's queue depth).
+READ_THREADS = 4
 
 
 def fingerprint(model_dir: str, *parts: object) -> bytes:
@@ -64,6 +67,7 @@ class DiskKVTier:
         # stored a moment ago loads before its file is written.
         self._pending: dict[int, tuple[bytes, memoryview]] = {}
         self._lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None  # read_many's, started on first use
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -155,12 +159,25 @@ class DiskKVTier:
             return self._bad(slot, "fails its checksum")
         return True
 
+    def read_many(
+        self, slots: list[int], hashes: list[bytes], rows: list[memoryview]
+    ) -> list[bool]:
+        """read_into for each (slot, hash, row) on a few threads: reads and crc32 release
+        the GIL, so one file is read while another is verified; whether each one loaded."""
+        if len(slots) < 2:
+            return [self.read_into(*args) for args in zip(slots, hashes, rows, strict=True)]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-tier-read")
+        return list(self._readers.map(self.read_into, slots, hashes, rows))
+
     def _bad(self, slot: int, why: str) -> bool:
-        if not self.bad_reads:
+        with self._lock:  # reads run on several threads
+            first = not self.bad_reads
+            self.bad_reads += 1
+        if first:
             log.warning(
                 "KV tier: %s %s; such blocks are recomputed (logged once)", self._path(slot), why
             )
-        self.bad_reads += 1
         return False
 
     # -- writes -----------------------------------------------------------------------
@@ -218,6 +235,9 @@ class DiskKVTier:
             self._queue.join()
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown()
+            self._readers = None
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)

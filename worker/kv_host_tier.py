@@ -179,10 +179,9 @@ class HostKVTier:
         staging = self._staging[:n]
         data = staging.numpy()
         disk = self.disk
-        bad = torch.zeros(n, dtype=torch.int32)
-        for j, (slot, h) in enumerate(zip(slots, hashes, strict=True)):
-            if disk is None or not disk.read_into(slot, h, memoryview(data[j])):
-                bad[j] = 1
+        views = [memoryview(data[j]) for j in range(n)]
+        read = disk.read_many(slots, hashes, views) if disk is not None else [False] * n
+        bad = torch.tensor([0 if r else 1 for r in read], dtype=torch.int32)
         self.tp.all_reduce(bad)
         flags = bad.tolist()
         good = [j for j, b in enumerate(flags) if not b]
