@@ -166,6 +166,7 @@ class EngineCore:
             kv_events_medium=MEDIUM_CPU if first.device == "cpu" else MEDIUM_GPU,
             kv_tier_slots=tier.kv_tier_slots,
             kv_tier_disk_slots=tier.kv_tier_dir_slots,
+            kv_tier_load_bytes=self.config.kv_tier_load_bytes or 0,
         )
         self.scheduler = self._fitted_scheduler(sched_config, kv_config, first)
         # The invariant walk is linear in the pool: a large one is walked every few steps,

@@ -50,13 +50,15 @@ class Loading:
 
 
 class TierLoads:
-    def __init__(self, kv: KVCacheManager, tier: KVTier, load_blocks: int = 0) -> None:
-        if load_blocks < 0:
-            raise ValueError(f"a step's tier load budget must be >= 0 blocks, got {load_blocks}")
+    def __init__(self, kv: KVCacheManager, load_bytes: int = 0) -> None:
+        if load_bytes < 0:
+            raise ValueError(f"a step's tier load budget must be >= 0 bytes, got {load_bytes}")
+        assert kv.tier is not None
         self.kv = kv
-        self.tier = tier
-        per_block = max(tier.block_bytes, 1)
-        self.load_blocks = load_blocks or max(1, DEFAULT_LOAD_BYTES // per_block)
+        self.tier: KVTier = kv.tier
+        per_block = max(self.tier.block_bytes, 1)
+        # Blocks a step loads ahead: at least one, so a load always moves.
+        self.load_blocks = max(1, (load_bytes or DEFAULT_LOAD_BYTES) // per_block)
         self.loading: dict[str, Loading] = {}  # in admission order
         # Loaded and verified, holding their blocks: admitted before any waiting request
         # (one waiting for these blocks would wait forever).

@@ -81,6 +81,7 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | None = None  # drafts (spec_decode/); None: off
     kv_tier_slots: int = 0  # blocks of the second KV tier (enginecore/kv_tier.py); 0: none
     kv_tier_disk_slots: int = 0  # blocks of its disk level; 0: none
+    kv_tier_load_bytes: int = 0  # per worker a step loads ahead (kv_tier_loads.py); 0: 64 MiB
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -115,7 +116,9 @@ class Scheduler:
         )
         self.requests: dict[str, Request] = {}
         tier = self.kv_cache_manager.tier  # tier hits too long for one step load first:
-        self.loads = None if tier is None else TierLoads(self.kv_cache_manager, tier)
+        self.loads = (
+            None if tier is None else TierLoads(self.kv_cache_manager, config.kv_tier_load_bytes)
+        )
         spec = config.speculative_config
         self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
         self.waiting = make_request_queue(config.scheduling_policy)

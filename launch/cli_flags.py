@@ -89,6 +89,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "(default: 16GiB)",
     )
     p.add_argument(
+        "--kv-tier-load-bytes",
+        type=parse_bytes("--kv-tier-load-bytes"),
+        help="disk tier bytes per worker one step loads for requests that load before "
+        "they compute; less stalls running requests less (default: 64MiB)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=fraction("--gpu-memory-utilization"),
         default=EngineArgs.gpu_memory_utilization,
@@ -548,6 +554,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_offload_memory=args.kv_offload_memory,
         kv_cache_dir=args.kv_cache_dir,
         kv_cache_dir_size=args.kv_cache_dir_size,
+        kv_tier_load_bytes=args.kv_tier_load_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

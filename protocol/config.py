@@ -117,6 +117,9 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # per slot), indexed again at start-up; None: no disk level.
     kv_cache_dir: str | None
     kv_cache_dir_size: int | None  # the disk level's bytes per worker; None: 16 GiB
+    # Bytes per worker a step loads for requests whose disk tier hit loads before they
+    # compute (enginecore/kv_tier_loads.py); None: 64 MiB.
+    kv_tier_load_bytes: int | None
 
 
 # The same rule for which fields default as EngineCoreConfig's (above).

@@ -96,6 +96,7 @@ CORE_SETTINGS = (
     "kv_offload_memory",
     "kv_cache_dir",
     "kv_cache_dir_size",
+    "kv_tier_load_bytes",
 )
 
 
@@ -153,6 +154,9 @@ class EngineArgs:
     # The tier's disk level (with or without host memory), indexed again at start-up.
     kv_cache_dir: str | None = None
     kv_cache_dir_size: int | None = None  # the disk level's bytes per worker; None: 16 GiB
+    # Disk tier bytes per worker a step loads ahead of computing (docs/kv_tier.md);
+    # None: 64 MiB.
+    kv_tier_load_bytes: int | None = None
     # The share of each GPU the engine's worker may hold (vLLM's per-instance rule).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # "auto": generation_config.json's EOS ids and sampling defaults apply; "none": not.
@@ -240,6 +244,8 @@ class EngineArgs:
             raise ValueError(f"kv_offload_memory must be >= 1 byte, got {self.kv_offload_memory}")
         if self.kv_cache_dir_size is not None and self.kv_cache_dir_size < 1:
             raise ValueError(f"kv_cache_dir_size must be >= 1 byte, got {self.kv_cache_dir_size}")
+        if self.kv_tier_load_bytes is not None and self.kv_tier_load_bytes < 1:
+            raise ValueError(f"kv_tier_load_bytes must be >= 1 byte, got {self.kv_tier_load_bytes}")
         tiered = self.kv_offload_memory is not None or self.kv_cache_dir is not None
         if tiered and not self.enable_prefix_caching:
             raise ValueError("a KV tier keeps prefix-cache blocks: enable prefix caching")

@@ -261,3 +261,134 @@ def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
+
+
+# -- two-phase disk loads (enginecore/kv_tier_loads.py) -------------------------------
+DOC_A, DOC_B = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+
+
+def disk_scheduler(load_blocks: int, slots: int = 0, chunk: int = 8) -> Scheduler:
+    """Disk-heavy: 8 device blocks, a disk of 16 slots, `chunk` tokens a step, and at
+    most load_blocks disk loads a step for loading requests."""
+    sched = tier_scheduler(num_blocks=8, slots=slots, chunk=chunk, disk=16)
+    assert sched.loads is not None
+    sched.loads.load_blocks = load_blocks
+    return sched
+
+
+class FailAt(SimWorker):
+    """Fails the disk reads numbered in `bad` (1-based) and logs each step's work."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__()
+        self.bad = bad
+        self.log: list[tuple[int, int, int]] = []  # (step, disk loads, tokens)
+
+    def run(self, so: SchedulerOutput, sched: Scheduler) -> list[int]:
+        n = len(so.kv_tier.disk_load_slots) if isinstance(so, TierStep) else 0
+        self.log.append((so.step_id, n, so.total_num_scheduled_tokens))
+        self.fail_every = 0
+        if any(self.disk_reads + k + 1 in self.bad for k in range(n)):
+            return self._run_failing(so, sched)
+        return super().run(so, sched)
+
+    def _run_failing(self, so: SchedulerOutput, sched: Scheduler) -> list[int]:
+        bad, start = self.bad, self.disk_reads
+        ops = so.kv_tier  # type: ignore[attr-defined]
+        failed = [
+            s for k, s in enumerate(ops.disk_load_slots) if start + k + 1 in bad
+        ]  # the slots whose reads fail, in order
+        # Damage those slots' content for this read only: SimWorker then loads garbage,
+        # which the core must never let a step read.
+        saved = {s: self.disk[s] for s in failed}
+        for s in failed:
+            self.disk[s] = [None] * BS
+        super().run(so, sched)
+        self.disk.update(saved)
+        return failed
+
+
+def test_a_disk_hit_longer_than_the_step_budget_loads_over_steps_then_computes() -> None:
+    # doc_a's 16 tokens come back from disk, twice the step budget (8), 2 blocks a step:
+    # two steps of loads alone, then the request computes from token 16.
+    sched = disk_scheduler(load_blocks=2)
+    worker = FailAt(set())
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    worker.log.clear()
+    drive(sched, worker, [([*DOC_A, 6], 1)])
+    assert [(n, t) for _, n, t in worker.log] == [(2, 0), (2, 0), (0, 1)]
+    assert sched.num_prompt_cached_tokens == 16  # all of doc_a: none recomputed
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.disk_loaded >= 4 and tier.stats.failed == 0
+
+
+def test_a_block_failing_in_the_middle_of_a_long_load_truncates_to_the_blocks_before() -> None:
+    sched = disk_scheduler(load_blocks=1)
+    worker = FailAt(set())
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    worker.bad = {worker.disk_reads + 3}  # the third of doc_a's four blocks
+    before = sched.num_prompt_cached_tokens
+    drive(sched, worker, [([*DOC_A, 6], 1)])  # SimWorker asserts every KV read is right
+    assert sched.num_prompt_cached_tokens - before == 2 * BS  # the two blocks before it
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.failed == 1
+    assert len(tier.disk or ()) and tier.disk is not None
+    tier.check_invariants()
+
+
+def test_a_loading_request_is_preempted_first_and_frees_everything() -> None:
+    # r0 decodes and grows while r1 loads doc_a (1 block a step): r1 is the victim,
+    # loaded again later; nothing leaks (drive checks the pool at the end).
+    sched = disk_scheduler(load_blocks=1, chunk=16)
+    worker = FailAt(set())
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    # r0 takes 2 blocks, r1 the other 5 to load into; r0's third block preempts r1.
+    drive(sched, worker, [(list(range(40, 48)), 12), ([*DOC_A, 6], 2)])
+    assert sched.num_preemptions >= 1
+    assert sched.loads is not None and len(sched.loads) == 0
+
+
+def test_an_aborted_loading_request_frees_its_blocks() -> None:
+    sched = disk_scheduler(load_blocks=1)
+    worker = FailAt(set())
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    free = sched.kv_cache_manager.num_free_blocks
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    hasher = sched.kv_cache_manager.block_hasher
+    sched.add_request(Request("late", [*DOC_A, 6], hasher, sampling_params=params))
+    so = sched.schedule()  # admitted into loading: its first load goes out
+    worker.run(so, sched)
+    assert sched.loads is not None and len(sched.loads) == 1
+    assert sched.kv_cache_manager.num_free_blocks < free
+    sched.update_from_output(so, ModelRunnerOutput(so.step_id, [], []))
+    sched.abort_requests(["late"])
+    assert len(sched.loads) == 0 and not sched.has_unfinished_requests()
+    sched.check_invariants()  # every block back in the pool
+    assert sched.kv_cache_manager.tier is not None
+    sched.kv_cache_manager.tier.check_invariants()
+
+
+def test_a_block_loaded_from_disk_is_promoted_and_next_comes_from_host_memory() -> None:
+    # Host memory of 4 slots, disk 16: the blocks evicted after doc_a's push them out of
+    # host memory, so doc_a loads from disk, and is copied into host memory; pushed off
+    # the device again, what it does not find there comes from host memory, not disk.
+    sched = disk_scheduler(load_blocks=8, slots=4, chunk=64)
+    worker = FailAt(set())
+    others = [[base + i for i in range(16)] for base in (40, 60, 80)]
+    for doc in [DOC_A, DOC_B, others[0], others[1]]:
+        drive(sched, worker, [([*doc, 5], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.loaded == 0
+    drive(sched, worker, [([*DOC_A, 6], 1)])
+    assert tier.stats.disk_loaded == tier.stats.loaded == 4
+    drive(sched, worker, [([*others[2], 5], 1)])  # pushes doc_a off the device
+    assert tier.stats.promoted == 4  # doc_a, copied into host memory the step after
+    cached = sched.num_prompt_cached_tokens
+    drive(sched, worker, [([*DOC_A, 7], 1)])
+    assert sched.num_prompt_cached_tokens - cached == 16
+    assert tier.stats.disk_loaded == 4 and tier.stats.loaded > 4  # from host memory
+    tier.check_invariants()
