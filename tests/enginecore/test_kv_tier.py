@@ -209,6 +209,7 @@ def test_a_tier_needs_one_full_attention_group() -> None:
     disk=st.sampled_from([0, 1, 4, 30]),
     chunk=st.sampled_from([5, 8, 64]),
     fail_every=st.sampled_from([0, 1, 3]),
+    load_blocks=st.sampled_from([1, 2, 64]),
 )
 def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
     requests: list[tuple[int, list[int], int]],
@@ -218,10 +219,13 @@ def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
     disk: int,
     chunk: int,
     fail_every: int,
+    load_blocks: int,
 ) -> None:
     if not slots and not disk:
         slots = 1
     sched = tier_scheduler(num_blocks, slots, chunk, disk=disk)
+    assert sched.loads is not None
+    sched.loads.load_blocks = load_blocks  # disk hits load over this many blocks a step
     prompts = [(PREFIXES[p] + tail, m) for p, tail, m in requests]
     worker = SimWorker(fail_every)
     for _ in range(rounds):  # later rounds find earlier prefixes on the device or tier
