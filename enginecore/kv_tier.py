@@ -132,8 +132,8 @@ class KVTier:
         # The last lookup's blocks until load_found: (hash, slot, from disk).
         self._found: list[tuple[bytes, int, bool]] = []
         self._queried = 0
-        # Tokens of the last lookup that load from disk: such a load may fail, and the
-        # worker then recomputes them in the same step, so the step's budget keeps room.
+        # Tokens of the last lookup from its first disk block on: a disk load may fail,
+        # and then it and every block after it are computed (0: host memory only).
         self.reserve = 0
         self.persist = self.disk is not None
         self.stats = KVTierCounts()
@@ -238,7 +238,7 @@ class KVTier:
     def lookup(self, request: Request, num_hit_tokens: int, budget: int = 1 << 62) -> int:
         """Tokens past the device's num_hit_tokens (block-aligned) that the tier holds,
         leaving the last prompt token to compute; their slots are held for load_found.
-        Disk tokens (self.reserve) stay below budget: a failed read is recomputed."""
+        Disk tokens stay below budget (self.reserve: from the first disk block on)."""
         bs = self.block_size
         first = num_hit_tokens // bs
         last = (request.num_tokens - 1) // bs

@@ -1,21 +1,22 @@
 """TierLoads: requests whose KV tier hit loads over several steps before they compute.
 
 A disk load may fail (a damaged file). Loaded in the step that computes the request,
-a failed block is recomputed within that step, so the core keeps budget for every disk
-token it loads; a prefix longer than the step's budget cannot load that way. Such a
-request is instead admitted into a loading state (the idea of vLLM's requests waiting
-for remote KV): its device blocks are allocated but not published as cached, its loads
-go out over the next steps (at most `load_blocks` a step, so the decodes of others stall
-little), and it is computed only after rank 0 answered the last step that carried its
-loads (a step of loads alone is answered too: protocol.worker.is_answered). Answers
+a failed block would have to be recomputed within that step, with every block after it
+and in every other request of the step that hits it on the device: the step's budget
+would cap what a request loads. So a request whose tier hit has a disk block is
+admitted into a loading state instead (the idea of vLLM's requests waiting for remote
+KV): its device blocks are allocated but not published as cached, its loads go out over
+the next steps (at most `load_blocks` a step, so the decodes of others stall little),
+and it is computed only after rank 0 answered the last step that carried its loads (a
+step of loads alone is answered too: protocol.worker.is_answered). Answers
 name the disk slots that failed; the request then starts from its verified prefix, the
 blocks before the first failed one, which are published then; the others are computed
 over. A loading request preempted or aborted frees everything; loads already sent land
 in freed, unpublished blocks, which the worker overwrites before any later step reads.
 
-Promotion: with host memory and disk, a block loaded from disk is copied into host
-memory by the next step's stores, while the device block still holds that content (its
-hash is unchanged), so the next hit is a host hit.
+Promotion: with host memory and disk, a verified block loaded from disk is copied into
+host memory by the next step's stores, while the device block still holds that content
+(its hash is unchanged), so the next hit is a host hit.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TierLoads:
         # Loaded and verified, holding their blocks: admitted before any waiting request
         # (one waiting for these blocks would wait forever).
         self.ready: deque[Request] = deque()
-        # (device block, hash) loaded from disk, copied into host memory next step.
+        # (device block, hash) loaded from disk and verified: into host memory next step.
         self._promote: list[tuple[int, bytes]] = []
 
     def __len__(self) -> int:
@@ -138,20 +139,18 @@ class TierLoads:
         """The step's tier transfers (KVTier.take_ops), with its share of the loads."""
         self.emit(step_id)
         ops = self.tier.take_ops()
-        self.after_ops(ops)
+        self.after_ops()
         return ops
 
-    def after_ops(self, ops: KVTierOps | None) -> None:
-        """After the step's ops were taken: hold the slots of loads not sent yet (no
-        store may take them), and remember this step's disk loads to promote."""
+    def after_ops(self) -> None:
+        """After the step's ops were taken: hold the slots of loads not sent yet, so no
+        store takes them before they are read."""
         tier = self.tier
         for st in self.loading.values():
             for _, slot, on_disk in st.found[st.sent :]:
                 level = tier.disk if on_disk else tier.host
                 assert level is not None
                 level.busy.add(slot)
-        if ops is not None and tier.host is not None and ops.disk_load_block_ids:
-            self._promote += zip(ops.disk_load_block_ids, ops.disk_load_hashes)
 
     def answered(self, step_id: int, output: ModelRunnerOutput) -> None:
         """Rank 0's answer to step_id (it reports failed loads of this step and earlier
