@@ -254,8 +254,8 @@ def test_a_disk_level_keeps_blocks_the_host_level_pushed_out_and_loads_them() ->
 
 
 def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
-    # Disk only, 8 tokens a step: a disk hit keeps its tokens free in the budget, so the
-    # worker's recompute of a block it cannot read fits the step (SimWorker asserts it).
+    # Disk only, 8 tokens a step, every read fails: the request loads first and is
+    # computed from its verified prefix (none), within the budget (SimWorker asserts it).
     sched = tier_scheduler(num_blocks=8, slots=0, chunk=8, disk=16)
     doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
     worker = SimWorker(fail_every=1)
