@@ -237,7 +237,8 @@ def make_kv_tier(
     tier = HostKVTier(kv_caches, msg.kv_tier_slots, tp)
     if msg.kv_tier_dir is None:
         return tier, []
-    layout = [(tuple(k.shape), str(k.dtype)) for k, _ in kv_caches]
+    # A block's shape, not the pool's: a restart with another pool size keeps its blocks.
+    layout = [(tuple(k.shape[1:]), str(k.dtype)) for k, _ in kv_caches]
     fp = fingerprint(
         config.model, layout, config.rank, config.world_size, msg.kv_tier_key, tier.block_bytes
     )

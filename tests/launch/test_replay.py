@@ -153,6 +153,16 @@ def has_tier_loads(sos: list[SchedulerOutput]) -> bool:
     return any(isinstance(so, TierStep) and so.kv_tier.load_block_ids for so in sos)
 
 
+def has_load_only_step(sos: list[SchedulerOutput]) -> bool:
+    """A two-phase disk load: a step of loads and no tokens, answered all the same."""
+    return any(
+        isinstance(so, TierStep)
+        and so.kv_tier.disk_load_block_ids
+        and not so.total_num_scheduled_tokens
+        for so in sos
+    )
+
+
 def evict_and_reload() -> Workload:
     """A 40-token document, another that evicts it from a 15-block pool, then the first
     again: it comes back from the KV tier (its answer reports the load's time)."""
@@ -224,6 +234,12 @@ SCENARIOS = {
         evict_and_reload,
         has_tier_loads,
     ),
+    "kv-disk-tier": Scenario(
+        "llama",
+        {"num_gpu_blocks": 16, "kv_cache_dir": "TMP"},
+        evict_and_reload,
+        has_load_only_step,
+    ),
 }
 
 
@@ -247,13 +263,16 @@ def recordings(
             if name not in made:
                 s = SCENARIOS[name]
                 rec = tmp_path_factory.mktemp("rec") / name
+                extra = dict(s.args)
+                if extra.get("kv_cache_dir") == "TMP":  # one per recording
+                    extra["kv_cache_dir"] = str(tmp_path_factory.mktemp("kv"))
                 args = EngineArgs(
                     model=str(models[s.model]),
                     device=CPU,
                     block_size=4,
                     tensor_parallel_size=s.world_size,
                     record_dir=str(rec),
-                    **s.args,
+                    **extra,
                 )
                 record(args, s.work())
                 made[name] = rec

@@ -112,16 +112,15 @@ def test_a_restart_loads_disk_hits_five_times_the_step_budget_and_tokens_stay(
 
 
 def test_loading_requests_preempted_for_room_give_equal_tokens(
-    llama_dir: Path, expected: list[list[int]], tmp_path: Path
+    llama_dir: Path, warm_dir: Path, expected: list[list[int]], tmp_path: Path
 ) -> None:
-    # All four at once in a pool of 22 blocks: two are admitted to load (11 blocks
-    # each, all of them), and the 12th block the first needs preempts the other, still
-    # loading or ready; tokens unchanged.
-    small = dict(num_gpu_blocks=23, kv_cache_dir=str(tmp_path / "d"))
-    _serve(llama_dir, [[*d, 1] for d in _docs()], **small)  # the pool is in the fingerprint
-    out, tier = _serve(llama_dir, _questions(), batch=4, **small)
+    # All four at once in a pool of 22 blocks (the warm run had 23: the pool's size is
+    # not in the fingerprint): two are admitted to load (11 blocks each, all of them),
+    # and the 12th block the first needs preempts the other, still loading or ready.
+    path = _copy(warm_dir, tmp_path / "d")
+    out, tier = _serve(llama_dir, _questions(), batch=4, num_gpu_blocks=23, kv_cache_dir=str(path))
     assert [t for t, _ in out] == expected
-    assert tier is not None and tier.disk_loaded_blocks > 0
+    assert tier is not None and tier.disk_loaded_blocks >= 4 * DOC_TOKENS // BLOCK
     assert _LAST_STATS[0].num_preemptions > 0
 
 
