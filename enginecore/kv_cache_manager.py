@@ -338,6 +338,19 @@ class KVCacheManager:
         max_chunk tokens per step): above num_usable_blocks it can never run."""
         return self.coordinator.max_blocks_held(num_tokens, max_chunk)
 
+    def capacity_error(self, max_len: int, max_chunk: int) -> str | None:
+        """Why one request of max_len tokens can never run in this pool, or None."""
+        need = self.max_blocks_held(max_len, max_chunk)
+        if need <= self.num_usable_blocks:
+            return None
+        fits = self.longest_request(max_len, max_chunk)
+        return (
+            f"the KV cache holds {self.num_usable_blocks} blocks, but one request of "
+            f"max_model_len {max_len} tokens needs {need}: "
+            "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
+            + (f" (at most {fits} fits)" if fits else "")
+        )
+
     def longest_request(self, limit: int, max_chunk: int) -> int:
         """The most tokens (at most limit) one request can hold alone in this pool, 0 if
         not even one token fits. max_blocks_held grows with the length: bisect."""

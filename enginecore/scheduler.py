@@ -74,6 +74,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     hash_algo: HashAlgo
     scheduling_policy: SchedulingPolicy
+    # Prefill tokens a step may carry per decode in it (at least MIN_PREFILL_CHUNK); 0: no cap.
+    prefill_tokens_per_decode: int = 0
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
@@ -185,19 +187,14 @@ class Scheduler:
         return self.kv_cache_manager.take_events()
 
     def check_capacity(self) -> None:
-        """ValueError unless one request of max_model_len tokens fits the pool: refusing
+        """ConfigError unless one request of max_model_len tokens fits the pool: refusing
         to start beats failing every long request later."""
-        kv = self.kv_cache_manager
-        max_len, chunk = self.config.max_model_len, self.config.max_num_batched_tokens
-        need = kv.max_blocks_held(max_len, chunk)
-        if need > kv.num_usable_blocks:
-            fits = kv.longest_request(max_len, chunk)
-            raise ConfigError(
-                f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
-                f"max_model_len {max_len} tokens needs {need}: "
-                "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
-                + (f" (at most {fits} fits)" if fits else "")
-            )
+        config = self.config
+        error = self.kv_cache_manager.capacity_error(
+            config.max_model_len, config.max_num_batched_tokens
+        )
+        if error:
+            raise ConfigError(error)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -305,6 +302,7 @@ class Scheduler:
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
         spec = self.spec
+        per_decode = self.config.prefill_tokens_per_decode
         num_due = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -320,8 +318,14 @@ class Scheduler:
                 # decodes never wait a step behind a prefill (one token when not even
                 # that fits, so the chunk still moves). cap <= budget.
                 cap = budget - (len(running) - i - 1)
+                if cap < 1:
+                    cap = 1
+                if per_decode:  # nor more than the step's decodes allow beside them
+                    room = plan.prefill_room(running, per_decode)
+                    if room < cap:
+                        cap = room  # 0: it waits for a step with room
                 if num_new > cap:
-                    num_new = cap if cap > 1 else 1
+                    num_new = cap
             if computed + num_new > max_len:
                 num_new = max_len - computed
             if num_new <= 0:
@@ -357,6 +361,8 @@ class Scheduler:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
             budget -= num_new + k
+            if remaining > 1 and per_decode:
+                plan.prefill_left -= num_new
             i += 1
         plan.total += plan.budget - budget
         plan.budget = budget
@@ -368,9 +374,12 @@ class Scheduler:
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
         running, waiting = self.running, self.waiting
+        per_decode = self.config.prefill_tokens_per_decode
         while waiting and plan.budget > 0:
             if len(running) >= self.config.max_num_seqs:
                 break
+            if per_decode and plan.prefill_room(running, per_decode) <= 0:
+                break  # the running requests' decodes keep their pace
             request = waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
@@ -383,6 +392,8 @@ class Scheduler:
             num_new = request.num_tokens - num_hit - num_tier
             if num_new > plan.budget - reserve:
                 num_new = plan.budget - reserve
+            if per_decode and num_new > plan.prefill_left:
+                num_new = plan.prefill_left
             if (
                 request.known_to_worker
                 and running
@@ -437,6 +448,8 @@ class Scheduler:
                 request.num_pending_tokens = 1
             plan.budget -= num_new + reserve
             plan.total += num_new
+            if per_decode:
+                plan.prefill_left -= num_new
 
     def _resume_fits(self, num_tokens: int) -> bool:
         """Whether a preempted request's num_tokens fit beside what the running requests

@@ -7,6 +7,10 @@ from protocol.worker import NewRequestData
 
 # Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
 NO_DRAFTS: dict[str, list[int]] = {}
+# The prefill tokens a step with decodes may always carry, however few decodes it has:
+# a prompt arriving beside one running request still moves at a useful pace.
+MIN_PREFILL_CHUNK = 32
+_UNKNOWN = -1
 
 
 class StepPlan:
@@ -25,6 +29,7 @@ class StepPlan:
         "num_due",
         "num_running",
         "preempted",
+        "prefill_left",
         "spec_token_ids",
         "total",
     )
@@ -35,6 +40,9 @@ class StepPlan:
         self.num_running = 0  # leading cached_* entries that are running requests
         self.num_due = 0  # requests whose tokens this step completes: each samples one
         self.preempted: list[str] = []
+        # Prefill tokens the step's decodes still allow (prefill_room); counted when the
+        # first prefill needs it, so decode-only steps never walk the running requests.
+        self.prefill_left = _UNKNOWN
         self.cached_ids: list[str] = []
         self.cached_blocks: list[list[list[int]] | None] = []
         self.cached_computed: list[int] = []
@@ -46,6 +54,24 @@ class StepPlan:
         # Drafts per request id (speculative decoding); the shared empty dict when none,
         # so a step without drafts builds nothing.
         self.spec_token_ids: dict[str, list[int]] = NO_DRAFTS
+
+    def prefill_room(self, running: list[Request], per_decode: int) -> int:
+        """Prefill tokens this step may still take: per_decode for each running request
+        that decodes (at least MIN_PREFILL_CHUNK), or the whole budget when none does."""
+        if self.prefill_left == _UNKNOWN:
+            decodes = 0
+            for request in running:
+                # One token to go (its own, or the one in flight): it decodes. A prompt
+                # finished earlier in this loop counts too: it decodes from the next step.
+                left = len(request.all_token_ids) + request.num_pending_tokens
+                if left - request.num_computed_tokens <= 1:
+                    decodes += 1
+            if decodes:
+                room = per_decode * decodes
+                self.prefill_left = room if room > MIN_PREFILL_CHUNK else MIN_PREFILL_CHUNK
+            else:
+                self.prefill_left = self.budget
+        return self.prefill_left
 
     def add_drafts(self, request_id: str, drafts: list[int]) -> int:
         """Send drafts for a request; how many."""

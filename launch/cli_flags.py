@@ -105,6 +105,14 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "profiles a step this large to size its KV cache)",
     )
     p.add_argument(
+        "--prefill-tokens-per-decode",
+        type=ranged("--prefill-tokens-per-decode", int, lambda v: v >= 0, ">= 0"),
+        default=EngineArgs.prefill_tokens_per_decode,
+        help="prefill tokens a step may carry per decoding request beside them, so that "
+        "their inter-token latency stays bounded while a prompt is cut into chunks (0: no "
+        "cap, the whole step budget; default: 8 on the CPU, 0 on a GPU)",
+    )
+    p.add_argument(
         "--max-num-seqs",
         type=positive("--max-num-seqs"),
         default=EngineArgs.max_num_seqs,
@@ -550,6 +558,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dir_size=args.kv_cache_dir_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_tokens_per_decode=args.prefill_tokens_per_decode,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
