@@ -36,7 +36,7 @@ from protocol.config import (
     EngineCoreConfig,
     max_num_batched_tokens_for,
     parent_alive,
-    prefill_tokens_per_decode_for,
+    prefill_tokens_per_request_for,
     read_config,
 )
 from protocol.engine import (
@@ -79,7 +79,7 @@ _CHECKED_BLOCKS = 16384
 SCHEDULER_SETTINGS = (
     "speculative_config",
     "max_num_batched_tokens",
-    "prefill_tokens_per_decode",
+    "prefill_tokens_per_request",
     "max_num_seqs",
     "enable_prefix_caching",
     "hash_algo",
@@ -96,8 +96,8 @@ def scheduler_config(settings: object, *, device: str = "cpu", **fields: Any) ->
     values["max_num_batched_tokens"] = max_num_batched_tokens_for(
         device, values["max_num_batched_tokens"]
     )
-    values["prefill_tokens_per_decode"] = prefill_tokens_per_decode_for(
-        device, values["prefill_tokens_per_decode"]
+    values["prefill_tokens_per_request"] = prefill_tokens_per_request_for(
+        device, values["prefill_tokens_per_request"]
     )
     return SchedulerConfig(**values, **fields)
 

@@ -74,8 +74,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     hash_algo: HashAlgo
     scheduling_policy: SchedulingPolicy
-    # Prefill tokens a step may carry per decode in it (at least MIN_PREFILL_CHUNK); 0: no cap.
-    prefill_tokens_per_decode: int = 0
+    # A decoding step's prefill tokens per open request (step_plan.prefill_room); 0: no cap.
+    prefill_tokens_per_request: int = 0
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
@@ -302,7 +302,7 @@ class Scheduler:
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
         spec = self.spec
-        per_decode = self.config.prefill_tokens_per_decode
+        per_request = self.config.prefill_tokens_per_request
         num_due = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -320,8 +320,8 @@ class Scheduler:
                 cap = budget - (len(running) - i - 1)
                 if cap < 1:
                     cap = 1
-                if per_decode:  # nor more than the step's decodes allow beside them
-                    room = plan.prefill_room(running, per_decode)
+                if per_request:  # nor more than the decodes beside it allow
+                    room = plan.prefill_room(running, len(self.waiting), per_request)
                     if room < cap:
                         cap = room  # 0: it waits for a step with room
                 if num_new > cap:
@@ -361,7 +361,7 @@ class Scheduler:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
             budget -= num_new + k
-            if remaining > 1 and per_decode:
+            if remaining > 1 and per_request:
                 plan.prefill_left -= num_new
             i += 1
         plan.total += plan.budget - budget
@@ -374,11 +374,11 @@ class Scheduler:
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
         running, waiting = self.running, self.waiting
-        per_decode = self.config.prefill_tokens_per_decode
+        per_request = self.config.prefill_tokens_per_request
         while waiting and plan.budget > 0:
             if len(running) >= self.config.max_num_seqs:
                 break
-            if per_decode and plan.prefill_room(running, per_decode) <= 0:
+            if per_request and plan.prefill_room(running, len(self.waiting), per_request) <= 0:
                 break  # the running requests' decodes keep their pace
             request = waiting.peek()
             if request.num_pending_tokens:
@@ -392,7 +392,7 @@ class Scheduler:
             num_new = request.num_tokens - num_hit - num_tier
             if num_new > plan.budget - reserve:
                 num_new = plan.budget - reserve
-            if per_decode and num_new > plan.prefill_left:
+            if per_request and num_new > plan.prefill_left:
                 num_new = plan.prefill_left
             if (
                 request.known_to_worker
@@ -448,7 +448,7 @@ class Scheduler:
                 request.num_pending_tokens = 1
             plan.budget -= num_new + reserve
             plan.total += num_new
-            if per_decode:
+            if per_request:
                 plan.prefill_left -= num_new
 
     def _resume_fits(self, num_tokens: int) -> bool:

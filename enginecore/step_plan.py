@@ -55,22 +55,21 @@ class StepPlan:
         # so a step without drafts builds nothing.
         self.spec_token_ids: dict[str, list[int]] = NO_DRAFTS
 
-    def prefill_room(self, running: list[Request], per_decode: int) -> int:
-        """Prefill tokens this step may still take: per_decode for each running request
-        that decodes (at least MIN_PREFILL_CHUNK), or the whole budget when none does."""
+    def prefill_room(self, running: list[Request], num_waiting: int, per_request: int) -> int:
+        """Prefill tokens this step may still take: the whole budget when no running
+        request decodes (nobody waits for a token), else per_request for each open request,
+        running or waiting (at least MIN_PREFILL_CHUNK): a few decodes keep their pace
+        beside a new prompt, and a long queue still fills the step."""
         if self.prefill_left == _UNKNOWN:
-            decodes = 0
+            self.prefill_left = self.budget
             for request in running:
                 # One token to go (its own, or the one in flight): it decodes. A prompt
                 # finished earlier in this loop counts too: it decodes from the next step.
                 left = len(request.all_token_ids) + request.num_pending_tokens
                 if left - request.num_computed_tokens <= 1:
-                    decodes += 1
-            if decodes:
-                room = per_decode * decodes
-                self.prefill_left = room if room > MIN_PREFILL_CHUNK else MIN_PREFILL_CHUNK
-            else:
-                self.prefill_left = self.budget
+                    room = per_request * (len(running) + num_waiting)
+                    self.prefill_left = room if room > MIN_PREFILL_CHUNK else MIN_PREFILL_CHUNK
+                    break
         return self.prefill_left
 
     def add_drafts(self, request_id: str, drafts: list[int]) -> int:

@@ -105,12 +105,13 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "profiles a step this large to size its KV cache)",
     )
     p.add_argument(
-        "--prefill-tokens-per-decode",
-        type=ranged("--prefill-tokens-per-decode", int, lambda v: v >= 0, ">= 0"),
-        default=EngineArgs.prefill_tokens_per_decode,
-        help="prefill tokens a step may carry per decoding request beside them, so that "
-        "their inter-token latency stays bounded while a prompt is cut into chunks (0: no "
-        "cap, the whole step budget; default: 8 on the CPU, 0 on a GPU)",
+        "--prefill-tokens-per-request",
+        type=ranged("--prefill-tokens-per-request", int, lambda v: v >= 0, ">= 0"),
+        default=EngineArgs.prefill_tokens_per_request,
+        help="in a step that decodes, at most this many prefill tokens per open request "
+        "(running or waiting; at least 32): a prompt arriving beside a few decoding requests "
+        "is cut into small chunks so that their inter-token latency stays bounded, a long "
+        "queue still fills the step (0: no cap; default: 8 on the CPU, 0 on a GPU)",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -558,7 +559,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dir_size=args.kv_cache_dir_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_tokens_per_decode=args.prefill_tokens_per_decode,
+        prefill_tokens_per_request=args.prefill_tokens_per_request,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
