@@ -52,6 +52,7 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.gc_heap import freeze_startup_heap
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
@@ -519,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         core.start()
+        freeze_startup_heap()
         core.run()
     except ClientGone as e:
         log.warning("engine core: %s; exiting", e)
