@@ -5,6 +5,7 @@ is all or nothing across groups (touch every group's hits before any group alloc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from enginecore.block_pool import BlockPool
 from enginecore.kv_cache_block import KVCacheBlock
@@ -19,6 +20,19 @@ from protocol.kv_cache import KVCacheConfig
 
 # Blocks of one request, outer index = KV cache group.
 KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
+
+
+@dataclass
+class LoadPads:
+    """Per group, table positions between a new request's device hits and the window its
+    KV tier loads land in (KVCacheCoordinator.window_for_loads)."""
+
+    counts: list[int]
+    real: bool  # fresh blocks, never published; else null blocks
+
+    @property
+    def num_null(self) -> int:
+        return 0 if self.real else sum(self.counts)
 
 
 class KVCacheCoordinator:
@@ -79,6 +93,38 @@ class KVCacheCoordinator:
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:
         for m, hits in zip(self.managers, new_computed_blocks):
             m.save_new_computed_blocks(request_id, hits)
+
+    def window_for_loads(
+        self, hits: KVCacheBlocks, end: int, real: bool
+    ) -> tuple[KVCacheBlocks, LoadPads]:
+        """A new request loads KV tier blocks up to token `end`: a sliding-window group
+        holds only the blocks its window reads before `end` (the tier loads those). Its
+        device hits before that window are dropped (null, not taken) and the positions
+        between hits and window padded (pad_for_loads): with null blocks, or with
+        fresh ones never published when real (a failed disk read is then recomputed
+        from the device boundary, worker/kv_tier_recompute.py, and needs them)."""
+        out = list(hits) if hits else [[] for _ in self.managers]
+        counts = [0] * len(self.managers)
+        null = self.block_pool.null_block
+        for g, m in self._sliding:
+            start = max(0, end // m.block_size - m.blocks_needed)
+            group_hits = out[g]
+            counts[g] = max(0, start - len(group_hits))
+            if not real and start > 0:
+                out[g] = [null] * min(start, len(group_hits)) + list(group_hits[start:])
+        return tuple(out), LoadPads(counts, real)
+
+    def pad_for_loads(self, request_id: str, pads: LoadPads) -> None:
+        """Extend each sliding-window table by its pad after save_new_computed_blocks;
+        padded positions are never published (the published count skips them)."""
+        null = self.block_pool.null_block
+        for g, m in self._sliding:
+            n = pads.counts[g]
+            if not n:
+                continue
+            blocks = m.req_to_blocks[request_id]
+            blocks.extend(self.block_pool.get_new_blocks(n) if pads.real else [null] * n)
+            m.num_cached_block[request_id] = len(blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> KVCacheBlocks:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)

@@ -395,7 +395,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             if tier is not None:  # admitted: its lookup counts once, its loads go out
-                tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
+                tier.load_found(kv.get_block_ids(request.request_id), num_hit)
                 num_hit += num_tier  # loaded before the step's forward: computed
             waiting.pop_head()
             if self._by_priority:
