@@ -78,11 +78,12 @@ class SimWorker:
             for slot, block in zip(ops.load_slots, ops.load_block_ids):
                 self.device[block] = list(self.tier[slot])
                 self.loaded += 1
-            failed = set()
+            failed, failed_slots = set(), []
             for slot, block in zip(ops.disk_load_slots, ops.disk_load_block_ids):
                 self.disk_reads += 1
                 if self.fail_every and self.disk_reads % self.fail_every == 0:
                     failed.add(block)
+                    failed_slots.append(slot)
                     self.device[block] = [None] * BS
                 else:
                     self.device[block] = list(self.disk[slot])
@@ -94,7 +95,7 @@ class SimWorker:
                 so = recompute_failed(so, failed, BS)
             if failed:
                 sched.kv_cache_manager.tier.answered(  # type: ignore[union-attr]
-                    TierOutput(so.step_id, [], [], failed_disk_slots=[0])
+                    TierOutput(so.step_id, [], [], failed_disk_slots=failed_slots)
                 )
             assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         for rid in [*so.finished_req_ids, *so.preempted_req_ids]:
