@@ -24,15 +24,19 @@ KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
 
 @dataclass
 class LoadPads:
-    """Per group, table positions between a new request's device hits and the window its
-    KV tier loads land in (KVCacheCoordinator.window_for_loads)."""
+    """Per group, table positions between a new request's device hits and the blocks
+    its KV tier loads land in (KVCacheCoordinator.window_for_loads)."""
 
-    counts: list[int]
-    real: bool  # fresh blocks, never published; else null blocks
+    counts: list[int]  # sliding windows
+    real: bool  # fresh blocks there, never published; else null blocks
+    device: dict[int, Sequence[KVCacheBlock]]  # full attention: cached device blocks
 
     @property
-    def num_null(self) -> int:
-        return 0 if self.real else sum(self.counts)
+    def num_saved(self) -> int:
+        """New blocks the pads spare: null ones, and device ones already held."""
+        null = 0 if self.real else sum(self.counts)
+        held = sum(1 for blocks in self.device.values() for b in blocks if b.ref_cnt)
+        return null + held
 
 
 class KVCacheCoordinator:
@@ -94,15 +98,31 @@ class KVCacheCoordinator:
         for m, hits in zip(self.managers, new_computed_blocks):
             m.save_new_computed_blocks(request_id, hits)
 
+    def full_attention_prefix(self, request: Request) -> dict[int, list[KVCacheBlock]]:
+        """Per full-attention group, its cached device blocks from the first, in a row
+        (at most the prompt less its last token), whatever the other groups hold."""
+        return {
+            m.group_id: m.find_longest_cache_hit(
+                request.block_hashes, request.block_hash_inputs, request.num_tokens - 1
+            )
+            for m in self.managers
+            if isinstance(m, FullAttentionManager)
+        }
+
     def window_for_loads(
-        self, hits: KVCacheBlocks, end: int, real: bool
+        self,
+        hits: KVCacheBlocks,
+        end: int,
+        real: bool,
+        device: dict[int, Sequence[KVCacheBlock]],
     ) -> tuple[KVCacheBlocks, LoadPads]:
-        """A new request loads KV tier blocks up to token `end`: a sliding-window group
+        """A new request restores KV tier blocks up to token `end`: a sliding-window group
         holds only the blocks its window reads before `end` (the tier loads those). Its
         device hits before that window are dropped (null, not taken) and the positions
         between hits and window padded (pad_for_loads): with null blocks, or with
         fresh ones never published when real (a failed disk read is then recomputed
-        from the device boundary, worker/kv_tier_recompute.py, and needs them)."""
+        from the device boundary, worker/kv_tier_recompute.py, and needs them). A
+        full-attention group first takes `device`, its cached blocks after its hits."""
         out = list(hits) if hits else [[] for _ in self.managers]
         counts = [0] * len(self.managers)
         null = self.block_pool.null_block
@@ -112,12 +132,17 @@ class KVCacheCoordinator:
             counts[g] = max(0, start - len(group_hits))
             if not real and start > 0:
                 out[g] = [null] * min(start, len(group_hits)) + list(group_hits[start:])
-        return tuple(out), LoadPads(counts, real)
+        return tuple(out), LoadPads(counts, real, device)
 
     def pad_for_loads(self, request_id: str, pads: LoadPads) -> None:
-        """Extend each sliding-window table by its pad after save_new_computed_blocks;
-        padded positions are never published (the published count skips them)."""
+        """Extend the tables by their pads after save_new_computed_blocks; padded
+        positions are never published (the published count skips them)."""
         null = self.block_pool.null_block
+        for g, blocks in pads.device.items():
+            if blocks:
+                self.block_pool.touch(blocks)
+                self.managers[g].req_to_blocks[request_id].extend(blocks)
+                self.managers[g].num_cached_block[request_id] += len(blocks)
         for g, m in self._sliding:
             n = pads.counts[g]
             if not n:

@@ -8,6 +8,7 @@ from math import gcd
 
 from enginecore.block_pool import BlockPool
 from enginecore.errors import ConfigError, InvariantViolation
+from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.kv_invariants import check_invariants
 from enginecore.kv_tier import KVTier
@@ -76,6 +77,9 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.has_sliding_window = self.coordinator.has_sliding_window
         self._running_fast_path = self.coordinator.has_running_fast_path
+        # Full attention's cached device blocks the last tier lookup restores with
+        # (lookup_tier), per group; taken by the allocation that follows it.
+        self._tier_device: dict[int, list[KVCacheBlock]] = {}
         self.tier = (
             self._make_tier(kv_cache_config, kv_tier_slots, kv_tier_disk_slots)
             if kv_tier_slots or kv_tier_disk_slots
@@ -123,6 +127,21 @@ class KVCacheManager:
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def lookup_tier(self, request: Request, num_hit_tokens: int, budget: int) -> int:
+        """After the device lookup: the tokens past num_hit_tokens that the KV tier
+        restores. With several groups full attention may take some of them from its
+        own cached device blocks (KVTier.lookup_groups), kept for allocate_slots."""
+        tier = self.tier
+        assert tier is not None
+        if not tier.hybrid:
+            return tier.lookup(request, num_hit_tokens, budget)
+        full = self.coordinator.full_attention_prefix(request)
+        device = min((len(blocks) for blocks in full.values()), default=0)
+        num_tier, num_device = tier.lookup_groups(request, num_hit_tokens, device, budget)
+        first = num_hit_tokens // tier.block_size
+        self._tier_device = {g: blocks[first : first + num_device] for g, blocks in full.items()}
+        return num_tier
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -212,6 +231,7 @@ class KVCacheManager:
                 new_computed_blocks,
                 num_computed + num_external_computed_tokens,
                 self.tier is not None and self.tier.reserve > 0,
+                self._tier_device,
             )
         if not is_new:
             if self.tier is not None and self.tier.hybrid:
@@ -231,7 +251,7 @@ class KVCacheManager:
             rid, num_tokens_needing_slots, new_computed_blocks
         )
         if pads is not None:
-            needed -= pads.num_null
+            needed -= pads.num_saved
         if needed > self.block_pool.get_num_free_blocks():
             return None
         # Commit: every group's hits are owned before any group takes new blocks, so no

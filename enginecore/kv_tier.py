@@ -281,8 +281,6 @@ class KVTier:
         self._hit_blocks = 0
         if first >= last:
             return 0
-        if self.hybrid:
-            return self._lookup_groups(request, first, last, budget)
         hashes, inputs = request.block_hashes, request.block_hash_inputs
         host, disk = self.host, self.disk
         room = budget - 1
@@ -306,12 +304,26 @@ class KVTier:
         self._hit_blocks = len(found)
         return len(found) * bs
 
-    def _lookup_groups(self, request: Request, first: int, last: int, budget: int) -> int:
-        """lookup for several groups: the longest boundary every group restores from the
-        device and the tier. A hybrid request's failed disk read is recomputed from its
-        device boundary (worker/kv_tier_recompute.py), so with any disk block all its
-        loaded tokens stay below budget and are reserved."""
+    def lookup_groups(
+        self, request: Request, num_hit_tokens: int, device: int, budget: int = 1 << 62
+    ) -> tuple[int, int]:
+        """lookup for several groups: (tokens restored past num_hit_tokens, of those the
+        blocks full attention takes from the device) at the longest boundary every group
+        restores from the device and the tier (kv_tier_groups.longest_boundary; device:
+        the full-attention groups' cached device blocks in a row). A hybrid request's
+        failed disk read is recomputed from its device boundary (worker/
+        kv_tier_recompute.py), where its windows must hold real blocks: with any disk
+        block, only the device hits count as the device, and all its restored tokens
+        stay below budget and are reserved."""
+        bs = self.block_size
+        first = num_hit_tokens // bs
         hashes, inputs = request.block_hashes, request.block_hash_inputs
+        last = min((request.num_tokens - 1) // bs, len(hashes))
+        self._found.clear()
+        self.reserve = self._hit_blocks = 0
+        self._queried = max(last - first, 0)
+        if first >= last:
+            return 0, 0
         host, disk = self.host, self.disk
 
         def find(group: int, i: int) -> tuple[int, bool] | None:
@@ -322,23 +334,22 @@ class KVTier:
                 return slot, True
             return None
 
-        bs = self.block_size
-        last = min(last, len(hashes))
-        b, loads = longest_boundary(first, last, self.windows, find)
-        room = (budget - 1) // bs
-        if b - first > room and any(on_disk for *_, on_disk in loads):
-            b, loads = longest_boundary(first, first + room, self.windows, find)
-        if b <= first:
-            return 0
-        found = self._found
-        for group, i, slot, on_disk in loads:
+        b, loads = longest_boundary(first, last, self.windows, find, device)
+        on_disk = any(d for *_, d in loads)
+        if on_disk:
+            room = (budget - 1) // bs
+            b, loads = longest_boundary(first, min(last, first + room), self.windows, find)
+            device = first
+        if not loads:
+            return 0, 0
+        for group, i, slot, from_disk in loads:
             # Held busy now, as in lookup.
-            (disk if on_disk else host).busy.add(slot)  # type: ignore[union-attr]
-            found.append((tier_key(hashes[i], group), slot, on_disk, group, i))
-        if any(on_disk for *_, on_disk in loads):
+            (disk if from_disk else host).busy.add(slot)  # type: ignore[union-attr]
+            self._found.append((tier_key(hashes[i], group), slot, from_disk, group, i))
+        if on_disk:
             self.reserve = (b - first) * bs
         self._hit_blocks = b - first
-        return (b - first) * bs
+        return (b - first) * bs, max(0, min(device, b) - first)
 
     def load_found(self, block_ids: Sequence[Sequence[int]], num_hit_tokens: int) -> None:
         """The request is admitted: load the last lookup's slots into its blocks after

@@ -38,37 +38,38 @@ def longest_boundary(
     last: int,
     windows: Sequence[int | None],
     find: Callable[[int, int], Found],
+    device: int = 0,
 ) -> tuple[int, list[tuple[int, int, int, bool]]]:
     """The largest block boundary b in first..last that every group restores from the
-    device (blocks before `first`) and the tier together, and the loads it needs as
-    (group, position, slot, from disk). windows[g]: None for full attention (every
-    block before b), else the blocks its window reads before b. find(g, i): where group g's
-    block i is in the tier."""
+    device and the tier together, and the loads it needs as (group, position, slot,
+    from disk). Every group holds its device hits before `first`; full attention also
+    its cached device blocks before `device` (a window's may be gone, evicted in
+    another order), and loads every other block before b; a sliding window loads the
+    blocks it reads before b. windows[g]: None for full attention, else the blocks its
+    window reads. find(g, i): where group g's block i is in the tier."""
     if first >= last:
         return first, []
+    n = last - first
+    full = [g for g, w in enumerate(windows) if w is None]
     found: list[list[Found]] = [[] for _ in windows]
-    # Full attention bounds b by its run of consecutive blocks from `first`.
+    # Full attention bounds b by its run of blocks from `first`, device or tier.
     bound = last
-    for g, w in enumerate(windows):
-        if w is not None:
-            continue
-        column = found[g]
-        for i in range(first, bound):
-            where = find(g, i)
-            if where is None:
-                bound = i
-                break
-            column.append(where)
+    for i in range(max(first, device), last):
+        column = [find(g, i) for g in full]
+        if None in column:
+            bound = i
+            break
+        for g, where in zip(full, column):
+            found[g].append(where)
     # A window's blocks: a run of found blocks ending just before b, long enough.
-    runs: list[tuple[list[int], int]] = []
+    runs = []
     for g, w in enumerate(windows):
         if w is None:
             continue
-        column = found[g]
         run, counts = 0, []
-        for i in range(first, bound):
+        for i in range(first, min(bound, first + n)):
             where = find(g, i)
-            column.append(where)
+            found[g].append(where)
             run = run + 1 if where is not None else 0
             counts.append(run)
         runs.append((counts, w))
@@ -77,9 +78,10 @@ def longest_boundary(
         b -= 1
     loads = []
     for g, w in enumerate(windows):
-        start = first if w is None else max(first, b - w)
+        start = max(first, device) if w is None else max(first, b - w)
+        offset = start if w is None else first
         for i in range(start, b):
-            where = found[g][i - first]
+            where = found[g][i - offset]
             assert where is not None
             loads.append((g, i, where[0], where[1]))
     return b, loads

@@ -377,7 +377,7 @@ class Scheduler:
             hits, num_hit = kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
             tier = None if request.skip_reading_prefix_cache else kv.tier
-            num_tier = tier.lookup(request, num_hit, plan.budget) if tier is not None else 0
+            num_tier = kv.lookup_tier(request, num_hit, plan.budget) if tier is not None else 0
             # A disk load may fail; the worker then recomputes it within this budget.
             reserve = tier.reserve if tier is not None else 0
             num_new = request.num_tokens - num_hit - num_tier
