@@ -221,7 +221,7 @@ def test_a_tier_refuses_group_layouts_it_cannot_keep() -> None:
     assert Scheduler(config, alone, SCHEDULER_VOCAB).kv_cache_manager.tier is not None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     requests=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(1, 9), max_size=6), st.integers(1, 4)),
