@@ -127,6 +127,10 @@ class KVTier:
         # a block released behind a window mid-request is read again by no likely
         # boundary. A hint only: a stale id costs one store, never a wrong load.
         self.window_keep: set[int] = set()
+        # Blocks a disk level restores at most in one step (the scheduler's budget less
+        # one token, whole blocks; 0: no cap): a sliding window keeps the blocks before
+        # each multiple of it too, where such a restore stops.
+        self.cap_blocks = 0
         self.block_bytes = block_bytes  # per worker, for the stats
         self.host = TierLevel(num_slots, self._removed_host) if num_slots else None
         self.disk = TierLevel(disk_slots, self._removed_disk) if disk_slots else None

@@ -52,7 +52,8 @@ def mark_window_blocks(
 ) -> None:
     """Mark the request's sliding-window blocks worth storing when evicted: prompt_end,
     the window before its prompt's end (a repeated prompt or a longer conversation
-    restores there), else every block it still holds (it stops: where it stopped)."""
+    restores there, one block more for a prompt ending inside a block) and before each
+    multiple of a disk level's cap, else every block it still holds (where it stopped)."""
     keep = tier.window_keep
     rid = request.request_id
     for m in managers:
@@ -69,6 +70,12 @@ def mark_window_blocks(
         if request.num_computed_tokens > prompt + m.sliding_window + bs:
             continue  # those blocks were released and marked already
         need = tier.windows[m.group_id] or 0
-        for b in blocks[max(0, (prompt - 1) // bs - need) : prompt // bs]:
-            if b is not null:
-                keep.add(b.block_id)
+        # The prompt's end, and where a disk level's one-step cap stops a restore
+        # from the start (KVTier.cap_blocks).
+        ends = [prompt // bs]
+        if tier.cap_blocks:
+            ends += range(tier.cap_blocks, prompt // bs, tier.cap_blocks)
+        for end in ends:
+            for b in blocks[max(0, end - 1 - need) : end]:
+                if b is not null:
+                    keep.add(b.block_id)

@@ -112,6 +112,8 @@ class Scheduler:
             kv_tier_slots=config.kv_tier_slots,
             kv_tier_disk_slots=config.kv_tier_disk_slots,
         )
+        if (tier := self.kv_cache_manager.tier) is not None and tier.disk is not None:
+            tier.cap_blocks = (config.max_num_batched_tokens - 1) // tier.block_size
         self.requests: dict[str, Request] = {}
         spec = config.speculative_config
         self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
