@@ -292,9 +292,17 @@ class KVTier:
             block_hash, hash_input = hashes[i], inputs[i]
             # Held busy now: the allocation that follows may evict device blocks into
             # the tier, and must not take these slots.
-            if host is not None and (slot := host.find(block_hash, hash_input)) >= 0:
+            # After a disk block, a host block counts in the reserve too: a failed read
+            # reruns every block after it.
+            if (
+                host is not None
+                and (not self.reserve or self.reserve + bs <= room)
+                and (slot := host.find(block_hash, hash_input)) >= 0
+            ):
                 host.busy.add(slot)
                 found.append((block_hash, slot, False, 0, i))
+                if self.reserve:
+                    self.reserve += bs
             elif (
                 disk is not None
                 and self.reserve + bs <= room

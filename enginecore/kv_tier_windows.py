@@ -53,7 +53,7 @@ def mark_window_blocks(
     """Mark the request's sliding-window blocks worth storing when evicted: prompt_end,
     the window before its prompt's end (a repeated prompt or a longer conversation
     restores there, one block more for a prompt ending inside a block) and before each
-    multiple of a disk level's cap, else every block it still holds (where it stopped)."""
+    multiple of a disk level's cap; when it stops (not prompt_end), where it stopped."""
     keep = tier.window_keep
     rid = request.request_id
     for m in managers:
@@ -63,18 +63,17 @@ def mark_window_blocks(
         if not blocks:
             continue
         null = m.null_block
-        if not prompt_end:
-            keep.update(b.block_id for b in blocks if b is not null)
-            continue
         prompt, bs = request.num_prompt_tokens, m.block_size
-        if request.num_computed_tokens > prompt + m.sliding_window + bs:
-            continue  # those blocks were released and marked already
         need = tier.windows[m.group_id] or 0
-        # The prompt's end, and where a disk level's one-step cap stops a restore
-        # from the start (KVTier.cap_blocks).
+        if prompt_end and request.num_computed_tokens > prompt + m.sliding_window + bs:
+            continue  # those blocks were released and marked already
+        # The prompt's end, and where a disk level's one-step cap stops a restore from
+        # the start (KVTier.cap_blocks); when it stops, where it stopped too.
         ends = [prompt // bs]
         if tier.cap_blocks:
             ends += range(tier.cap_blocks, prompt // bs, tier.cap_blocks)
+        if not prompt_end:
+            ends.append(request.num_computed_tokens // bs)
         for end in ends:
             for b in blocks[max(0, end - 1 - need) : end]:
                 if b is not null:

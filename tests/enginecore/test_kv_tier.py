@@ -336,3 +336,23 @@ def test_a_hybrid_request_whose_disk_read_fails_recomputes_from_its_device_bound
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
+
+
+def test_hybrid_tier_events_name_each_block_s_group() -> None:
+    # The same hash names the same tokens in every group: a subscriber tells the
+    # groups' tier copies apart by group_idx, and sees only a window's blocks stored.
+    sched = tier_scheduler(num_blocks=15, slots=64, events=True, windows=INTERLEAVED)
+    worker = SimWorker(windows=INTERLEAVED)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    sched.take_kv_events()
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    stored = [e for e in sched.take_kv_events() if e.medium == "CPU" and isinstance(e, BlockStored)]
+    by_group: dict[int | None, list[list[int]]] = {}
+    for e in stored:
+        by_group.setdefault(e.group_idx, []).append(e.token_ids)
+    blocks = [doc_a[i * 4 : (i + 1) * 4] for i in range(4)]
+    assert sorted(by_group[1]) == sorted(blocks)
+    # The window (2 blocks) before the prompt's end, and one more for a boundary in
+    # the last block: block 0 was released behind the window, never stored.
+    assert sorted(by_group[0]) == sorted(blocks[1:])
