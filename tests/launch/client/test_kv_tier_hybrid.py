@@ -95,6 +95,7 @@ def test_hybrid_groups_reload_evicted_prefixes_from_host_disk_and_a_warm_restart
         pytest.param(dict(tensor_parallel_size=2), id="tp2"),
         pytest.param(dict(max_num_batched_tokens=16), id="chunked_prefill"),
         pytest.param(dict(batch=4, max_model_len=48), id="preemption"),
+        pytest.param(dict(async_scheduling=True), id="async_scheduling"),
     ],
 )
 @pytest.mark.parametrize("level", ["host", "disk"])
