@@ -261,6 +261,7 @@ class KVCacheManager:
             coordinator.save_new_computed_blocks(rid, new_computed_blocks)
             if pads is not None:
                 coordinator.pad_for_loads(rid, pads)
+                self._tier_device = {}
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_needing_slots)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) slots are never published: cap at the real tokens.
