@@ -114,6 +114,8 @@ class Scheduler:
             kv_tier_slots=config.kv_tier_slots,
             kv_tier_disk_slots=config.kv_tier_disk_slots,
         )
+        if (tier := self.kv_cache_manager.tier) is not None and tier.disk is not None:
+            tier.cap_blocks = (config.max_num_batched_tokens - 1) // tier.block_size
         self.requests: dict[str, Request] = {}
         spec = config.speculative_config
         self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
@@ -386,7 +388,7 @@ class Scheduler:
             hits, num_hit = kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
             tier = None if request.skip_reading_prefix_cache else kv.tier
-            num_tier = tier.lookup(request, num_hit, plan.budget) if tier is not None else 0
+            num_tier = kv.lookup_tier(request, num_hit, plan.budget) if tier is not None else 0
             # A disk load may fail; the worker then recomputes it within this budget.
             reserve = tier.reserve if tier is not None else 0
             num_new = request.num_tokens - num_hit - num_tier
@@ -406,7 +408,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             if tier is not None:  # admitted: its lookup counts once, its loads go out
-                tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
+                tier.load_found(kv.get_block_ids(request.request_id), num_hit)
                 num_hit += num_tier  # loaded before the step's forward: computed
             waiting.pop_head()
             if self._by_priority:
