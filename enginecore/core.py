@@ -36,6 +36,7 @@ from protocol.config import (
     EngineCoreConfig,
     max_num_batched_tokens_for,
     parent_alive,
+    prefill_tokens_per_request_for,
     read_config,
 )
 from protocol.engine import (
@@ -51,6 +52,7 @@ from protocol.engine import (
     ResetPrefixCache,
     ShutdownCore,
 )
+from protocol.gc_heap import freeze_startup_heap
 from protocol.kv_cache import KVCacheConfig
 from protocol.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVCacheEvent
 from protocol.sockets import lower_timer_slack, send_or_drop
@@ -79,6 +81,7 @@ _CHECKED_BLOCKS = 16384
 SCHEDULER_SETTINGS = (
     "speculative_config",
     "max_num_batched_tokens",
+    "prefill_tokens_per_request",
     "max_num_seqs",
     "enable_prefix_caching",
     "hash_algo",
@@ -94,6 +97,9 @@ def scheduler_config(settings: object, *, device: str = "cpu", **fields: Any) ->
     values = {name: getattr(settings, name) for name in SCHEDULER_SETTINGS}
     values["max_num_batched_tokens"] = max_num_batched_tokens_for(
         device, values["max_num_batched_tokens"]
+    )
+    values["prefill_tokens_per_request"] = prefill_tokens_per_request_for(
+        device, values["prefill_tokens_per_request"]
     )
     return SchedulerConfig(**values, **fields)
 
@@ -516,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         core.start()
+        freeze_startup_heap()
         core.run()
     except ClientGone as e:
         log.warning("engine core: %s; exiting", e)

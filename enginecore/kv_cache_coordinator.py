@@ -5,6 +5,7 @@ is all or nothing across groups (touch every group's hits before any group alloc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from enginecore.block_pool import BlockPool
 from enginecore.kv_cache_block import KVCacheBlock
@@ -19,6 +20,23 @@ from protocol.kv_cache import KVCacheConfig
 
 # Blocks of one request, outer index = KV cache group.
 KVCacheBlocks = tuple[Sequence[KVCacheBlock], ...]
+
+
+@dataclass
+class LoadPads:
+    """Per group, table positions between a new request's device hits and the blocks
+    its KV tier loads land in (KVCacheCoordinator.window_for_loads)."""
+
+    counts: list[int]  # sliding windows
+    real: bool  # fresh blocks there, never published; else null blocks
+    device: dict[int, Sequence[KVCacheBlock]]  # full attention: cached device blocks
+
+    @property
+    def num_saved(self) -> int:
+        """New blocks the pads spare: null ones, and device ones already held."""
+        null = 0 if self.real else sum(self.counts)
+        held = sum(1 for blocks in self.device.values() for b in blocks if b.ref_cnt)
+        return null + held
 
 
 class KVCacheCoordinator:
@@ -79,6 +97,59 @@ class KVCacheCoordinator:
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:
         for m, hits in zip(self.managers, new_computed_blocks):
             m.save_new_computed_blocks(request_id, hits)
+
+    def full_attention_prefix(self, request: Request) -> dict[int, list[KVCacheBlock]]:
+        """Per full-attention group, its cached device blocks from the first, in a row
+        (at most the prompt less its last token), whatever the other groups hold."""
+        return {
+            m.group_id: m.find_longest_cache_hit(
+                request.block_hashes, request.block_hash_inputs, request.num_tokens - 1
+            )
+            for m in self.managers
+            if isinstance(m, FullAttentionManager)
+        }
+
+    def window_for_loads(
+        self,
+        hits: KVCacheBlocks,
+        end: int,
+        real: bool,
+        device: dict[int, Sequence[KVCacheBlock]],
+    ) -> tuple[KVCacheBlocks, LoadPads]:
+        """A new request restores KV tier blocks up to token `end`: a sliding-window group
+        holds only the blocks its window reads before `end` (the tier loads those). Its
+        device hits before that window are dropped (null, not taken) and the positions
+        between hits and window padded (pad_for_loads): with null blocks, or with
+        fresh ones never published when real (a failed disk read is then recomputed
+        from the device boundary, worker/kv_tier_recompute.py, and needs them). A
+        full-attention group first takes `device`, its cached blocks after its hits."""
+        out = list(hits) if hits else [[] for _ in self.managers]
+        counts = [0] * len(self.managers)
+        null = self.block_pool.null_block
+        for g, m in self._sliding:
+            start = max(0, end // m.block_size - m.blocks_needed)
+            group_hits = out[g]
+            counts[g] = max(0, start - len(group_hits))
+            if not real and start > 0:
+                out[g] = [null] * min(start, len(group_hits)) + list(group_hits[start:])
+        return tuple(out), LoadPads(counts, real, device)
+
+    def pad_for_loads(self, request_id: str, pads: LoadPads) -> None:
+        """Extend the tables by their pads after save_new_computed_blocks; padded
+        positions are never published (the published count skips them)."""
+        null = self.block_pool.null_block
+        for g, blocks in pads.device.items():
+            if blocks:
+                self.block_pool.touch(blocks)
+                self.managers[g].req_to_blocks[request_id].extend(blocks)
+                self.managers[g].num_cached_block[request_id] += len(blocks)
+        for g, m in self._sliding:
+            n = pads.counts[g]
+            if not n:
+                continue
+            blocks = m.req_to_blocks[request_id]
+            blocks.extend(self.block_pool.get_new_blocks(n) if pads.real else [null] * n)
+            m.num_cached_block[request_id] = len(blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> KVCacheBlocks:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)

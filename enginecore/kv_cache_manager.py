@@ -8,9 +8,11 @@ from math import gcd
 
 from enginecore.block_pool import BlockPool
 from enginecore.errors import ConfigError, InvariantViolation
+from enginecore.kv_cache_block import KVCacheBlock
 from enginecore.kv_cache_coordinator import KVCacheBlocks, make_kv_cache_coordinator
 from enginecore.kv_invariants import check_invariants
 from enginecore.kv_tier import KVTier
+from enginecore.kv_tier_windows import mark_window_blocks, tier_windows
 from enginecore.request import Request
 from protocol.block_hash import BlockHasher, HashAlgo
 from protocol.kv_cache import KVCacheConfig
@@ -75,6 +77,9 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.has_sliding_window = self.coordinator.has_sliding_window
         self._running_fast_path = self.coordinator.has_running_fast_path
+        # Full attention's cached device blocks the last tier lookup restores with
+        # (lookup_tier), per group; taken by the allocation that follows it.
+        self._tier_device: dict[int, list[KVCacheBlock]] = {}
         self.tier = (
             self._make_tier(kv_cache_config, kv_tier_slots, kv_tier_disk_slots)
             if kv_tier_slots or kv_tier_disk_slots
@@ -83,22 +88,16 @@ class KVCacheManager:
 
     def _make_tier(self, kv_cache_config: KVCacheConfig, num_slots: int, disk_slots: int) -> KVTier:
         """A second tier behind the pool: evicted cached blocks are stored into it."""
-        groups = kv_cache_config.kv_cache_groups
         if not self.enable_caching:
             raise ConfigError("a KV tier keeps prefix-cache blocks: enable prefix caching")
-        if len(groups) != 1 or self.has_sliding_window:
-            raise ConfigError(
-                "the KV tier (--kv-offload-memory, --kv-cache-dir) supports one full-attention "
-                "KV cache group only (this "
-                f"model has {len(groups)} group(s)"
-                f"{', sliding window' if self.has_sliding_window else ''})"
-            )
+        windows = tier_windows(kv_cache_config, disk_slots > 0)
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
         tier = KVTier(
             num_slots,
-            groups[0].kv_cache_spec.block_size,
+            kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
             block_bytes // kv_cache_config.num_blocks,
             disk_slots,
+            windows,
         )
         self.block_pool.on_evict = tier.on_evict
         if self.block_pool.enable_kv_events:
@@ -128,6 +127,21 @@ class KVCacheManager:
             stats.queries += request.num_tokens
             stats.hits += num_hit_tokens
         return hits, num_hit_tokens
+
+    def lookup_tier(self, request: Request, num_hit_tokens: int, budget: int) -> int:
+        """After the device lookup: the tokens past num_hit_tokens that the KV tier
+        restores. With several groups full attention may take some of them from its
+        own cached device blocks (KVTier.lookup_groups), kept for allocate_slots."""
+        tier = self.tier
+        assert tier is not None
+        if not tier.hybrid:
+            return tier.lookup(request, num_hit_tokens, budget)
+        full = self.coordinator.full_attention_prefix(request)
+        device = min((len(blocks) for blocks in full.values()), default=0)
+        num_tier, num_device = tier.lookup_groups(request, num_hit_tokens, device, budget)
+        first = num_hit_tokens // tier.block_size
+        self._tier_device = {g: blocks[first : first + num_device] for g, blocks in full.items()}
+        return num_tier
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -208,7 +222,20 @@ class KVCacheManager:
         if new_computed_blocks is None:
             new_computed_blocks = self.empty_blocks
         coordinator = self.coordinator
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        pads = None
+        if is_new and num_external_computed_tokens and self.has_sliding_window:
+            # Tokens loaded from the KV tier: a sliding window holds only the blocks it
+            # reads before their end (KVCacheCoordinator.window_for_loads).
+            new_computed_blocks, pads = coordinator.window_for_loads(
+                new_computed_blocks,
+                num_computed + num_external_computed_tokens,
+                self.tier is not None and self.tier.reserve > 0,
+                self._tier_device,
+            )
         if not is_new:
+            if self.tier is not None and self.tier.hybrid:
+                mark_window_blocks(self.tier, coordinator.managers, request, prompt_end=True)
             # Frees only what is unreadable whatever this step does (committed tokens).
             # The scheduler's async mode passes no in-flight tokens: a step still in
             # flight may read blocks freed here, but workers run steps in order, so a
@@ -216,7 +243,6 @@ class KVCacheManager:
             coordinator.remove_skipped_blocks(
                 rid, request.num_computed_tokens - num_in_flight_tokens
             )
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_needing_slots = min(
             num_computed + num_external_computed_tokens + num_new_tokens + num_lookahead_tokens,
             self.max_model_len,
@@ -224,6 +250,8 @@ class KVCacheManager:
         needed = coordinator.get_num_blocks_to_allocate(
             rid, num_tokens_needing_slots, new_computed_blocks
         )
+        if pads is not None:
+            needed -= pads.num_saved
         if needed > self.block_pool.get_num_free_blocks():
             return None
         # Commit: every group's hits are owned before any group takes new blocks, so no
@@ -231,6 +259,9 @@ class KVCacheManager:
         if is_new:
             request.holds_kv_blocks = True
             coordinator.save_new_computed_blocks(rid, new_computed_blocks)
+            if pads is not None:
+                coordinator.pad_for_loads(rid, pads)
+                self._tier_device = {}
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_needing_slots)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) slots are never published: cap at the real tokens.
@@ -303,6 +334,8 @@ class KVCacheManager:
         """Release every block of the request, each group's in reverse order."""
         self._known(request)
         request.holds_kv_blocks = False
+        if self.tier is not None and self.tier.hybrid:
+            mark_window_blocks(self.tier, self.coordinator.managers, request, prompt_end=False)
         self.coordinator.free(request.request_id)
 
     def free_lookahead(self, request: Request) -> None:
@@ -337,6 +370,19 @@ class KVCacheManager:
         """The most blocks one request of num_tokens tokens holds at once (alone, at most
         max_chunk tokens per step): above num_usable_blocks it can never run."""
         return self.coordinator.max_blocks_held(num_tokens, max_chunk)
+
+    def capacity_error(self, max_len: int, max_chunk: int) -> str | None:
+        """Why one request of max_len tokens can never run in this pool, or None."""
+        need = self.max_blocks_held(max_len, max_chunk)
+        if need <= self.num_usable_blocks:
+            return None
+        fits = self.longest_request(max_len, max_chunk)
+        return (
+            f"the KV cache holds {self.num_usable_blocks} blocks, but one request of "
+            f"max_model_len {max_len} tokens needs {need}: "
+            "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
+            + (f" (at most {fits} fits)" if fits else "")
+        )
 
     def longest_request(self, limit: int, max_chunk: int) -> int:
         """The most tokens (at most limit) one request can hold alone in this pool, 0 if

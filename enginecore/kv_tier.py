@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_block import KVCacheBlock
+from enginecore.kv_tier_groups import longest_boundary, split_key, tier_key
 from enginecore.kv_tier_level import NO_ROOM, TierLevel
 from enginecore.request import Request
 from protocol.config import EngineCoreConfig
@@ -107,11 +108,30 @@ class KVTier:
     host memory is asked first."""
 
     def __init__(
-        self, num_slots: int, block_size: int, block_bytes: int = 0, disk_slots: int = 0
+        self,
+        num_slots: int,
+        block_size: int,
+        block_bytes: int = 0,
+        disk_slots: int = 0,
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         if num_slots < 1 and disk_slots < 1:
             raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
         self.block_size = block_size
+        # Per KV cache group: None for full attention, else the blocks its sliding window
+        # reads before a boundary (enginecore/kv_tier_groups.py). One full-attention
+        # group keeps plain hashes as keys, and the lookup of one group.
+        self.windows = list(windows)
+        self.hybrid = self.windows != [None]
+        # Sliding-window blocks worth storing when evicted: those in the window before
+        # their request's prompt end or where it stopped (KVCacheManager marks them);
+        # a block released behind a window mid-request is read again by no likely
+        # boundary. A hint only: a stale id costs one store, never a wrong load.
+        self.window_keep: set[int] = set()
+        # Blocks a disk level restores at most in one step (the scheduler's budget less
+        # one token, whole blocks; 0: no cap): a sliding window keeps the blocks before
+        # each multiple of it too, where such a restore stops.
+        self.cap_blocks = 0
         self.block_bytes = block_bytes  # per worker, for the stats
         self.host = TierLevel(num_slots, self._removed_host) if num_slots else None
         self.disk = TierLevel(disk_slots, self._removed_disk) if disk_slots else None
@@ -129,8 +149,10 @@ class KVTier:
         self._disk_load_slots: list[int] = []
         self._disk_load_blocks: list[int] = []
         self._disk_load_hashes: list[bytes] = []
-        # The last lookup's blocks until load_found: (hash, slot, from disk).
-        self._found: list[tuple[bytes, int, bool]] = []
+        # The last lookup's blocks until load_found: (key, slot, from disk, group,
+        # position); and the block positions it covers.
+        self._found: list[tuple[bytes, int, bool, int, int]] = []
+        self._hit_blocks = 0
         self._queried = 0
         # Tokens of the last lookup from its first disk block on: a disk load may fail,
         # and then it and every block after it are computed (0: host memory only).
@@ -143,18 +165,26 @@ class KVTier:
         self.medium = MEDIUM_CPU
         self.root = b""
 
-    def _removed_host(self, block_hash: bytes) -> None:
-        if self.emit is not None:
-            self.emit(BlockRemoved([block_hash], self.medium))
+    def _removed_host(self, key: bytes) -> None:
+        self._removed(key, self.medium)
 
-    def _removed_disk(self, block_hash: bytes) -> None:
-        if self.emit is not None:
-            self.emit(BlockRemoved([block_hash], MEDIUM_DISK))
+    def _removed_disk(self, key: bytes) -> None:
+        self._removed(key, MEDIUM_DISK)
 
-    def _stored(self, block_hash: bytes, hash_input: bytes, medium: str) -> None:
+    def _removed(self, key: bytes, medium: str) -> None:
+        if self.emit is None:
+            return
+        if self.hybrid:
+            block_hash, group = split_key(key)
+            self.emit(BlockRemoved([block_hash], medium, group))
+        else:
+            self.emit(BlockRemoved([key], medium))
+
+    def _stored(self, key: bytes, hash_input: bytes, medium: str) -> None:
         """Announce a block now in a level; its parent and tokens are read back from the
         bytes its hash was computed from (parent hash, uint32 token ids, extra keys)."""
         assert self.emit is not None
+        block_hash, group = split_key(key) if self.hybrid else (key, None)
         n, width = len(block_hash), 4 * self.block_size
         parent = hash_input[:n]
         tokens = array("I", hash_input[n : n + width]).tolist()
@@ -167,6 +197,7 @@ class KVTier:
                 None,
                 medium,
                 None,
+                group_idx=group,
             )
         )
 
@@ -208,6 +239,13 @@ class KVTier:
         keep a copy in each level (unless it is there already)."""
         block_hash, hash_input = block.block_hash, block.hash_input
         assert block_hash is not None and hash_input is not None
+        if self.hybrid:
+            group = block.group_id
+            keep = block.block_id in self.window_keep
+            self.window_keep.discard(block.block_id)
+            if self.windows[group] is not None and not keep:
+                return  # behind a window: no likely boundary reads it again
+            block_hash = tier_key(block_hash, group)
         stored = False
         if self.host is not None:
             slot = self.host.offer(block_hash, hash_input)
@@ -246,6 +284,7 @@ class KVTier:
         found.clear()
         self.reserve = 0
         self._queried = max(last - first, 0)
+        self._hit_blocks = 0
         if first >= last:
             return 0
         hashes, inputs = request.block_hashes, request.block_hash_inputs
@@ -255,49 +294,100 @@ class KVTier:
             block_hash, hash_input = hashes[i], inputs[i]
             # Held busy now: the allocation that follows may evict device blocks into
             # the tier, and must not take these slots.
-            if host is not None and (slot := host.find(block_hash, hash_input)) >= 0:
+            # After a disk block, a host block counts in the reserve too: a failed read
+            # reruns every block after it.
+            if (
+                host is not None
+                and (not self.reserve or self.reserve + bs <= room)
+                and (slot := host.find(block_hash, hash_input)) >= 0
+            ):
                 host.busy.add(slot)
-                found.append((block_hash, slot, False))
+                found.append((block_hash, slot, False, 0, i))
+                if self.reserve:
+                    self.reserve += bs
             elif (
                 disk is not None
                 and self.reserve + bs <= room
                 and (slot := disk.find(block_hash, hash_input)) >= 0
             ):
                 disk.busy.add(slot)
-                found.append((block_hash, slot, True))
+                found.append((block_hash, slot, True, 0, i))
                 self.reserve += bs
             else:
                 break
-        # A failed disk block is recomputed with every block after it, host ones too.
-        disk_at = next((k for k, entry in enumerate(found) if entry[2]), len(found))
-        self.reserve = (len(found) - disk_at) * bs
+        self._hit_blocks = len(found)
         return len(found) * bs
 
-    def load_found(self, block_ids: Sequence[int], num_hit_tokens: int) -> None:
+    def lookup_groups(
+        self, request: Request, num_hit_tokens: int, device: int, budget: int = 1 << 62
+    ) -> tuple[int, int]:
+        """lookup for several groups: (tokens restored past num_hit_tokens, of those the
+        blocks full attention takes from the device) at the longest boundary every group
+        restores from the device and the tier (kv_tier_groups.longest_boundary; device:
+        the full-attention groups' cached device blocks in a row). A hybrid request's
+        failed disk read is recomputed from its device boundary (worker/
+        kv_tier_recompute.py), where its windows must hold real blocks: with any disk
+        block, only the device hits count as the device, and all its restored tokens
+        stay below budget and are reserved."""
+        bs = self.block_size
+        first = num_hit_tokens // bs
+        hashes, inputs = request.block_hashes, request.block_hash_inputs
+        last = min((request.num_tokens - 1) // bs, len(hashes))
+        self._found.clear()
+        self.reserve = self._hit_blocks = 0
+        self._queried = max(last - first, 0)
+        if first >= last:
+            return 0, 0
+        host, disk = self.host, self.disk
+
+        def find(group: int, i: int) -> tuple[int, bool] | None:
+            key = tier_key(hashes[i], group)
+            if host is not None and (slot := host.find(key, inputs[i])) >= 0:
+                return slot, False
+            if disk is not None and (slot := disk.find(key, inputs[i])) >= 0:
+                return slot, True
+            return None
+
+        b, loads = longest_boundary(first, last, self.windows, find, device)
+        on_disk = any(d for *_, d in loads)
+        if on_disk:
+            room = (budget - 1) // bs
+            b, loads = longest_boundary(first, min(last, first + room), self.windows, find)
+            device = first
+        if not loads:
+            return 0, 0
+        for group, i, slot, from_disk in loads:
+            # Held busy now, as in lookup.
+            (disk if from_disk else host).busy.add(slot)  # type: ignore[union-attr]
+            self._found.append((tier_key(hashes[i], group), slot, from_disk, group, i))
+        if on_disk:
+            self.reserve = (b - first) * bs
+        self._hit_blocks = b - first
+        return (b - first) * bs, max(0, min(device, b) - first)
+
+    def load_found(self, block_ids: Sequence[Sequence[int]], num_hit_tokens: int) -> None:
         """The request is admitted: load the last lookup's slots into its blocks after
-        its device hits (block_ids: its whole table); they become the most recently
-        used. Its lookup counts here, once, however often it waited for room."""
-        first = num_hit_tokens // self.block_size
-        for k, (block_hash, slot, on_disk) in enumerate(self._found):
+        its device hits (block_ids: its whole table per group); they become the most
+        recently used. Its lookup counts here, once, however often it waited for room."""
+        for block_hash, slot, on_disk, group, i in self._found:
             # Still indexed: their slots were held busy since the lookup.
             if on_disk:
                 assert self.disk is not None
                 self._disk_load_slots.append(slot)
-                self._disk_load_blocks.append(block_ids[first + k])
+                self._disk_load_blocks.append(block_ids[group][i])
                 self._disk_load_hashes.append(block_hash)
                 self.disk.touch(block_hash)
                 self.stats.disk_loaded += 1
             else:
                 assert self.host is not None
                 self._load_slots.append(slot)
-                self._load_blocks.append(block_ids[first + k])
+                self._load_blocks.append(block_ids[group][i])
                 self.host.touch(block_hash)
-        n = len(self._found)
         self.stats.queries += self._queried
-        self.stats.hits += n
-        self.stats.loaded += n
+        self.stats.hits += self._hit_blocks
+        self.stats.loaded += len(self._found)
         self._found = []
-        self._queried = 0
+        self._queried = self._hit_blocks = 0
 
     def answered(self, output: TierOutput) -> None:
         """A worker's report: time in loads, and disk slots it could not verify (their
@@ -350,18 +440,18 @@ class KVTier:
                 level.check_invariants()
 
     # -- two-phase loads and promotion (enginecore/kv_tier_loads.py) ----------------
-    def take_found(self) -> list[tuple[bytes, int, bool]]:
+    def take_found(self) -> list[tuple[bytes, int, bool, int, int]]:
         """The last lookup's (hash, slot, from disk) for a request admitted to load over
         later steps; its lookup counts here, once."""
-        found, n = self._found, len(self._found)
+        found = self._found
         self.stats.queries += self._queried
-        self.stats.hits += n
-        for block_hash, _, on_disk in found:
+        self.stats.hits += self._hit_blocks
+        for block_hash, _, on_disk, *_ in found:
             level = self.disk if on_disk else self.host
             assert level is not None
             level.touch(block_hash)
         self._found = []
-        self._queried = 0
+        self._queried = self._hit_blocks = 0
         return found
 
     def queue_load(self, block_hash: bytes, slot: int, on_disk: bool, block_id: int) -> None:

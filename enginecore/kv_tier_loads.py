@@ -37,13 +37,13 @@ DEFAULT_LOAD_BYTES = 64 << 20
 
 @dataclass
 class Loading:
-    """One loading request: its tier blocks (hash, slot, from disk), after num_hit
-    tokens found on the device, and how far they went."""
+    """One loading request: its tier blocks (hash, slot, from disk, group, position),
+    after num_hit tokens found on the device, and how far they went."""
 
     request: Request
     num_hit: int
     block_ids: list[int]
-    found: list[tuple[bytes, int, bool]]
+    found: list[tuple[bytes, int, bool, int, int]]  # KVTier._found's
     sent: int = 0  # entries of found whose loads went out
     last_step: int = 0  # the last step that carried its loads
     first_bad: int = 1 << 62  # index in found of the first block a worker failed
@@ -67,6 +67,15 @@ class TierLoads:
         # (device block, hash) loaded from disk and verified: into host memory next step.
         self._promote: list[tuple[int, bytes]] = []
 
+    @classmethod
+    def make(cls, kv: KVCacheManager, load_bytes: int = 0) -> TierLoads | None:
+        """Two-phase loads for kv's tier; None without a tier, or for several KV cache
+        groups (a hybrid model's disk loads go with the step that computes them, which
+        recomputes a failed read from the request's device boundary)."""
+        if kv.tier is None or kv.tier.hybrid:
+            return None
+        return cls(kv, load_bytes)
+
     def __len__(self) -> int:
         return len(self.loading) + len(self.ready)
 
@@ -79,7 +88,7 @@ class TierLoads:
         """After the tier lookup found num_tier tokens: allocate the request's blocks for
         its whole prompt (unpublished) and queue its loads; False (nothing changed) when
         the pool is short."""
-        kv, bs = self.kv, self.tier.block_size
+        kv = self.kv
         num_new = request.num_tokens - num_hit - num_tier
         blocks = kv.allocate_slots(
             request, num_new, num_hit, hits if num_hit else None, 0, num_tier, True
@@ -88,8 +97,7 @@ class TierLoads:
             return False
         found = self.tier.take_found()
         table = kv.get_block_ids(request.request_id)[0]
-        first = num_hit // bs
-        st = Loading(request, num_hit, table[first : first + len(found)], found)
+        st = Loading(request, num_hit, [table[entry[4]] for entry in found], found)
         st.first_bad = len(found)
         request.num_computed_tokens = num_hit
         self.loading[request.request_id] = st
@@ -126,7 +134,7 @@ class TierLoads:
                 break
             end = min(len(st.found), st.sent + room)
             for k in range(st.sent, end):
-                block_hash, slot, on_disk = st.found[k]
+                block_hash, slot, on_disk = st.found[k][:3]
                 tier.queue_load(block_hash, slot, on_disk, st.block_ids[k])
                 if on_disk:
                     st.disk_slots[slot] = k
@@ -147,7 +155,7 @@ class TierLoads:
         store takes them before they are read."""
         tier = self.tier
         for st in self.loading.values():
-            for _, slot, on_disk in st.found[st.sent :]:
+            for _, slot, on_disk, *_ in st.found[st.sent :]:
                 level = tier.disk if on_disk else tier.host
                 assert level is not None
                 level.busy.add(slot)

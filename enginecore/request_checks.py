@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from enginecore.errors import ConfigError
 from protocol.engine import priority_error
 
 if TYPE_CHECKING:
@@ -43,18 +42,3 @@ def request_error(
             f"need {need} blocks, the cache has {kv.num_usable_blocks}"
         )
     return None
-
-
-def check_capacity(kv: KVCacheManager, config: SchedulerConfig) -> None:
-    """ConfigError unless one request of max_model_len tokens fits the pool: refusing
-    to start beats failing every long request later."""
-    max_len, chunk = config.max_model_len, config.max_num_batched_tokens
-    need = kv.max_blocks_held(max_len, chunk)
-    if need > kv.num_usable_blocks:
-        fits = kv.longest_request(max_len, chunk)
-        raise ConfigError(
-            f"the KV cache holds {kv.num_usable_blocks} blocks, but one request of "
-            f"max_model_len {max_len} tokens needs {need}: "
-            "raise --num-gpu-blocks or --kv-cache-memory, or lower --max-model-len"
-            + (f" (at most {fits} fits)" if fits else "")
-        )

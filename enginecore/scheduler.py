@@ -24,11 +24,12 @@ from itertools import repeat
 
 from msgspec.structs import replace
 
+from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
 from enginecore.kv_step_log import describe_kv_step
 from enginecore.kv_tier_loads import TierLoads
 from enginecore.request import Request, RequestStatus
-from enginecore.request_checks import check_capacity, request_error
+from enginecore.request_checks import request_error
 from enginecore.request_queue import make_request_queue
 from enginecore.runner_output import (
     attach_first_token_extras,
@@ -53,7 +54,6 @@ from protocol.speculative import SpeculativeConfig
 from protocol.worker import (
     CachedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     TierOutput,
     is_answered,
@@ -75,6 +75,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     hash_algo: HashAlgo
     scheduling_policy: SchedulingPolicy
+    # A decoding step's prefill tokens per open request (step_plan.prefill_room); 0: no cap.
+    prefill_tokens_per_request: int = 0
     enable_kv_events: bool = False
     kv_events_medium: str = MEDIUM_GPU  # where the workers keep KV ("GPU" or "CPU")
     hash_seed: bytes | None = None  # the block-hash root's secret (see block_hash.root_hash)
@@ -114,11 +116,11 @@ class Scheduler:
             kv_tier_slots=config.kv_tier_slots,
             kv_tier_disk_slots=config.kv_tier_disk_slots,
         )
+        if (tier := self.kv_cache_manager.tier) is not None and tier.disk is not None:
+            tier.cap_blocks = (config.max_num_batched_tokens - 1) // tier.block_size
         self.requests: dict[str, Request] = {}
-        tier = self.kv_cache_manager.tier  # tier hits too long for one step load first:
-        self.loads = (
-            None if tier is None else TierLoads(self.kv_cache_manager, config.kv_tier_load_bytes)
-        )
+        # Disk hits load before they compute (kv_tier_loads.py); None: no such loads.
+        self.loads = TierLoads.make(self.kv_cache_manager, config.kv_tier_load_bytes)
         spec = config.speculative_config
         self.spec = None if spec is None else Speculator(spec, self.kv_cache_manager, vocab_size)
         self.waiting = make_request_queue(config.scheduling_policy)
@@ -193,7 +195,12 @@ class Scheduler:
     def check_capacity(self) -> None:
         """ConfigError unless one request of max_model_len tokens fits the pool: refusing
         to start beats failing every long request later."""
-        check_capacity(self.kv_cache_manager, self.config)
+        config = self.config
+        error = self.kv_cache_manager.capacity_error(
+            config.max_model_len, config.max_num_batched_tokens
+        )
+        if error:
+            raise ConfigError(error)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -306,6 +313,7 @@ class Scheduler:
         counts, preempted = plan.cached_counts, plan.preempted
         budget = plan.budget
         spec = self.spec
+        per_request = self.config.prefill_tokens_per_request
         num_due = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -321,8 +329,14 @@ class Scheduler:
                 # decodes never wait a step behind a prefill (one token when not even
                 # that fits, so the chunk still moves). cap <= budget.
                 cap = budget - (len(running) - i - 1)
+                if cap < 1:
+                    cap = 1
+                if per_request:  # nor more than the decodes beside it allow
+                    room = plan.prefill_room(running, len(self.waiting), per_request)
+                    if room < cap:
+                        cap = room  # 0: it waits for a step with room
                 if num_new > cap:
-                    num_new = cap if cap > 1 else 1
+                    num_new = cap
             if computed + num_new > max_len:
                 num_new = max_len - computed
             if num_new <= 0:
@@ -339,10 +353,8 @@ class Scheduler:
                 new_blocks = allocate(request, num_new)
                 if new_blocks is not None:
                     break
-                # A loading request first: it made the least progress, and no worker knows it.
-                loading = self.loads.last() if self.loads else None
-                victim = running.pop() if loading is None else loading
-                self._preempt(victim)
+                loading = self.loads.last() if self.loads else None  # first: least progress
+                self._preempt(victim := loading or running.pop())
                 if loading is None:
                     preempted.append(victim.request_id)
                 if victim is request:
@@ -361,6 +373,8 @@ class Scheduler:
                 num_due += 1
                 request.num_pending_tokens = pending + 1
             budget -= num_new + k
+            if remaining > 1 and per_request:
+                plan.prefill_left -= num_new
             i += 1
         plan.total += plan.budget - budget
         plan.budget = budget
@@ -372,11 +386,14 @@ class Scheduler:
         budget, max_num_seqs and the pool allow."""
         kv = self.kv_cache_manager
         running, waiting = self.running, self.waiting
-        loads = self.loads
+        per_request = self.config.prefill_tokens_per_request
+        loads = self.loads  # two-phase disk loads (one full-attention group)
         ready = loads.ready if loads is not None else ()  # loaded from the tier: first
         while (ready or waiting) and plan.budget > 0:
             if len(running) + len(loads or ()) - bool(ready) >= self.config.max_num_seqs:
                 break
+            if per_request and plan.prefill_room(running, len(self.waiting), per_request) <= 0:
+                break  # the running requests' decodes keep their pace
             request = ready[0] if ready else waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a step in flight: resume once its token is known
@@ -384,16 +401,21 @@ class Scheduler:
             hits, num_hit = (None, 0) if held else kv.get_computed_blocks(request)
             # Blocks past the device hit that the KV tier holds load into new blocks.
             tier = None if request.skip_reading_prefix_cache or held else kv.tier
-            num_tier = tier.lookup(request, num_hit, 1 << 62) if tier is not None else 0
+            limit = plan.budget if loads is None else 1 << 62  # loads first: no cap
+            num_tier = kv.lookup_tier(request, num_hit, limit) if tier is not None else 0
+            # Hybrid: a disk load may fail; the worker then recomputes it within the budget.
+            reserve = tier.reserve if tier is not None and loads is None else 0
             base = request.num_computed_tokens if held else 0
-            num_new = min(request.num_tokens - base - num_hit - num_tier, plan.budget)
+            num_new = min(request.num_tokens - base - num_hit - num_tier, plan.budget - reserve)
+            if per_request and num_new > plan.prefill_left:
+                num_new = plan.prefill_left
             if (
                 request.known_to_worker
                 and running
                 and not resume_fits(kv, running, request.num_tokens + 1, self.config)
             ):
                 break  # resumed now, it would be the next victim: wait for room
-            if tier is not None and tier.reserve:  # disk hits load first (kv_tier_loads.py)
+            if loads is not None and tier is not None and tier.reserve:  # kv_tier_loads.py
                 if not loads.admit(request, num_hit, hits, num_tier):  # type: ignore[union-attr]
                     break
                 waiting.pop_head()
@@ -404,7 +426,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
             if tier is not None:  # admitted: its lookup counts once, its loads go out
-                tier.load_found(kv.get_block_ids(request.request_id)[0], num_hit)
+                tier.load_found(kv.get_block_ids(request.request_id), num_hit)
                 num_hit += num_tier  # loaded before the step's forward: computed
             num_hit += base
             ready.popleft() if held else waiting.pop_head()  # type: ignore[union-attr]
@@ -420,33 +442,16 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
                 self.num_prompt_cached_tokens += num_hit
                 self.num_prompt_computed_tokens += request.num_prompt_tokens - num_hit
-            table = kv.get_block_ids(request.request_id)
-            if request.known_to_worker:
-                # Resumed after preemption: the worker kept its tokens; the table is new.
-                plan.cached_ids.append(request.request_id)
-                plan.cached_blocks.append(table)
-                plan.cached_computed.append(num_hit)
-                plan.cached_resumed.append(True)
-                plan.cached_counts.append(num_new)
-            else:
-                # Scheduled for the first time: its queue time goes with its first token.
+            if not request.known_to_worker:  # its queue time goes with its first token
                 self._queue_times[request.request_id] = time.monotonic() - request.arrived_at
-                plan.new_reqs.append(
-                    NewRequestData(
-                        request.request_id,
-                        request.all_token_ids[: request.num_tokens],
-                        request.sampling_params,
-                        table,
-                        num_hit,
-                    )
-                )
-                plan.new_counts.append(num_new)
-                request.known_to_worker = True
+            plan.add_admitted(request, kv.get_block_ids(request.request_id), num_hit, num_new)
             if num_hit + num_new == request.num_tokens:
                 plan.num_due += 1
                 request.num_pending_tokens = 1
-            plan.budget -= num_new
+            plan.budget -= num_new + reserve
             plan.total += num_new
+            if per_request:
+                plan.prefill_left -= num_new
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         """Encode the step: the delta the workers apply."""
@@ -475,8 +480,11 @@ class Scheduler:
             preempted_req_ids=plan.preempted,
             spec_token_ids=plan.spec_token_ids,
         )
-        if self.loads is not None:  # with a tier: its transfers
-            so = with_kv_tier(so, self.loads.take_ops(self.step_id))
+        if kv.tier is not None:  # its transfers, with two-phase loads' share
+            loads = self.loads
+            so = with_kv_tier(
+                so, kv.tier.take_ops() if loads is None else loads.take_ops(self.step_id)
+            )
         if is_answered(so):  # it runs tokens, or loads to report on
             self._due.append((self.step_id, plan.num_due))
         return so

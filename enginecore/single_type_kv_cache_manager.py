@@ -161,6 +161,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = spec.sliding_window
         # A query at token L reads L - window + 1 .. L - 1 from the cache.
         self._blocks_needed = -(-(spec.sliding_window - 1) // self.block_size)
+        self.blocks_needed = self._blocks_needed  # for the KV tier's loads
         # Requests whose leading null blocks grew since the last SchedulerOutput, with
         # the new count: the worker's table must forget those block ids too.
         self.skipped_changed: dict[str, int] = {}

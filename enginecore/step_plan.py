@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 # Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
 NO_DRAFTS: dict[str, list[int]] = {}
+# The prefill tokens a step with decodes may always carry, however few decodes it has:
+# a prompt arriving beside one running request still moves at a useful pace.
+MIN_PREFILL_CHUNK = 32
+_UNKNOWN = -1
 
 
 class StepPlan:
@@ -31,6 +35,7 @@ class StepPlan:
         "num_due",
         "num_running",
         "preempted",
+        "prefill_left",
         "spec_token_ids",
         "total",
     )
@@ -41,6 +46,9 @@ class StepPlan:
         self.num_running = 0  # leading cached_* entries that are running requests
         self.num_due = 0  # requests whose tokens this step completes: each samples one
         self.preempted: list[str] = []
+        # Prefill tokens the step's decodes still allow (prefill_room); counted when the
+        # first prefill needs it, so decode-only steps never walk the running requests.
+        self.prefill_left = _UNKNOWN
         self.cached_ids: list[str] = []
         self.cached_blocks: list[list[list[int]] | None] = []
         self.cached_computed: list[int] = []
@@ -52,6 +60,47 @@ class StepPlan:
         # Drafts per request id (speculative decoding); the shared empty dict when none,
         # so a step without drafts builds nothing.
         self.spec_token_ids: dict[str, list[int]] = NO_DRAFTS
+
+    def prefill_room(self, running: list[Request], num_waiting: int, per_request: int) -> int:
+        """Prefill tokens this step may still take: the whole budget when no running
+        request decodes (nobody waits for a token), else per_request for each open request,
+        running or waiting (at least MIN_PREFILL_CHUNK): a few decodes keep their pace
+        beside a new prompt, and a long queue still fills the step."""
+        if self.prefill_left == _UNKNOWN:
+            self.prefill_left = self.budget
+            for request in running:
+                # One token to go (its own, or the one in flight): it decodes. A prompt
+                # finished earlier in this loop counts too: it decodes from the next step.
+                left = len(request.all_token_ids) + request.num_pending_tokens
+                if left - request.num_computed_tokens <= 1:
+                    room = per_request * (len(running) + num_waiting)
+                    self.prefill_left = room if room > MIN_PREFILL_CHUNK else MIN_PREFILL_CHUNK
+                    break
+        return self.prefill_left
+
+    def add_admitted(
+        self, request: Request, table: list[list[int]], num_hit: int, num_new: int
+    ) -> None:
+        """An admitted request, from token num_hit: resumed after preemption (the worker
+        kept its tokens; the table is new), or new (its prompt and whole table)."""
+        if request.known_to_worker:
+            self.cached_ids.append(request.request_id)
+            self.cached_blocks.append(table)
+            self.cached_computed.append(num_hit)
+            self.cached_resumed.append(True)
+            self.cached_counts.append(num_new)
+            return
+        self.new_reqs.append(
+            NewRequestData(
+                request.request_id,
+                request.all_token_ids[: request.num_tokens],
+                request.sampling_params,
+                table,
+                num_hit,
+            )
+        )
+        self.new_counts.append(num_new)
+        request.known_to_worker = True
 
     def add_drafts(self, request_id: str, drafts: list[int]) -> int:
         """Send drafts for a request; how many."""

@@ -17,6 +17,7 @@ from typing import Any
 from launch.cli_flags import build_parser, engine_kwargs
 from launch.client.signals import Terminated, install_signal_handlers
 from launch.input_lines import read_inputs
+from protocol.gc_heap import freeze_startup_heap
 
 
 def _start_command(args: argparse.Namespace) -> None:
@@ -77,6 +78,7 @@ def generate(args: argparse.Namespace) -> int:
             **_engine_kwargs(args),
         )
         writer.start()  # the engine is up: only now may an existing file go
+        freeze_startup_heap()
         for i, (_, it) in enumerate(items):
             if isinstance(it, str):
                 writer.write(i, CompletionOutput(i, [], finish_reason="error", error=it))

@@ -38,6 +38,34 @@ _port = ranged("--port", int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 _WORKER_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(WorkerConfig)}
 
 
+def _add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
+    """The second KV tier's flags (docs/kv_tier.md)."""
+    p.add_argument(
+        "--kv-offload-memory",
+        type=parse_bytes("--kv-offload-memory"),
+        help="host memory per worker for a second KV tier: evicted prefix-cache blocks are "
+        "kept there and loaded back instead of recomputed (e.g. 8GiB; default: off)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        help="a disk level for the second KV tier (one file per block and rank), behind "
+        "--kv-offload-memory or alone; indexed again at start-up: a restart keeps its "
+        "prefix cache (with a fixed --prefix-cache-hash-seed-file)",
+    )
+    p.add_argument(
+        "--kv-cache-dir-size",
+        type=parse_bytes("--kv-cache-dir-size"),
+        help="disk each worker may use under --kv-cache-dir: the disk level's capacity "
+        "(default: 16GiB)",
+    )
+    p.add_argument(
+        "--kv-tier-load-bytes",
+        type=parse_bytes("--kv-tier-load-bytes"),
+        help="disk tier bytes per worker one step loads for requests that load before "
+        "they compute; less stalls running requests less (default: 64MiB)",
+    )
+
+
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     """The flags both commands pass to their workers (named as WORKER_SETTINGS reads them)."""
     p.add_argument(
@@ -70,30 +98,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "4 GiB on the CPU (at most a quarter of the available host memory, see "
         "docs/generate.md), on a GPU what --gpu-memory-utilization leaves",
     )
-    p.add_argument(
-        "--kv-offload-memory",
-        type=parse_bytes("--kv-offload-memory"),
-        help="host memory per worker for a second KV tier: evicted prefix-cache blocks are "
-        "kept there and loaded back instead of recomputed (e.g. 8GiB; default: off)",
-    )
-    p.add_argument(
-        "--kv-cache-dir",
-        help="a disk level for the second KV tier (one file per block and rank), behind "
-        "--kv-offload-memory or alone; indexed again at start-up: a restart keeps its "
-        "prefix cache (with a fixed --prefix-cache-hash-seed-file)",
-    )
-    p.add_argument(
-        "--kv-cache-dir-size",
-        type=parse_bytes("--kv-cache-dir-size"),
-        help="disk each worker may use under --kv-cache-dir: the disk level's capacity "
-        "(default: 16GiB)",
-    )
-    p.add_argument(
-        "--kv-tier-load-bytes",
-        type=parse_bytes("--kv-tier-load-bytes"),
-        help="disk tier bytes per worker one step loads for requests that load before "
-        "they compute; less stalls running requests less (default: 64MiB)",
-    )
+    _add_kv_tier_flags(p)
     p.add_argument(
         "--gpu-memory-utilization",
         type=fraction("--gpu-memory-utilization"),
@@ -109,6 +114,15 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         default=EngineArgs.max_num_batched_tokens,
         help="tokens per step (default: 8192 on a GPU, 512 on the CPU; a GPU worker "
         "profiles a step this large to size its KV cache)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-request",
+        type=ranged("--prefill-tokens-per-request", int, lambda v: v >= 0, ">= 0"),
+        default=EngineArgs.prefill_tokens_per_request,
+        help="in a step that decodes, at most this many prefill tokens per open request "
+        "(running or waiting; at least 32): a prompt arriving beside a few decoding requests "
+        "is cut into small chunks so that their inter-token latency stays bounded, a long "
+        "queue still fills the step (0: no cap; default: 8 on the CPU, 0 on a GPU)",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -557,6 +571,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_tier_load_bytes=args.kv_tier_load_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_tokens_per_request=args.prefill_tokens_per_request,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -33,6 +33,13 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 # burst, and every decode sharing the step, wait longer for the same throughput.
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 512
+# Prefill tokens a step that decodes may carry per open request (running or waiting), by
+# device (0: no cap). Every decode in a CPU step waits for the step's prefill tokens, whose
+# time is linear in their count: a prompt arriving beside a few running requests is cut
+# into small chunks, so their inter-token latency stays bounded, while a long queue (a
+# burst, an offline batch) still gets the whole budget. A GPU step's time barely grows.
+GPU_PREFILL_TOKENS_PER_REQUEST = 0
+CPU_PREFILL_TOKENS_PER_REQUEST = 8
 
 
 def max_num_batched_tokens_for(device: str, configured: int | None) -> int:
@@ -41,6 +48,14 @@ def max_num_batched_tokens_for(device: str, configured: int | None) -> int:
     if configured is not None:
         return configured
     return CPU_MAX_NUM_BATCHED_TOKENS if device == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
+
+
+def prefill_tokens_per_request_for(device: str, configured: int | None) -> int:
+    """The prefill tokens a step may carry per open request on device: the configured number,
+    else that device's default (0: no cap)."""
+    if configured is not None:
+        return configured
+    return CPU_PREFILL_TOKENS_PER_REQUEST if device == "cpu" else GPU_PREFILL_TOKENS_PER_REQUEST
 
 
 # Which fields have a default. A setting that has a default in EngineArgs (or another
@@ -60,6 +75,8 @@ class EngineCoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     worker_address: str  # where the core binds for its workers (see worker_sockets)
     world_size: int
     max_num_batched_tokens: int | None  # None: the workers' device's default
+    # A decoding step's prefill tokens per open request (0: no cap); None: device default.
+    prefill_tokens_per_request: int | None
     max_num_seqs: int
     max_model_len: int | None  # None: the model's own limit
     enable_prefix_caching: bool

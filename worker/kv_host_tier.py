@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from protocol.config import WorkerConfig
+from protocol.kv_cache import FullAttentionSpec
 from protocol.worker import (
     KVTierOps,
     ModelRunnerOutput,
@@ -25,7 +26,7 @@ from protocol.worker import (
     WorkerConfigure,
 )
 from worker.kv_disk_tier import DiskKVTier, fingerprint
-from worker.kv_tier_recompute import recompute_failed
+from worker.kv_tier_recompute import recompute_failed, recompute_failed_groups
 from worker.parallel import TPContext
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -60,6 +61,9 @@ class HostKVTier:
         # Reported with the next answer (TierOutput), then reset.
         self.load_seconds = 0.0
         self.failed_disk_slots: list[int] = []
+        # Several KV cache groups: per group None for full attention, else its sliding
+        # window in tokens (recompute_failed_groups); None: one full-attention group.
+        self.windows: list[int | None] | None = None
 
     def close(self) -> None:
         if self.disk is not None:
@@ -71,6 +75,10 @@ class HostKVTier:
         failed = self.apply(so.kv_tier)
         if not failed:
             return so
+        if self.windows is not None:
+            ops = so.kv_tier
+            loaded = {*ops.load_block_ids, *ops.disk_load_block_ids}
+            return recompute_failed_groups(so, failed, loaded, self.block_size, self.windows)
         return recompute_failed(so, failed, self.block_size)
 
     def answer(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -234,11 +242,21 @@ def make_kv_tier(
     holds from earlier runs."""
     if not msg.kv_tier_slots and msg.kv_tier_dir is None:
         return None, []
-    tier = HostKVTier(kv_caches, msg.kv_tier_slots, tp)
+    buffers = shared_buffers(kv_caches)
+    tier = HostKVTier(buffers, msg.kv_tier_slots, tp)
+    groups = msg.kv_cache_config.kv_cache_groups
+    hybrid = len(groups) > 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec)
+    if hybrid:
+        tier.windows = [
+            None if isinstance(spec, FullAttentionSpec) else spec.sliding_window
+            for spec in (g.kv_cache_spec for g in groups)
+        ]
     if msg.kv_tier_dir is None:
         return tier, []
     # A block's shape, not the pool's: a restart with another pool size keeps its blocks.
-    layout = [(tuple(k.shape[1:]), str(k.dtype)) for k, _ in kv_caches]
+    layout: list[object] = [(tuple(k.shape[1:]), str(k.dtype)) for k, _ in buffers]
+    if hybrid:  # which layers a slot's bytes are, in which group (one group: as before)
+        layout.append([(g.layer_names, g.kv_cache_spec) for g in groups])
     fp = fingerprint(
         config.model, layout, config.rank, config.world_size, msg.kv_tier_key, tier.block_bytes
     )
@@ -247,6 +265,21 @@ def make_kv_tier(
     disk = DiskKVTier(msg.kv_tier_dir, config.rank, fp, msg.kv_tier_dir_slots, tier.block_bytes)
     tier.disk = disk
     return tier, [RestoredBlock(*entry) for entry in disk.restore()]
+
+
+def shared_buffers(kv_caches: KVCaches) -> KVCaches:
+    """The distinct buffers behind the layers' caches, in layer order. Layers of several
+    KV cache groups share them (buffer k serves layer k of each group) and a block id
+    belongs to one group at a time, so block B of every buffer is exactly its group's
+    layers: a tier slot holds one group's layers, whatever the group. One group: one
+    buffer per layer, as before."""
+    seen: set[int] = set()
+    out: KVCaches = []
+    for key, value in kv_caches:
+        if key.data_ptr() not in seen:
+            seen.add(key.data_ptr())
+            out.append((key, value))
+    return out
 
 
 def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:

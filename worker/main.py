@@ -23,6 +23,7 @@ import zmq
 
 from protocol.codec import Codec
 from protocol.config import WorkerConfig, any_port, parent_alive, read_config, worker_sockets
+from protocol.gc_heap import freeze_startup_heap
 from protocol.sockets import (
     DueWait,
     lower_timer_slack,
@@ -169,6 +170,7 @@ def _serve_messages(
             answered, held = ran
         elif isinstance(msg, WorkerConfigure):
             runner.initialize(msg)
+            freeze_startup_heap()  # the model and the KV cache are in place: serving starts
             allocated = WorkerReady(
                 config.rank, msg.kv_cache_config.num_blocks, runner.kv_tier_restored
             )

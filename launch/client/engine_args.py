@@ -76,6 +76,7 @@ def runner_config(args: EngineArgs, rank: int = 0, world_size: int = 1) -> Worke
 # EngineArgs settings that EngineCoreConfig carries under the same name.
 CORE_SETTINGS = (
     "max_num_batched_tokens",
+    "prefill_tokens_per_request",
     "max_num_seqs",
     "max_model_len",
     "enable_prefix_caching",
@@ -135,6 +136,10 @@ class EngineArgs:
     # Tokens per step; None: the device's default (protocol.config.max_num_batched_tokens_for:
     # 8192 on a GPU, 512 on the CPU).
     max_num_batched_tokens: int | None = None
+    # In a step that decodes, prefill tokens per open request (0: no cap); None: the
+    # device's default (protocol.config.prefill_tokens_per_request_for: 8 on the CPU, none
+    # on a GPU), so that decodes beside a new prompt keep their pace.
+    prefill_tokens_per_request: int | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -222,6 +227,10 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.prefill_tokens_per_request is not None and self.prefill_tokens_per_request < 0:
+            raise ValueError(
+                f"prefill_tokens_per_request must be >= 0, got {self.prefill_tokens_per_request}"
             )
         for name in ("startup_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:

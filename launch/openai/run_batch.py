@@ -30,6 +30,7 @@ import msgspec
 from launch.client.signals import Terminated
 from launch.openai.api_server import OpenAIServer
 from launch.output_file import JsonLinesOutput
+from protocol.gc_heap import freeze_startup_heap
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # Requests handed to the server at once (one worker task each): the engine's queue holds the
@@ -168,6 +169,7 @@ def run(api: OpenAIServer, input_path: Path, output: JsonLinesOutput, progress: 
     async def main() -> None:
         stop.attach()
         await api.engine.start()
+        freeze_startup_heap()
         output.start()  # the engine is up: only now may an existing file go
         try:
             await run_batch(api, lines, write, report)

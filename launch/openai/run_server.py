@@ -33,6 +33,7 @@ from launch.openai.api_server import CORS, OpenAIServer
 from launch.openai.connections import MAX_HEAD_BYTES, ConnectionLimits, guarded_protocol
 from launch.openai.metrics import STATS_LOGGER, StatsLog
 from launch.openai.tool_parsers import TOOL_CALL_PARSERS
+from protocol.gc_heap import freeze_startup_heap
 
 log = logging.getLogger("pagedserve.serve")
 
@@ -249,6 +250,7 @@ def _config(api: OpenAIServer, engine: AsyncLLM, args: argparse.Namespace) -> uv
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         await engine.start()
+        freeze_startup_heap()  # the app, the tokenizer and the engine client are up
         stats = None
         if not args.disable_log_stats:
             stats = asyncio.get_running_loop().create_task(

@@ -30,7 +30,7 @@ def test_the_scheduler_takes_the_launcher_s_settings_and_the_core_s_limits() -> 
     assert sched.enable_prefix_caching is False
     assert (sched.max_model_len, sched.hash_seed) == (77, b"k")
     for name in SCHEDULER_SETTINGS:
-        if name != "max_num_batched_tokens":
+        if name not in ("max_num_batched_tokens", "prefill_tokens_per_request"):
             assert getattr(sched, name) == getattr(config, name)
 
 
@@ -43,6 +43,17 @@ def test_the_step_budget_is_the_user_s_or_the_device_s_default() -> None:
             _config(max_num_batched_tokens=96), device=device, max_model_len=8
         )
         assert chosen.max_num_batched_tokens == 96
+
+
+def test_the_prefill_beside_decodes_is_the_user_s_or_the_device_s_default() -> None:
+    unset = _config()
+    assert scheduler_config(unset, device="cpu", max_model_len=8).prefill_tokens_per_request == 8
+    assert scheduler_config(unset, device="cuda", max_model_len=8).prefill_tokens_per_request == 0
+    for device in ("cpu", "cuda"):
+        for chosen in (0, 24):
+            config = _config(prefill_tokens_per_request=chosen)
+            sched = scheduler_config(config, device=device, max_model_len=8)
+            assert sched.prefill_tokens_per_request == chosen
 
 
 def test_the_hash_seed_is_the_user_s_or_fresh_at_each_start() -> None:

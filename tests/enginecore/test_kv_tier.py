@@ -16,7 +16,7 @@ from enginecore.kv_tier import KVTier
 from enginecore.request import Request
 from enginecore.scheduler import Scheduler
 from protocol.engine import SamplingParams
-from protocol.kv_cache import KVCacheGroupSpec
+from protocol.kv_cache import FullAttentionSpec, KVCacheGroupSpec
 from protocol.kv_events import BlockRemoved, BlockStored
 from protocol.worker import (
     ModelRunnerOutput,
@@ -26,7 +26,7 @@ from protocol.worker import (
     is_answered,
 )
 from tests.helpers.kv_helpers import SCHEDULER_VOCAB, full, sched_config, window
-from worker.kv_tier_recompute import recompute_failed
+from worker.kv_tier_recompute import recompute_failed, recompute_failed_groups
 
 BS = 4
 PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks each
@@ -35,10 +35,24 @@ PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks e
 Label = tuple[int, ...]
 
 
+# Hybrid layouts (tier_scheduler's windows): a window per group, None for full attention.
+FULL_ONLY: tuple[int | None, ...] = (None,)
+INTERLEAVED = (6, None)  # Qwen2's interleaved sliding window
+FIVE_TO_ONE = (6, 6, 6, 6, 6, None)  # Gemma 3's 5:1 mix, a group per layer
+
+
 def tier_scheduler(
-    num_blocks: int, slots: int, chunk: int = 64, events: bool = False, disk: int = 0
+    num_blocks: int,
+    slots: int,
+    chunk: int = 64,
+    events: bool = False,
+    disk: int = 0,
+    windows: tuple[int | None, ...] = FULL_ONLY,
 ) -> Scheduler:
-    groups = [KVCacheGroupSpec(["l0"], full(BS))]
+    groups = [
+        KVCacheGroupSpec([f"l{i}"], full(BS) if w is None else window(w, BS))
+        for i, w in enumerate(windows)
+    ]
     config = sched_config(
         48, max_num_batched_tokens=chunk, max_num_seqs=4, enable_prefix_caching=True
     )
@@ -50,11 +64,12 @@ def tier_scheduler(
 class SimWorker:
     """Block contents as labels; stores, loads and writes exactly as a worker runs them."""
 
-    def __init__(self, fail_every: int = 0) -> None:
+    def __init__(self, fail_every: int = 0, windows: tuple[int | None, ...] = FULL_ONLY) -> None:
         self.device: dict[int, list[Label | None]] = {}
         self.tier: dict[int, list[Label | None]] = {}
         self.disk: dict[int, list[Label | None]] = {}
-        self.tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[list[int]]] = {}  # per group
+        self.windows = windows
         self.loaded = 0
         self.fail_every = fail_every  # every n-th disk read fails (a damaged file)
         self.disk_reads = 0
@@ -71,7 +86,7 @@ class SimWorker:
             for slot, block in zip(ops.load_slots, ops.load_block_ids):
                 self.device[block] = list(self.tier[slot])
                 self.loaded += 1
-            failed = set()
+            failed, failed_slots = set(), []
             for slot, block in zip(ops.disk_load_slots, ops.disk_load_block_ids):
                 self.disk_reads += 1
                 if self.fail_every and self.disk_reads % self.fail_every == 0:
@@ -81,34 +96,44 @@ class SimWorker:
                 else:
                     self.device[block] = list(self.disk[slot])
                     self.loaded += 1
-            if failed:  # as the worker does: its requests recompute from that block
+            if failed and self.windows != FULL_ONLY:  # from the device boundary
+                loaded = {*ops.load_block_ids, *ops.disk_load_block_ids}
+                so = recompute_failed_groups(so, failed, loaded, BS, self.windows)
+            elif failed:  # as the worker does: its requests recompute from that block
                 so = recompute_failed(so, failed, BS)
             assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         for rid in [*so.finished_req_ids, *so.preempted_req_ids]:
             self.tables.pop(rid, None)
         for new in so.new_reqs:
-            self.tables[new.req_id] = list(new.block_ids[0])
+            self.tables[new.req_id] = [list(t) for t in new.block_ids]
         cached = so.cached_reqs
         for rid, ids, resumed in zip(cached.req_ids, cached.new_block_ids, cached.resumed):
             if resumed:
-                self.tables[rid] = list(ids[0])  # type: ignore[index]
+                self.tables[rid] = [list(t) for t in ids]  # type: ignore[union-attr]
             elif ids is not None:
-                self.tables[rid].extend(ids[0])
+                for table, more in zip(self.tables[rid], ids):
+                    table.extend(more)
         starts = [n.num_computed_tokens for n in so.new_reqs] + list(cached.num_computed_tokens)
         rids = [n.req_id for n in so.new_reqs] + list(cached.req_ids)
         steps = list(zip(rids, starts, so.num_scheduled_tokens))
         # Each layer writes the step's new KV before attention reads: a request may read
-        # positions another request of the same step writes.
+        # positions another request of the same step writes. Block 0 is the null block:
+        # never written, never read.
         for rid, start, count in steps:
-            tokens, table = sched.requests[rid].all_token_ids, self.tables[rid]
-            for p in range(start, start + count):
-                block = self.device.setdefault(table[p // BS], [None] * BS)
-                block[p % BS] = tuple(tokens[: p + 1])
+            tokens = sched.requests[rid].all_token_ids
+            for table in self.tables[rid]:
+                for p in range(start, start + count):
+                    assert table[p // BS] != 0, f"{rid} writes the null block at {p}"
+                    block = self.device.setdefault(table[p // BS], [None] * BS)
+                    block[p % BS] = tuple(tokens[: p + 1])
         for rid, start, count in steps:
-            tokens, table = sched.requests[rid].all_token_ids, self.tables[rid]
-            for p in range(start + count):  # what attention reads
-                got = self.device.get(table[p // BS], [None] * BS)[p % BS]
-                assert got == tuple(tokens[: p + 1]), f"{rid} reads wrong KV at {p}"
+            tokens = sched.requests[rid].all_token_ids
+            for table, w in zip(self.tables[rid], self.windows):
+                lo = 0 if w is None else max(0, start - w + 1)
+                for p in range(lo, start + count):  # what attention reads
+                    assert table[p // BS] != 0, f"{rid} reads the null block at {p}"
+                    got = self.device.get(table[p // BS], [None] * BS)[p % BS]
+                    assert got == tuple(tokens[: p + 1]), f"{rid} reads wrong KV at {p}"
         return failed_slots
 
 
@@ -188,15 +213,25 @@ def test_a_block_pushed_out_of_a_full_tier_is_announced_removed() -> None:
     assert events[2].block_hashes == [bytes(16)] and events[2].medium == "CPU"
 
 
-def test_a_tier_needs_one_full_attention_group() -> None:
-    groups = [KVCacheGroupSpec(["l0"], full(BS)), KVCacheGroupSpec(["l1"], window(8, BS))]
+def test_a_tier_refuses_group_layouts_it_cannot_keep() -> None:
     config = sched_config(48, enable_prefix_caching=True)
     config = type(config)(**{**config.__dict__, "kv_tier_slots": 4})
-    with pytest.raises(ConfigError, match="one full-attention KV cache group"):
-        Scheduler(config, with_num_blocks(groups, 16), SCHEDULER_VOCAB)
+    other_size = [KVCacheGroupSpec(["l0"], full(BS)), KVCacheGroupSpec(["l1"], window(8, 8))]
+    with pytest.raises(ConfigError, match="one block size"):
+        Scheduler(config, with_num_blocks(other_size, 16), SCHEDULER_VOCAB)
+    wide = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype="float16")
+    other_page = [KVCacheGroupSpec(["l0"], wide), KVCacheGroupSpec(["l1"], window(8, BS))]
+    with pytest.raises(ConfigError, match="one page size"):
+        Scheduler(config, with_num_blocks(other_page, 16), SCHEDULER_VOCAB)
+    disk = type(config)(**{**config.__dict__, "kv_tier_disk_slots": 4})
+    with pytest.raises(ConfigError, match="needs a full-attention layer"):
+        Scheduler(disk, with_num_blocks([KVCacheGroupSpec(["l0"], window(8))], 16), 1000)
+    # A sliding window alone, host memory only, and the hybrid mixes are kept.
+    alone = with_num_blocks([KVCacheGroupSpec(["l0"], window(8))], 16)
+    assert Scheduler(config, alone, SCHEDULER_VOCAB).kv_cache_manager.tier is not None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     requests=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(1, 9), max_size=6), st.integers(1, 4)),
@@ -210,6 +245,7 @@ def test_a_tier_needs_one_full_attention_group() -> None:
     chunk=st.sampled_from([5, 8, 64]),
     fail_every=st.sampled_from([0, 1, 3]),
     load_blocks=st.sampled_from([1, 2, 64]),
+    windows=st.sampled_from([FULL_ONLY, INTERLEAVED, FIVE_TO_ONE, (2, None), (9, 5, None), (5,)]),
 )
 def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
     requests: list[tuple[int, list[int], int]],
@@ -220,14 +256,19 @@ def test_device_pool_and_tier_never_serve_kv_of_other_tokens(
     chunk: int,
     fail_every: int,
     load_blocks: int,
+    windows: tuple[int | None, ...],
 ) -> None:
+    if None not in windows:  # a sliding window alone has no disk level
+        disk = 0
     if not slots and not disk:
         slots = 1
-    sched = tier_scheduler(num_blocks, slots, chunk, disk=disk)
-    assert sched.loads is not None
-    sched.loads.load_blocks = load_blocks  # disk hits load over this many blocks a step
+    # Several groups share the pool: as many blocks per group for the same work.
+    num_blocks = (num_blocks - 1) * len(windows) + 1
+    sched = tier_scheduler(num_blocks, slots, chunk, disk=disk, windows=windows)
+    if sched.loads is not None:  # one full-attention group: disk hits load first
+        sched.loads.load_blocks = load_blocks  # over this many blocks a step
     prompts = [(PREFIXES[p] + tail, m) for p, tail, m in requests]
-    worker = SimWorker(fail_every)
+    worker = SimWorker(fail_every, windows)
     for _ in range(rounds):  # later rounds find earlier prefixes on the device or tier
         drive(sched, worker, prompts)
 
@@ -265,6 +306,72 @@ def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
+
+
+@pytest.mark.parametrize("windows", [INTERLEAVED, FIVE_TO_ONE], ids=["interleaved", "5to1"])
+@pytest.mark.parametrize("disk", [0, 64], ids=["host", "disk"])
+def test_hybrid_groups_load_every_full_block_and_only_the_window_before_the_boundary(
+    windows: tuple[int | None, ...], disk: int
+) -> None:
+    # 7 usable blocks per group: doc_b evicts doc_a's blocks of every group. The tier
+    # keeps doc_a's full-attention blocks and each window's last two (a 6-token window
+    # reads 2 blocks of 4 before a boundary), and the third request loads exactly those.
+    groups = len(windows)
+    sched = tier_scheduler(
+        num_blocks=7 * groups + 1, slots=0 if disk else 64, disk=disk, windows=windows
+    )
+    worker = SimWorker(windows=windows)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and tier.stats.hits == 4
+    sliding = groups - 1
+    assert tier.stats.loaded == worker.loaded == 4 + 2 * sliding
+    assert sched.num_prompt_cached_tokens == 16
+    if disk:
+        assert tier.stats.disk_loaded == tier.stats.loaded
+
+
+@pytest.mark.parametrize("windows", [INTERLEAVED, FIVE_TO_ONE], ids=["interleaved", "5to1"])
+def test_a_hybrid_request_whose_disk_read_fails_recomputes_from_its_device_boundary(
+    windows: tuple[int | None, ...],
+) -> None:
+    # Every disk read fails: the worker reruns the request from its first loaded block,
+    # which the step's budget kept room for (SimWorker asserts both), and never reads
+    # or writes a null block where a window was padded.
+    sched = tier_scheduler(
+        num_blocks=7 * len(windows) + 1, slots=0, chunk=20, disk=64, windows=windows
+    )
+    worker = SimWorker(fail_every=1, windows=windows)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*doc_a, 6], 1)])
+    tier = sched.kv_cache_manager.tier
+    assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
+    assert tier.stats.failed == worker.disk_reads
+
+
+def test_hybrid_tier_events_name_each_block_s_group() -> None:
+    # The same hash names the same tokens in every group: a subscriber tells the
+    # groups' tier copies apart by group_idx, and sees only a window's blocks stored.
+    sched = tier_scheduler(num_blocks=15, slots=64, events=True, windows=INTERLEAVED)
+    worker = SimWorker(windows=INTERLEAVED)
+    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
+    drive(sched, worker, [([*doc_a, 5], 1)])
+    sched.take_kv_events()
+    drive(sched, worker, [([*doc_b, 5], 1)])
+    stored = [e for e in sched.take_kv_events() if e.medium == "CPU" and isinstance(e, BlockStored)]
+    by_group: dict[int | None, list[list[int]]] = {}
+    for e in stored:
+        by_group.setdefault(e.group_idx, []).append(e.token_ids)
+    blocks = [doc_a[i * 4 : (i + 1) * 4] for i in range(4)]
+    assert sorted(by_group[1]) == sorted(blocks)
+    # The window (2 blocks) before the prompt's end, and one more for a boundary in
+    # the last block: block 0 was released behind the window, never stored.
+    assert sorted(by_group[0]) == sorted(blocks[1:])
 
 
 # -- two-phase disk loads (enginecore/kv_tier_loads.py) -------------------------------

@@ -12,6 +12,7 @@ import pytest
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler
+from enginecore.step_plan import MIN_PREFILL_CHUNK
 from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
@@ -23,12 +24,19 @@ VOCAB = 100
 TOKEN = 7
 
 
-def make(num_blocks: int, budget: int, max_num_seqs: int = 16, policy: str = "fcfs") -> Scheduler:
+def make(
+    num_blocks: int,
+    budget: int | None,
+    max_num_seqs: int = 16,
+    policy: str = "fcfs",
+    per_request: int | None = None,
+) -> Scheduler:
     config = sched_config(
         2048,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         scheduling_policy=policy,
+        prefill_tokens_per_request=per_request,
     )
     groups = [KVCacheGroupSpec(["l0"], full())]  # blocks of 4 tokens
     return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB)
@@ -106,6 +114,54 @@ def test_running_decodes_run_in_every_step_beside_at_most_one_budget_of_prefill(
         assert so.total_num_scheduled_tokens <= budget
         prefill_steps += any(n > 1 for n in got.values())
     assert prefill_steps >= 3 * 150 // budget  # the prompts were chunked beside decodes
+
+
+@pytest.mark.parametrize(("decoding", "per_request"), [(1, None), (3, None), (12, None), (12, 0)])
+def test_a_prompt_beside_decodes_is_cut_to_what_they_allow(
+    decoding: int, per_request: int | None
+) -> None:
+    """Requests decode when a 384-token prompt arrives under the CPU's defaults: each step
+    carries at most 8 prefill tokens per open request (at least MIN_PREFILL_CHUNK), every
+    decode runs in every step, and the prompt still moves each step until its first token.
+    With the cap off (0) it takes the whole budget at once."""
+    sched = make(num_blocks=2000, budget=None, per_request=per_request)
+    room = sched.config.prefill_tokens_per_request * (decoding + 1)
+    room = max(room, MIN_PREFILL_CHUNK) if room else CPU_MAX_NUM_BATCHED_TOKENS - decoding
+    for i in range(decoding):
+        add(sched, f"d{i}", 8, 200)
+    step(sched)  # their prompts, in one step: nothing decoded yet, so no cap
+    add(sched, "p", 384, 4)
+    chunks = []
+    while sched.requests["p"].num_computed_tokens < 384:
+        so, _ = step(sched)
+        got = scheduled(so)
+        assert all(got[f"d{i}"] == 1 for i in range(decoding)), got
+        chunks.append(got["p"])
+    assert all(n == min(room, 384 - sum(chunks[:k])) for k, n in enumerate(chunks)), chunks
+
+
+def test_a_burst_with_nothing_decoding_takes_the_whole_budget() -> None:
+    sched = make(num_blocks=2000, budget=None)
+    for i in range(3):
+        add(sched, f"r{i}", 300, 4)
+    so, _ = step(sched)
+    assert scheduled(so) == {"r0": 300, "r1": 212}
+
+
+def test_a_long_queue_beside_decodes_still_fills_the_step() -> None:
+    """An offline batch: 64 prompts queued while the first ones decode. 8 tokens per open
+    request is the whole budget, so the queue is admitted as fast as without the cap."""
+    steps = {}
+    for per_request in (None, 0):
+        sched = make(num_blocks=8000, budget=None, max_num_seqs=64, per_request=per_request)
+        for i in range(64):
+            add(sched, f"r{i}", 128, 8)
+        sizes = []
+        while sched.waiting:
+            so, _ = step(sched)
+            sizes.append(so.total_num_scheduled_tokens)
+        steps[per_request] = sizes
+    assert steps[None] == steps[0]
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import torch
 from protocol.engine import SamplingParams
 from protocol.worker import CachedRequestData, KVTierOps, NewRequestData, SchedulerOutput
 from worker.kv_disk_tier import DiskKVTier
-from worker.kv_host_tier import HostKVTier
-from worker.kv_tier_recompute import recompute_failed
+from worker.kv_host_tier import HostKVTier, shared_buffers
+from worker.kv_tier_recompute import recompute_failed, recompute_failed_groups
 
 
 def _caches(num_blocks: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -159,3 +159,52 @@ def test_scattered_blocks_and_slots_move_to_the_right_places() -> None:
         assert [float(key[b].flatten()[0]) for b in (5, 3, 1)] == [
             float(before[b].flatten()[0]) for b in (4, 1, 2)
         ]
+
+
+def test_a_request_holding_another_s_failed_load_as_a_hit_does_not_rerun_it() -> None:
+    # "a" loaded blocks 9 and 10 and is admitted first; "b" found them as device hits.
+    # Only "a" reruns them (from block 9): its rerun writes them in this step, and "b"
+    # reads them after; rerunning "b" too would exceed the budget the core kept.
+    a = NewRequestData("a", list(range(13)), SamplingParams(), [[7, 8, 9, 10]], 12)
+    b = NewRequestData("b", list(range(14)), SamplingParams(), [[7, 8, 9, 10]], 13)
+    so = SchedulerOutput(3, [a, b], CachedRequestData([], [], [], [], []), [1, 1], 2, [], [])
+    out = recompute_failed(so, {9, 10}, 4)
+    assert [r.num_computed_tokens for r in out.new_reqs] == [8, 13]
+    assert out.total_num_scheduled_tokens == 6
+
+
+def test_a_hybrid_request_reruns_from_its_device_boundary_where_its_windows_are_real() -> None:
+    # Groups: a 6-token window (2 blocks of 4 before a boundary), full attention. "a"
+    # had 2 device blocks and loaded 3 (full: 9, 10, 11; window: 21, 22 before its
+    # boundary, 20 a real pad), and reruns from token 8 when any of them fails. "b" hit
+    # a's blocks (never its pad) and holds null blocks before its window: it reruns nothing.
+    windows = [6, None]
+    a = NewRequestData(
+        "a", list(range(21)), SamplingParams(), [[5, 6, 20, 21, 22], [7, 8, 9, 10, 11]], 20
+    )
+    b = NewRequestData(
+        "b", list(range(21)), SamplingParams(), [[0, 0, 0, 21, 22], [7, 8, 9, 10, 11]], 20
+    )
+    so = SchedulerOutput(3, [a, b], CachedRequestData([], [], [], [], []), [1, 1], 2, [], [])
+    loaded = {9, 10, 11, 21, 22}
+    out = recompute_failed_groups(so, {22}, loaded, 4, windows)
+    assert [r.num_computed_tokens for r in out.new_reqs] == [8, 20]
+    assert out.num_scheduled_tokens == [13, 1]
+    # No failed block among its tables: nothing changes.
+    out = recompute_failed_groups(so, {99}, loaded, 4, windows)
+    assert out.total_num_scheduled_tokens == 2
+
+
+def test_groups_sharing_buffers_give_one_slot_buffer_per_shared_buffer() -> None:
+    # Three groups of two layers on two buffers (buffer k serves layer k of each
+    # group), as the core plans them: a slot is one block of each buffer.
+    buffers = [torch.zeros(2, 6, 2, 1, 3) for _ in range(2)]
+    layers = [(buffers[k][0], buffers[k][1]) for _ in range(3) for k in range(2)]
+    shared = shared_buffers(layers)
+    assert len(shared) == 2
+    assert [k.data_ptr() for k, _ in shared] == [b[0].data_ptr() for b in buffers]
+    tier = HostKVTier(shared, num_slots=2)
+    assert tier.block_bytes == 2 * 2 * 2 * 3 * 4
+    buffers[1][0][3].fill_(5.0)
+    tier.apply(KVTierOps([3], [0], [0], [4]))
+    assert float(buffers[1][0][4].flatten()[0]) == 5.0
