@@ -203,12 +203,6 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         rid = request.request_id
         is_new = not request.holds_kv_blocks
-        if self.coordinator.holds_blocks(rid) == is_new:
-            if is_new:
-                raise InvariantViolation(
-                    f"duplicate request id {rid!r}: another request holds blocks"
-                )
-            raise InvariantViolation(f"request {rid!r} holds blocks of another KV cache")
         self._check_allocation(
             request,
             is_new,
@@ -285,6 +279,12 @@ class KVCacheManager:
         num_in_flight_tokens: int,
     ) -> None:
         rid = request.request_id
+        if self.coordinator.holds_blocks(rid) == is_new:
+            if is_new:
+                raise InvariantViolation(
+                    f"duplicate request id {rid!r}: another request holds blocks"
+                )
+            raise InvariantViolation(f"request {rid!r} holds blocks of another KV cache")
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
