@@ -583,7 +583,7 @@ class Scheduler:
         pc = kv.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.loads or ()),  # loading: not computing yet
             kv_cache_usage=kv.usage,
             prefix_cache_queries=pc.queries + pc.preempted_queries,
             prefix_cache_hits=pc.hits + pc.preempted_hits,

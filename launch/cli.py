@@ -264,6 +264,7 @@ def _tier_summary(s: Any) -> str:
         + (f", {t.disk_loaded_blocks} from disk" if t.disk_loaded_blocks else "")
         + f") in {t.load_seconds:.3f} s"
         + (f", {t.failed_blocks} unreadable (recomputed)" if t.failed_blocks else "")
+        + (f", {t.promoted_blocks} promoted to host memory" if t.promoted_blocks else "")
     )
 
 

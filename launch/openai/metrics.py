@@ -58,6 +58,7 @@ TIER_COUNTERS = {
     "disk_loaded_blocks": "Blocks loaded from the KV tier's disk level.",
     "failed_blocks": "Blocks whose disk read failed verification (recomputed instead).",
     "load_seconds": "Seconds the first worker spent loading KV tier blocks.",
+    "promoted_blocks": "Blocks loaded from the disk level and copied into host memory.",
 }
 
 
@@ -326,6 +327,7 @@ class EngineSeries:
         c["disk_loaded_blocks"].inc(now.disk_loaded_blocks - last.disk_loaded_blocks)
         c["failed_blocks"].inc(now.failed_blocks - last.failed_blocks)
         c["load_seconds"].inc(max(now.load_seconds - last.load_seconds, 0.0))
+        c["promoted_blocks"].inc(now.promoted_blocks - last.promoted_blocks)
 
     def update(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)

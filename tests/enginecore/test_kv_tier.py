@@ -475,6 +475,8 @@ def test_an_aborted_loading_request_frees_its_blocks() -> None:
     worker.run(so, sched)
     assert sched.loads is not None and len(sched.loads) == 1
     assert sched.kv_cache_manager.num_free_blocks < free
+    # Loading is waiting to users (/metrics): no token of it is computed yet.
+    assert (sched.stats().num_running, sched.stats().num_waiting) == (0, 1)
     sched.update_from_output(so, ModelRunnerOutput(so.step_id, [], []))
     sched.abort_requests(["late"])
     assert len(sched.loads) == 0 and not sched.has_unfinished_requests()

@@ -268,7 +268,7 @@ def test_a_refusal_by_the_waiting_bound_is_counted_as_vllm_names_it() -> None:
 def test_kv_tier_loads_their_time_and_failed_disk_reads_are_counted() -> None:
     metrics = ServerMetrics("m", 1024, lambda: 0)
     for loaded, disk, failed, seconds in ((4, 1, 0, 0.25), (10, 6, 2, 0.75)):
-        tier = KVTierStats(40, 4 * loaded, 20, loaded, 2048, disk, failed, seconds)
+        tier = KVTierStats(40, 4 * loaded, 20, loaded, 2048, disk, failed, seconds, disk - 1)
         metrics.on_stats(SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, kv_tier=tier))
     families = {
         s.name: s.value
@@ -279,3 +279,4 @@ def test_kv_tier_loads_their_time_and_failed_disk_reads_are_counted() -> None:
     assert families["pagedserve:kv_tier_disk_loaded_blocks_total"] == 6
     assert families["pagedserve:kv_tier_failed_blocks_total"] == 2
     assert families["pagedserve:kv_tier_load_seconds_total"] == 0.75
+    assert families["pagedserve:kv_tier_promoted_blocks_total"] == 5
