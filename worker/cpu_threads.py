@@ -31,8 +31,11 @@ from protocol.cpu_placement import usable_cpus
 log = logging.getLogger("pagedserve.worker")
 
 FIRST_PROBE_AFTER = 4  # steps: the start-up guess is checked early
-PROBE_PERIOD = 64  # steps on the chosen count between probes, doubled after each loss
-MAX_PROBE_PERIOD = 1024
+# Steps on the chosen count between probes, doubled after each loss. Every probe step on
+# the slower count is a late token to each stream: fewer than 1 step in 100 may be one
+# (a server's inter-token latency p99), even in the first thousand steps.
+PROBE_PERIOD = 128
+MAX_PROBE_PERIOD = 4096
 # A probe times steps on the other count until they add up to PROBE_S (at least
 # MIN_PROBE_STEPS, at most MAX_PROBE_STEPS) and compares their mean with as many steps
 # before: enough short steps to see through a busy server's jitter, few long ones, since

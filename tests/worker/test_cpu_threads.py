@@ -53,6 +53,17 @@ def test_keeps_the_safe_count_when_the_other_is_slower_and_backs_off() -> None:
     assert used.count(2) == probes * cpu_threads.MIN_PROBE_STEPS
 
 
+def test_after_a_switch_under_one_step_in_a_hundred_runs_on_the_slower_count() -> None:
+    # A probe's steps are late tokens to every stream: a server's inter-token latency p99
+    # must not be one of them, even in the thousands of steps right after a switch.
+    tuner = CpuThreadTuner(1, 2)
+    run(tuner, {1: 0.070, 2: 0.045}, 8)  # a decode step of one stream
+    assert tuner.threads == 2
+    for steps in (1000, 2000, 8000):
+        used = run(tuner, {1: 0.070, 2: 0.045}, steps, tokens=1)
+        assert used.count(1) < steps / 100, steps
+
+
 def test_a_small_gain_is_not_a_switch() -> None:
     tuner = CpuThreadTuner(1, 2)
     run(tuner, {1: 0.100, 2: 0.095}, 300)  # 5% faster: within the margin
