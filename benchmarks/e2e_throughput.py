@@ -199,23 +199,15 @@ def _pagedserve_cmd() -> list[str]:
     return [sys.executable, "-c", "import sys; from launch.cli import main; sys.exit(main())"]
 
 
+def generate_cmd(model: Path, workload: Path, out: Path, *flags: str) -> list[str]:
+    """`pagedserve generate` of workload into out on the real model in float32."""
+    cmd = [*_pagedserve_cmd(), "generate", "--model", str(model), "--input", str(workload)]
+    return [*cmd, "--output", str(out), "--dtype", "float32", *flags, "--no-progress"]
+
+
 def run_ours(model: Path, workload: Path, work: Path, tag: str, a: argparse.Namespace) -> dict:
     out = work / f"ours-{tag}.jsonl"
-    cmd = [
-        *_pagedserve_cmd(),
-        "generate",
-        "--model",
-        str(model),
-        "--input",
-        str(workload),
-        "--output",
-        str(out),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        str(a.kv_cache_gib * 2**30),
-        "--no-progress",
-    ]
+    cmd = generate_cmd(model, workload, out, "--kv-cache-memory", str(a.kv_cache_gib * 2**30))
     rc, wall, err = _run(cmd, None, work / f"ours-{tag}.log")
     if rc != 0:
         raise RuntimeError(f"pagedserve generate exited {rc}:\n{err[-3000:]}")

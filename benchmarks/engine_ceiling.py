@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.e2e_throughput import SUMMARY_RE, _pagedserve_cmd, _run  # noqa: E402
+from benchmarks.e2e_throughput import SUMMARY_RE, _run, generate_cmd  # noqa: E402
 from benchmarks.serve_vs_vllm import parse_shape  # noqa: E402
 from benchmarks.serve_vs_vllm_loads import token_prompts  # noqa: E402
 from tests.helpers.real_model import fetch_real_model  # noqa: E402
@@ -32,21 +32,7 @@ from tests.helpers.real_model import fetch_real_model  # noqa: E402
 
 def run(model: Path, workload: Path, work: Path, concurrency: int, tag: str) -> dict:
     out = work / f"{tag}.jsonl"
-    cmd = [
-        *_pagedserve_cmd(),
-        "generate",
-        "--model",
-        str(model),
-        "--input",
-        str(workload),
-        "--output",
-        str(out),
-        "--dtype",
-        "float32",
-        "--max-num-seqs",
-        str(concurrency),
-        "--no-progress",
-    ]
+    cmd = generate_cmd(model, workload, out, "--max-num-seqs", str(concurrency))
     rc, _wall, err = _run(cmd, None, work / f"{tag}.log")
     m = SUMMARY_RE.search(err)
     if rc != 0 or m is None:

@@ -30,6 +30,7 @@ from worker.kv_tier_recompute import recompute_failed, recompute_failed_groups
 
 BS = 4
 PREFIXES = [[10 + p * 7 + i for i in range(12)] for p in range(3)]  # 3 blocks each
+DOC_A, DOC_B = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
 
 # The KV of one position: the tokens up to and including it.
 Label = tuple[int, ...]
@@ -294,6 +295,13 @@ def test_a_disk_level_keeps_blocks_the_host_level_pushed_out_and_loads_them() ->
     assert sched.num_prompt_cached_tokens == 16
 
 
+def push_doc_a_out_and_ask_again(sched: Scheduler, worker: SimWorker) -> None:
+    """doc_a computed, pushed out of the device by doc_b, then asked for again."""
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    drive(sched, worker, [([*DOC_A, 6], 1)])
+
+
 def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
     # Disk only, 8 tokens a step, every read fails: the request loads first and is
     # computed from its verified prefix (none), within the budget (SimWorker asserts it).
@@ -321,10 +329,7 @@ def test_hybrid_groups_load_every_full_block_and_only_the_window_before_the_boun
         num_blocks=7 * groups + 1, slots=0 if disk else 64, disk=disk, windows=windows
     )
     worker = SimWorker(windows=windows)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
-    drive(sched, worker, [([*doc_a, 5], 1)])
-    drive(sched, worker, [([*doc_b, 5], 1)])
-    drive(sched, worker, [([*doc_a, 6], 1)])
+    push_doc_a_out_and_ask_again(sched, worker)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4
     sliding = groups - 1
@@ -345,10 +350,7 @@ def test_a_hybrid_request_whose_disk_read_fails_recomputes_from_its_device_bound
         num_blocks=7 * len(windows) + 1, slots=0, chunk=20, disk=64, windows=windows
     )
     worker = SimWorker(fail_every=1, windows=windows)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
-    drive(sched, worker, [([*doc_a, 5], 1)])
-    drive(sched, worker, [([*doc_b, 5], 1)])
-    drive(sched, worker, [([*doc_a, 6], 1)])
+    push_doc_a_out_and_ask_again(sched, worker)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
@@ -375,7 +377,6 @@ def test_hybrid_tier_events_name_each_block_s_group() -> None:
 
 
 # -- two-phase disk loads (enginecore/kv_tier_loads.py) -------------------------------
-DOC_A, DOC_B = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
 
 
 def disk_scheduler(load_blocks: int, slots: int = 0, chunk: int = 8) -> Scheduler:

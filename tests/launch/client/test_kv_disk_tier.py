@@ -20,6 +20,7 @@ from launch import LLM, SamplingParams
 from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy
+from tests.helpers.tier_serving import serve_in_batches
 
 BLOCK = 4
 DOC_TOKENS = 40
@@ -45,14 +46,9 @@ def _serve(model: Path, prompts: list[list[int]], **tier: Any) -> list[tuple[lis
     )
     settings.update(prefix_cache_hash_seed=SEED, kv_offload_memory=1 << 20)
     settings.update(tier)
-    with LLM(str(model), **settings) as llm:
-        out = []
-        for prompt in prompts:  # one at a time: eviction order is fixed
-            (res,) = llm.generate([prompt], GREEDY, use_tqdm=False)
-            out.append((res.token_ids, res.num_cached_tokens))
-        stats = llm.last_summary.stats
-        _STATS[0] = stats.kv_tier if stats else None
-        return out
+    out, stats = serve_in_batches(model, prompts, GREEDY, **settings)  # one at a time
+    _STATS[0] = stats.kv_tier if stats else None
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from launch import LLM, SamplingParams
 from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy
+from tests.helpers.tier_serving import serve_in_batches
 
 BLOCK = 4
 DOC_TOKENS = 40  # 10 blocks per shared document
@@ -41,14 +42,11 @@ def _serve(
     """(tokens, cached prompt tokens) per prompt, served `batch` at a time (1: eviction
     order, and the tier's traffic, are fixed); the tier's counts at the end."""
     settings = dict(num_gpu_blocks=24, max_model_len=64) | settings
-    with LLM(str(model), device=CPU, block_size=BLOCK, **settings) as llm:
-        out = []
-        for i in range(0, len(prompts), batch):
-            for res in llm.generate(prompts[i : i + batch], GREEDY, use_tqdm=False):
-                out.append((res.token_ids, res.num_cached_tokens))
-        stats = llm.last_summary.stats
-        _LAST_STATS[:] = [stats]
-        return out, stats.kv_tier if stats else None
+    out, stats = serve_in_batches(
+        model, prompts, GREEDY, batch, device=CPU, block_size=BLOCK, **settings
+    )
+    _LAST_STATS[:] = [stats]
+    return out, stats.kv_tier if stats else None
 
 
 @pytest.fixture(scope="module")

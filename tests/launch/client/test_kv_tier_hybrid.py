@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from launch import LLM, SamplingParams
+from launch import SamplingParams
 from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy, save_checkpoint
+from tests.helpers.tier_serving import serve_in_batches
 
 BLOCK = 4
 DOC_TOKENS = 40  # 10 blocks per shared document
@@ -54,13 +55,10 @@ def _serve(
     The pool holds 16 blocks per group: about one and a half requests."""
     settings = dict(max_model_len=64, prefix_cache_hash_seed=SEED) | settings
     settings.setdefault("num_gpu_blocks", 1 + 16 * groups)
-    with LLM(str(model), device=CPU, block_size=BLOCK, **settings) as llm:
-        out = []
-        for i in range(0, len(prompts), batch):
-            for res in llm.generate(prompts[i : i + batch], GREEDY, use_tqdm=False):
-                out.append((res.token_ids, res.num_cached_tokens))
-        stats = llm.last_summary.stats
-        return out, stats.kv_tier if stats else None
+    out, stats = serve_in_batches(
+        model, prompts, GREEDY, batch, device=CPU, block_size=BLOCK, **settings
+    )
+    return out, stats.kv_tier if stats else None
 
 
 def test_hybrid_groups_reload_evicted_prefixes_from_host_disk_and_a_warm_restart(

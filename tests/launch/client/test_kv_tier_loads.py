@@ -19,6 +19,7 @@ from launch import LLM, SamplingParams
 from protocol.engine import KVTierStats
 from tests.helpers.cli_helpers import CPU
 from tests.helpers.hf_checkpoints import VOCAB, hf_greedy
+from tests.helpers.tier_serving import serve_in_batches
 
 BLOCK = 4
 DOC_TOKENS = 40  # 10 blocks: five times the step budget below
@@ -52,14 +53,9 @@ def _serve(
         max_num_batched_tokens=BUDGET,
         kv_tier_load_bytes=LOAD_BYTES,
     )
-    with LLM(str(model), **(args | settings)) as llm:
-        out = []
-        for i in range(0, len(prompts), batch):
-            for res in llm.generate(prompts[i : i + batch], GREEDY, use_tqdm=False):
-                out.append((res.token_ids, res.num_cached_tokens))
-        stats = llm.last_summary.stats
-        _LAST_STATS[:] = [stats]
-        return out, stats.kv_tier if stats else None
+    out, stats = serve_in_batches(model, prompts, GREEDY, batch, **(args | settings))
+    _LAST_STATS[:] = [stats]
+    return out, stats.kv_tier if stats else None
 
 
 @pytest.fixture(scope="module")
