@@ -166,13 +166,12 @@ def drive(sched: Scheduler, worker: SimWorker, prompts: list[tuple[list[int], in
     assert not sched.has_unfinished_requests()
 
 
-def evict_and_ask_again(sched: Scheduler) -> SimWorker:
+def evict_and_ask_again(sched: Scheduler, worker: SimWorker | None = None) -> SimWorker:
     """doc_a (4 blocks), then doc_b (7 blocks), which evicts doc_a's, then doc_a again."""
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
-    worker = SimWorker()
-    drive(sched, worker, [([*doc_a, 5], 1)])
-    drive(sched, worker, [([*doc_b, 5], 1)])
-    drive(sched, worker, [([*doc_a, 6], 1)])
+    worker = worker or SimWorker()
+    drive(sched, worker, [([*DOC_A, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
+    drive(sched, worker, [([*DOC_A, 6], 1)])
     return worker
 
 
@@ -188,15 +187,14 @@ def test_an_evicted_prefix_comes_back_from_the_tier_and_is_not_recomputed() -> N
 
 def test_kv_events_name_the_tier_medium_with_each_block_s_parent_and_tokens() -> None:
     sched = tier_scheduler(num_blocks=8, slots=5, events=True)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
     worker = SimWorker()
-    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*DOC_A, 5], 1)])
     sched.take_kv_events()
-    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
     tier_events = [e for e in sched.take_kv_events() if e.medium == "CPU"]
     stored = [e for e in tier_events if isinstance(e, BlockStored)]
     # The chain's tail is evicted first (a request frees its blocks in reverse).
-    assert [e.token_ids for e in stored] == [doc_a[i * 4 : (i + 1) * 4] for i in (3, 2, 1, 0)]
+    assert [e.token_ids for e in stored] == [DOC_A[i * 4 : (i + 1) * 4] for i in (3, 2, 1, 0)]
     assert stored[-1].parent_block_hash is None
     assert stored[0].parent_block_hash == stored[1].block_hashes[0]
 
@@ -295,22 +293,12 @@ def test_a_disk_level_keeps_blocks_the_host_level_pushed_out_and_loads_them() ->
     assert sched.num_prompt_cached_tokens == 16
 
 
-def push_doc_a_out_and_ask_again(sched: Scheduler, worker: SimWorker) -> None:
-    """doc_a computed, pushed out of the device by doc_b, then asked for again."""
-    drive(sched, worker, [([*DOC_A, 5], 1)])
-    drive(sched, worker, [([*DOC_B, 5], 1)])
-    drive(sched, worker, [([*DOC_A, 6], 1)])
-
-
 def test_failed_disk_loads_are_recomputed_within_the_step_budget() -> None:
     # Disk only, 8 tokens a step, every read fails: the request loads first and is
     # computed from its verified prefix (none), within the budget (SimWorker asserts it).
     sched = tier_scheduler(num_blocks=8, slots=0, chunk=8, disk=16)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
     worker = SimWorker(fail_every=1)
-    drive(sched, worker, [([*doc_a, 5], 1)])
-    drive(sched, worker, [([*doc_b, 5], 1)])
-    drive(sched, worker, [([*doc_a, 6], 1)])
+    evict_and_ask_again(sched, worker)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
@@ -329,7 +317,7 @@ def test_hybrid_groups_load_every_full_block_and_only_the_window_before_the_boun
         num_blocks=7 * groups + 1, slots=0 if disk else 64, disk=disk, windows=windows
     )
     worker = SimWorker(windows=windows)
-    push_doc_a_out_and_ask_again(sched, worker)
+    evict_and_ask_again(sched, worker)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and tier.stats.hits == 4
     sliding = groups - 1
@@ -350,7 +338,7 @@ def test_a_hybrid_request_whose_disk_read_fails_recomputes_from_its_device_bound
         num_blocks=7 * len(windows) + 1, slots=0, chunk=20, disk=64, windows=windows
     )
     worker = SimWorker(fail_every=1, windows=windows)
-    push_doc_a_out_and_ask_again(sched, worker)
+    evict_and_ask_again(sched, worker)
     tier = sched.kv_cache_manager.tier
     assert tier is not None and worker.disk_reads >= 1 and worker.loaded == 0
     assert tier.stats.failed == worker.disk_reads
@@ -361,15 +349,14 @@ def test_hybrid_tier_events_name_each_block_s_group() -> None:
     # groups' tier copies apart by group_idx, and sees only a window's blocks stored.
     sched = tier_scheduler(num_blocks=15, slots=64, events=True, windows=INTERLEAVED)
     worker = SimWorker(windows=INTERLEAVED)
-    doc_a, doc_b = PREFIXES[0] + [1, 2, 3, 4], PREFIXES[1] + PREFIXES[2]
-    drive(sched, worker, [([*doc_a, 5], 1)])
+    drive(sched, worker, [([*DOC_A, 5], 1)])
     sched.take_kv_events()
-    drive(sched, worker, [([*doc_b, 5], 1)])
+    drive(sched, worker, [([*DOC_B, 5], 1)])
     stored = [e for e in sched.take_kv_events() if e.medium == "CPU" and isinstance(e, BlockStored)]
     by_group: dict[int | None, list[list[int]]] = {}
     for e in stored:
         by_group.setdefault(e.group_idx, []).append(e.token_ids)
-    blocks = [doc_a[i * 4 : (i + 1) * 4] for i in range(4)]
+    blocks = [DOC_A[i * 4 : (i + 1) * 4] for i in range(4)]
     assert sorted(by_group[1]) == sorted(blocks)
     # The window (2 blocks) before the prompt's end, and one more for a boundary in
     # the last block: block 0 was released behind the window, never stored.
