@@ -29,6 +29,7 @@ from enginecore.errors import ConfigError, InvariantViolation
 from enginecore.executor import Executor, WorkerDied
 from enginecore.kv_cache_config import describe_spec_difference
 from enginecore.kv_event_publisher import KVEventPublisher
+from enginecore.kv_step_log import describe_kv_step
 from enginecore.kv_tier import tier_settings
 from enginecore.scheduler import DuplicateRequestId, Scheduler, SchedulerConfig
 from protocol.codec import Codec, ProtocolError
@@ -402,7 +403,7 @@ class EngineCore:
             so = scheduler.schedule()
             # An empty schedule while a step runs is a wait for its answer, not a step.
             if self.config.log_kv and (so.total_num_scheduled_tokens or not in_flight):
-                kv_log.info("%s", scheduler.describe_kv_step(so))
+                kv_log.info("%s", describe_kv_step(scheduler.kv_cache_manager, so))
             if is_answered(so):  # tokens, or two-phase tier loads to report on
                 self.executor.send(so)
                 in_flight.append(so)

@@ -26,7 +26,6 @@ from msgspec.structs import replace
 
 from enginecore.errors import ConfigError
 from enginecore.kv_cache_manager import KVCacheManager
-from enginecore.kv_step_log import describe_kv_step
 from enginecore.kv_tier_loads import TierLoads
 from enginecore.request import Request, RequestStatus
 from enginecore.request_checks import request_error
@@ -37,7 +36,7 @@ from enginecore.runner_output import (
     take_prompt_logprobs,
 )
 from enginecore.spec_decode.speculator import Speculator
-from enginecore.step_plan import StepPlan, block_ids, rank, resume_fits
+from enginecore.step_plan import WAVE_HOLD_STEPS, StepPlan, block_ids, rank, resume_fits
 from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.block_hash import HashAlgo
 from protocol.config import SchedulingPolicy
@@ -130,6 +129,8 @@ class Scheduler:
         # Announced to the workers with the next SchedulerOutput.
         self._finished_req_ids: list[str] = []
         self.step_id = 0
+        self._held = 0  # steps in a row whose decodes waited for a wave (hold_for_wave)
+        self._wave = 0  # requests that arrived before the latest first token: its wave
         self.num_preemptions = 0
         self.num_prompt_computed_tokens = self.num_prompt_cached_tokens = self.num_sampled = 0
         # (step id, requests due to sample) of each step sent and not yet answered, oldest
@@ -184,10 +185,6 @@ class Scheduler:
             priority=priority,
         )
 
-    def describe_kv_step(self, so: SchedulerOutput) -> str:
-        """The --log-kv view of a step just scheduled (enginecore/kv_step_log.py)."""
-        return describe_kv_step(self.kv_cache_manager, so)
-
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The KV-cache events since the last call, in order (empty when they are off)."""
         return self.kv_cache_manager.take_events()
@@ -210,12 +207,7 @@ class Scheduler:
             if request is None or request.status == RequestStatus.FINISHED:
                 continue
             aborted.add(rid)
-            if request.holds_kv_blocks:  # running, loading, or loaded and waiting
-                self.kv_cache_manager.free(request)
-                if self.loads is not None:
-                    self.loads.drop(rid)
-            self._finish(request, "abort")
-            self._queue_times.pop(rid, None)  # ended before its first token: no output
+            self._close(request, "abort")
             outputs.append(RequestOutput(rid, [], "abort", max(request.num_cached_tokens, 0)))
         if aborted:
             self.running = [r for r in self.running if r.request_id not in aborted]
@@ -227,17 +219,9 @@ class Scheduler:
         outputs = []
         loading = self.loads.requests() if self.loads is not None else []
         for request in [*self.running, *self.waiting, *loading]:
-            if request.holds_kv_blocks:
-                self.kv_cache_manager.free(request)
-                if self.loads is not None:
-                    self.loads.drop(request.request_id)
-            self._finish(request, "error")
-            self._queue_times.pop(request.request_id, None)
-            outputs.append(
-                RequestOutput(
-                    request.request_id, [], "error", max(request.num_cached_tokens, 0), reason
-                )
-            )
+            self._close(request, "error")
+            cached = max(request.num_cached_tokens, 0)
+            outputs.append(RequestOutput(request.request_id, [], "error", cached, reason))
         self.running = []
         self.waiting.clear()
         return outputs
@@ -281,6 +265,15 @@ class Scheduler:
         finished.add(request.request_id)
         self._finish(request, reason)
 
+    def _close(self, request: Request, reason: str) -> None:
+        """End an open request outside a step (abort, failure), freeing its blocks."""
+        if request.holds_kv_blocks:  # running, loading, or loaded and waiting
+            self.kv_cache_manager.free(request)
+            if self.loads is not None:
+                self.loads.drop(request.request_id)
+        self._finish(request, reason)
+        self._queue_times.pop(request.request_id, None)  # ended before its first token
+
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -295,9 +288,15 @@ class Scheduler:
         """Decide the next step (running requests first, then waiting ones in queue order,
         none if a running one had to be preempted) and encode it as a delta."""
         plan = StepPlan(self.config.max_num_batched_tokens)
+        if self.config.prefill_tokens_per_request:  # a wave's decodes may wait (hold_for_wave)
+            self._held = plan.hold_for_wave(self, self._held)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
+        if plan.hold and not plan.total and not plan.preempted:
+            # The wave's prompts got no blocks: its decodes run after all, held no longer.
+            self._held = WAVE_HOLD_STEPS
+            return self.schedule()
         return self._build_output(plan)
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -314,6 +313,7 @@ class Scheduler:
         budget = plan.budget
         spec = self.spec
         per_request = self.config.prefill_tokens_per_request
+        hold = plan.hold
         num_due = 0
         i = 0
         while i < len(running) and budget > 0:
@@ -328,15 +328,14 @@ class Scheduler:
                 # A prefill chunk leaves a token for each running request after it, so
                 # decodes never wait a step behind a prefill (one token when not even
                 # that fits, so the chunk still moves). cap <= budget.
-                cap = budget - (len(running) - i - 1)
-                if cap < 1:
-                    cap = 1
-                if per_request:  # nor more than the decodes beside it allow
-                    room = plan.prefill_room(running, len(self.waiting), per_request)
-                    if room < cap:
-                        cap = room  # 0: it waits for a step with room
+                cap = max(budget - (len(running) - i - 1), 1)
+                if per_request:  # nor more than the decodes beside it allow (0: it waits)
+                    cap = min(cap, plan.prefill_room(running, len(self.waiting), per_request))
                 if num_new > cap:
                     num_new = cap
+            elif hold:  # its wave's prompts go first (StepPlan.hold_for_wave)
+                i += 1
+                continue
             if computed + num_new > max_len:
                 num_new = max_len - computed
             if num_new <= 0:
@@ -517,11 +516,8 @@ class Scheduler:
         if self.loads:  # loading requests whose loads are all known compute next
             self.loads.answered(scheduler_output.step_id, output)
         # Before the tokens: a request may finish at its first token, and still gets these.
-        answered = (
-            take_prompt_logprobs(self.requests, output.prompt_logprobs)
-            if output.prompt_logprobs
-            else None
-        )
+        prompt_lps = output.prompt_logprobs
+        answered = take_prompt_logprobs(self.requests, prompt_lps) if prompt_lps else None
         outputs: list[RequestOutput] = []
         finished: set[str] = set()
         eos = self.eos_token_ids
@@ -552,12 +548,10 @@ class Scheduler:
                 if token in request.stop_token_set or num_tokens >= request.max_num_tokens
                 else None
             )
-            if lp is None:
-                outputs.append(RequestOutput(rid, [token], reason, request.num_cached_tokens))
-            else:
-                outputs.append(
-                    RequestOutput(rid, [token], reason, request.num_cached_tokens, None, [lp])
-                )
+            lps = None if lp is None else [lp]
+            outputs.append(
+                RequestOutput(rid, [token], reason, request.num_cached_tokens, None, lps)
+            )
             if reason is not None:
                 if running:
                     self.kv_cache_manager.free(request)
@@ -576,7 +570,11 @@ class Scheduler:
         self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
-        return attach_first_token_extras(outputs, self._queue_times, answered, output)
+        queued = len(self._queue_times)
+        outputs = attach_first_token_extras(outputs, self._queue_times, answered, output)
+        if len(self._queue_times) < queued:  # a first token: who arrived so far is its wave
+            self._wave = self._arrivals
+        return outputs
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

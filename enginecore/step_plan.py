@@ -9,13 +9,20 @@ from protocol.worker import NewRequestData
 
 if TYPE_CHECKING:
     from enginecore.kv_cache_manager import KVCacheManager
-    from enginecore.scheduler import SchedulerConfig
+    from enginecore.scheduler import Scheduler, SchedulerConfig
 
 # Never mutated: StepPlan replaces it with a dict of its own before adding drafts.
 NO_DRAFTS: dict[str, list[int]] = {}
 # The prefill tokens a step with decodes may always carry, however few decodes it has:
 # a prompt arriving beside one running request still moves at a useful pace.
 MIN_PREFILL_CHUNK = 32
+# Requests that arrive together form a wave: the first to get its first token waits up to
+# this many steps (once) while the rest of the wave prefills in full steps, so the wave
+# decodes together and no later decode shares a step with a mate's prefill (hold_for_wave).
+WAVE_HOLD_STEPS = 3
+# A fresh stream: its first token and at most one more (async scheduling schedules a
+# first decode before the rest of its wave has arrived).
+FRESH_TOKENS = 2
 _UNKNOWN = -1
 
 
@@ -30,6 +37,7 @@ class StepPlan:
         "cached_counts",
         "cached_ids",
         "cached_resumed",
+        "hold",
         "new_counts",
         "new_reqs",
         "num_due",
@@ -49,6 +57,7 @@ class StepPlan:
         # Prefill tokens the step's decodes still allow (prefill_room); counted when the
         # first prefill needs it, so decode-only steps never walk the running requests.
         self.prefill_left = _UNKNOWN
+        self.hold = False  # the decodes wait for the prefills beside them (hold_for_wave)
         self.cached_ids: list[str] = []
         self.cached_blocks: list[list[list[int]] | None] = []
         self.cached_computed: list[int] = []
@@ -63,12 +72,13 @@ class StepPlan:
 
     def prefill_room(self, running: list[Request], num_waiting: int, per_request: int) -> int:
         """Prefill tokens this step may still take: the whole budget when no running
-        request decodes (nobody waits for a token), else per_request for each open request,
+        request decodes (nobody waits for a token, or the decodes hold), else per_request
+        for each open request,
         running or waiting (at least MIN_PREFILL_CHUNK): a few decodes keep their pace
         beside a new prompt, and a long queue still fills the step."""
         if self.prefill_left == _UNKNOWN:
             self.prefill_left = self.budget
-            for request in running:
+            for request in () if self.hold else running:
                 # One token to go (its own, or the one in flight): it decodes. A prompt
                 # finished earlier in this loop counts too: it decodes from the next step.
                 left = len(request.all_token_ids) + request.num_pending_tokens
@@ -77,6 +87,49 @@ class StepPlan:
                     self.prefill_left = room if room > MIN_PREFILL_CHUNK else MIN_PREFILL_CHUNK
                     break
         return self.prefill_left
+
+    def hold_for_wave(self, sched: Scheduler, held: int) -> int:
+        """Decide whether this step's decodes wait for the prefills beside them (self.hold),
+        for WAVE_HOLD_STEPS steps in a row at most; the new count of held steps.
+
+        Requests that arrive together form a wave; a budget smaller than the wave's prompts
+        splits them over steps, and its first requests would start decoding under the
+        prefill cap beside the rest, so the wave drifts apart for good (a decode then
+        shares most steps with a prompt's chunk). They wait instead when every request
+        ready to decode is fresh (FRESH_TOKENS at most: an established stream keeps its
+        pace) and the prompts of the requests that arrived before the latest first token
+        (one still in flight: all so far; running chunks, waiting requests that fit) fill
+        the steps left."""
+        if held >= WAVE_HOLD_STEPS:
+            return 0
+        running = sched.running
+        fresh = False
+        wave = sched._wave
+        for request in running:
+            known = len(request.all_token_ids) + request.num_pending_tokens
+            if known - request.num_computed_tokens > 1:
+                continue
+            if known - request.num_prompt_tokens > FRESH_TOKENS:
+                return 0
+            fresh = True
+            if len(request.all_token_ids) == request.num_prompt_tokens:
+                wave = sched._arrivals  # its first token is still in flight
+        if not fresh:
+            return 0
+        left = 0
+        for request in running:
+            known = len(request.all_token_ids) + request.num_pending_tokens
+            if known - request.num_computed_tokens > 1 and request.arrival < wave:
+                left += known - request.num_computed_tokens
+        room = sched.config.max_num_seqs - len(running)
+        for request in sched.waiting:
+            if room <= 0:
+                break
+            if request.arrival < wave:
+                left += request.num_tokens
+                room -= 1
+        self.hold = 0 < left <= (WAVE_HOLD_STEPS - held) * self.budget
+        return held + 1 if self.hold else 0
 
     def add_admitted(
         self, request: Request, table: list[list[int]], num_hit: int, num_new: int

@@ -64,8 +64,13 @@ class Engine:
         specs = runner.kv_cache_specs()
         groups = make_kv_cache_config(specs, 1 << 30).kv_cache_groups
         kv_config = with_num_blocks(groups, num_blocks)
+        # No prefill cap (nor its wave hold): every running request runs in every step,
+        # which step() relies on to follow each one's window.
         config = sched_config(
-            MAX_MODEL_LEN, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8
+            MAX_MODEL_LEN,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=8,
+            prefill_tokens_per_request=0,
         )
         self.scheduler = Scheduler(config, kv_config, runner.model_config.vocab_size)
         runner.initialize(WorkerConfigure(kv_config, 8, MAX_MODEL_LEN, max_num_batched_tokens))

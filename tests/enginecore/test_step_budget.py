@@ -194,3 +194,91 @@ def test_a_resumed_request_makes_progress_before_it_is_preempted_again(
             progressed[out.request_id] = True
             finished += out.finish_reason == "length"
     assert finished == n and sched.num_preemptions > 0
+
+
+def serve_streams(
+    sched: Scheduler, streams: int, total: int, prompt: int, max_tokens: int, in_flight: int
+) -> tuple[list[bool], list[list[str]], dict[str, int]]:
+    """A client holding `streams` requests open, as `bench serve` does: each request that
+    ends is replaced by a new one. A new request arrives while the engine waits for an
+    answer (steps take far longer than an arrival), except the first of a batch at an
+    idle engine, which is scheduled alone (with async scheduling, its first decode too). `in_flight` 2: async scheduling.
+    Returns per step whether it mixed a decode with a prompt's tokens, the requests that
+    ended in each step, and the answer that brought each request's first token."""
+    waiting_to_arrive = [f"w{i}" for i in range(total)]
+
+    def arrive(n: int) -> None:
+        for _ in range(min(n, len(waiting_to_arrive))):
+            add(sched, waiting_to_arrive.pop(0), prompt, max_tokens)
+
+    arrive(streams)
+    flights: list[tuple[SchedulerOutput, list[str]]] = []
+    mixed: list[bool] = []
+    ended: list[list[str]] = []
+    first: dict[str, int] = {}
+    owed = 0  # requests the client will send: one per request ended
+    while sched.has_unfinished_requests() or flights or (owed and waiting_to_arrive):
+        if not sched.has_unfinished_requests() and not flights:
+            arrive(1)  # the engine is idle: the first of the batch is scheduled alone
+            owed -= 1
+        sent = False
+        if len(flights) < in_flight and sched.has_unfinished_requests():
+            before = {r.request_id: r.num_computed_tokens for r in sched.running}
+            pending = {rid: r.num_pending_tokens for rid, r in sched.requests.items()}
+            so = sched.schedule()
+            got = scheduled(so)
+            if got:
+                decode = any(before.get(r, 0) >= sched.requests[r].num_prompt_tokens for r in got)
+                prefill = any(before.get(r, 0) < sched.requests[r].num_prompt_tokens for r in got)
+                mixed.append(decode and prefill)
+                due = [r for r in got if sched.requests[r].num_pending_tokens > pending.get(r, 0)]
+                flights.append((so, due))
+                sent = True
+        if flights and (len(flights) >= in_flight or not sent):
+            # The engine waits for an answer: the rest of the batch arrives meanwhile.
+            arrive(owed)
+            owed = 0
+            so, due = flights.pop(0)
+            outs = sched.update_from_output(
+                so, ModelRunnerOutput(so.step_id, due, [TOKEN] * len(due))
+            )
+            sched.check_invariants()
+            for out in outs:
+                first.setdefault(out.request_id, len(ended))
+            done = [o.request_id for o in outs if o.finish_reason is not None]
+            ended.append(done)
+            owed += len(done)
+    return mixed, ended, first
+
+
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["serial", "async"])
+def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(in_flight: int) -> None:
+    """Four streams of 384-token prompts under the CPU's defaults (512-token budget, the
+    prefill cap on): a wave's prompts take 3 steps, first tokens come in arrival order,
+    the first requests wait for the rest instead of decoding beside their chunks, so no
+    step mixes a decode with a prompt's tokens, and the wave ends together: its
+    replacements (the first scheduled alone at an idle engine) form the next wave."""
+    sched = make(num_blocks=4000, budget=None)
+    mixed, ended, first = serve_streams(sched, 4, 12, 384, 24, in_flight)
+    steps = [first[f"w{i}"] for i in range(12)]
+    assert steps == sorted(steps)  # arrival order
+    assert not any(mixed), [i for i, m in enumerate(mixed) if m]
+    end = {rid: k for k, done in enumerate(ended) for rid in done}
+    # Async scheduling decodes a batch's first request once before the rest arrive: it
+    # ends an answer ahead of its wave.
+    spread = [max(end[f"w{i}"] for i in range(k, k + 4)) - end[f"w{k}"] for k in (0, 4, 8)]
+    assert spread == [0, in_flight - 1, in_flight - 1], ended
+
+
+def test_a_late_prompt_does_not_hold_established_or_older_streams() -> None:
+    """A prompt arriving after the streams' first tokens is not their wave: they decode
+    beside its chunks under the cap, in every step."""
+    sched = make(num_blocks=4000, budget=None)
+    for i in range(3):
+        add(sched, f"d{i}", 384, 40)
+    while any(r.num_output_tokens == 0 for r in sched.requests.values()):
+        step(sched)
+    add(sched, "late", 384, 4)
+    while sched.requests["late"].num_computed_tokens < 384:
+        so, _ = step(sched)
+        assert all(scheduled(so).get(f"d{i}") == 1 for i in range(3)), scheduled(so)
