@@ -6,8 +6,8 @@ process stalls the others, while on an idle machine every core helps. So the wor
 both: at start-up it times a matrix product of a decode step's size on each (a prompt's
 first step can take seconds, and must not wait for evidence from steps), and while it runs
 it now and then times a few steps on the other count against as many before, and switches
-when that is clearly faster. A probe that loses doubles the wait before the next one, so
-a busy machine pays little for the check.
+when that is clearly faster. A probe that loses makes the wait before the next one
+longer, so a busy machine pays little for the check.
 
 Prefills are tuned apart from decode steps (LARGE_STEP_TOKENS): they are products big
 enough for a second thread to pay where a decode step's are not.
@@ -36,6 +36,7 @@ FIRST_PROBE_AFTER = 4  # steps: the start-up guess is checked early
 # (a server's inter-token latency p99), even in the first thousand steps.
 PROBE_PERIOD = 128
 MAX_PROBE_PERIOD = 4096
+BACKOFF = 4  # the period's growth after a probe that lost
 # A probe times steps on the other count until they add up to PROBE_S (at least
 # MIN_PROBE_STEPS, at most MAX_PROBE_STEPS) and compares their mean with as many steps
 # before: enough short steps to see through a busy server's jitter, few long ones, since
@@ -152,7 +153,9 @@ class _Tuning:
             self._period = PROBE_PERIOD
             self._recent = probe
         else:
-            self._period = min(self._period * 2, MAX_PROBE_PERIOD)
+            # From the start-up check straight to PROBE_PERIOD: doubling from 4 put 2% of a
+            # server's first thousand steps on the slower count.
+            self._period = min(max(self._period * BACKOFF, PROBE_PERIOD), MAX_PROBE_PERIOD)
 
 
 def _per_token(steps: list[tuple[float, int]]) -> float:

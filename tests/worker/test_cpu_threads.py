@@ -47,7 +47,7 @@ def test_keeps_the_safe_count_when_the_other_is_slower_and_backs_off() -> None:
     used = run(tuner, {1: 0.170, 2: 0.450}, 1000)
     assert tuner.threads == 1 and tuner.switches == 0
     probes = sum(1 for a, b in zip([1, *used], used) if a == 1 and b == 2)
-    # Periods 4, 8, 16, ..., capped: a handful of probes in 1000 steps, not 1000 / 4.
+    # Periods 4, then 128, 512, ..., capped: a handful of probes in 1000 steps, not 1000 / 4.
     assert 3 <= probes <= 10
     # Each losing probe costs its slow steps: two, for steps this long.
     assert used.count(2) == probes * cpu_threads.MIN_PROBE_STEPS
@@ -62,6 +62,18 @@ def test_after_a_switch_under_one_step_in_a_hundred_runs_on_the_slower_count() -
     for steps in (1000, 2000, 8000):
         used = run(tuner, {1: 0.070, 2: 0.045}, steps, tokens=1)
         assert used.count(1) < steps / 100, steps
+
+
+@pytest.mark.parametrize("start", [1, 2])
+def test_from_start_up_under_one_step_in_a_hundred_runs_on_the_slower_count(start: int) -> None:
+    # A server's first thousand steps too: the start-up check, then rare probes.
+    tuner = CpuThreadTuner(1, 2)
+    tuner.threads = start
+    step_s = {start: 0.045, 3 - start: 0.070}
+    for steps in (1000, 2000, 8000):
+        used = run(tuner, step_s, steps, tokens=1)
+        assert tuner.threads == start
+        assert used.count(3 - start) < steps / 100, steps
 
 
 def test_a_small_gain_is_not_a_switch() -> None:
