@@ -130,7 +130,6 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.step_id = 0
         self._held = 0  # steps in a row whose decodes waited for a wave (hold_for_wave)
-        self._wave = 0  # requests that arrived before the latest first token: its wave
         self.num_preemptions = 0
         self.num_prompt_computed_tokens = self.num_prompt_cached_tokens = self.num_sampled = 0
         # (step id, requests due to sample) of each step sent and not yet answered, oldest
@@ -570,11 +569,7 @@ class Scheduler:
         self.num_sampled += len(outputs)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
-        queued = len(self._queue_times)
-        outputs = attach_first_token_extras(outputs, self._queue_times, answered, output)
-        if len(self._queue_times) < queued:  # a first token: who arrived so far is its wave
-            self._wave = self._arrivals
-        return outputs
+        return attach_first_token_extras(outputs, self._queue_times, answered, output)
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -21,7 +21,7 @@ MIN_PREFILL_CHUNK = 32
 # decodes together and no later decode shares a step with a mate's prefill (hold_for_wave).
 WAVE_HOLD_STEPS = 3
 # A fresh stream: its first token and at most one more (async scheduling schedules a
-# first decode before the rest of its wave has arrived).
+# first decode before the rest of its wave has reached the core).
 FRESH_TOKENS = 2
 _UNKNOWN = -1
 
@@ -97,37 +97,29 @@ class StepPlan:
         prefill cap beside the rest, so the wave drifts apart for good (a decode then
         shares most steps with a prompt's chunk). They wait instead when every request
         ready to decode is fresh (FRESH_TOKENS at most: an established stream keeps its
-        pace) and the prompts of the requests that arrived before the latest first token
-        (one still in flight: all so far; running chunks, waiting requests that fit) fill
-        the steps left."""
+        pace, and a stream waits once) and the prompts still to compute (running chunks,
+        waiting requests that fit) fill the steps left."""
         if held >= WAVE_HOLD_STEPS:
             return 0
         running = sched.running
         fresh = False
-        wave = sched._wave
-        for request in running:
-            known = len(request.all_token_ids) + request.num_pending_tokens
-            if known - request.num_computed_tokens > 1:
-                continue
-            if known - request.num_prompt_tokens > FRESH_TOKENS:
-                return 0
-            fresh = True
-            if len(request.all_token_ids) == request.num_prompt_tokens:
-                wave = sched._arrivals  # its first token is still in flight
-        if not fresh:
-            return 0
         left = 0
         for request in running:
             known = len(request.all_token_ids) + request.num_pending_tokens
-            if known - request.num_computed_tokens > 1 and request.arrival < wave:
+            if known - request.num_computed_tokens > 1:
                 left += known - request.num_computed_tokens
+            elif known - request.num_prompt_tokens > FRESH_TOKENS:
+                return 0
+            else:
+                fresh = True
+        if not fresh:
+            return 0
         room = sched.config.max_num_seqs - len(running)
         for request in sched.waiting:
             if room <= 0:
                 break
-            if request.arrival < wave:
-                left += request.num_tokens
-                room -= 1
+            left += request.num_tokens
+            room -= 1
         self.hold = 0 < left <= (WAVE_HOLD_STEPS - held) * self.budget
         return held + 1 if self.hold else 0
 

@@ -1,8 +1,8 @@
 """The step's token budget as a latency goal, on the real Scheduler stepped to the end
 (every due request samples one token): a burst's prompts finish in arrival order, one
 budget at a time; running decodes are scheduled in every step beside at most one budget
-of prefill; a preempted request is not resumed only to be preempted again before it made
-progress."""
+of prefill; a wave of requests split over steps decodes together and stays a wave; a
+preempted request is not resumed only to be preempted again before it made progress."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler
-from enginecore.step_plan import MIN_PREFILL_CHUNK
+from enginecore.step_plan import FRESH_TOKENS, MIN_PREFILL_CHUNK
 from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
@@ -130,6 +130,8 @@ def test_a_prompt_beside_decodes_is_cut_to_what_they_allow(
     for i in range(decoding):
         add(sched, f"d{i}", 8, 200)
     step(sched)  # their prompts, in one step: nothing decoded yet, so no cap
+    for _ in range(FRESH_TOKENS):
+        step(sched)  # established streams: no prompt holds them (hold_for_wave)
     add(sched, "p", 384, 4)
     chunks = []
     while sched.requests["p"].num_computed_tokens < 384:
@@ -200,11 +202,12 @@ def serve_streams(
     sched: Scheduler, streams: int, total: int, prompt: int, max_tokens: int, in_flight: int
 ) -> tuple[list[bool], list[list[str]], dict[str, int]]:
     """A client holding `streams` requests open, as `bench serve` does: each request that
-    ends is replaced by a new one. A new request arrives while the engine waits for an
-    answer (steps take far longer than an arrival), except the first of a batch at an
-    idle engine, which is scheduled alone (with async scheduling, its first decode too). `in_flight` 2: async scheduling.
-    Returns per step whether it mixed a decode with a prompt's tokens, the requests that
-    ended in each step, and the answer that brought each request's first token."""
+    ends is replaced by a new one. New requests arrive while the engine waits for an
+    answer (steps take far longer than an arrival) and the core reads them after it, as
+    its loop does; the first of a batch at an idle engine is scheduled alone (with async
+    scheduling, its first decode too). `in_flight` 2: async scheduling. Returns per
+    step whether it mixed a decode with a prompt's tokens, the requests that ended in
+    each step, and the answer that brought each request's first token."""
     waiting_to_arrive = [f"w{i}" for i in range(total)]
 
     def arrive(n: int) -> None:
@@ -235,14 +238,13 @@ def serve_streams(
                 flights.append((so, due))
                 sent = True
         if flights and (len(flights) >= in_flight or not sent):
-            # The engine waits for an answer: the rest of the batch arrives meanwhile.
-            arrive(owed)
-            owed = 0
             so, due = flights.pop(0)
             outs = sched.update_from_output(
                 so, ModelRunnerOutput(so.step_id, due, [TOKEN] * len(due))
             )
             sched.check_invariants()
+            arrive(owed)  # sent while the step ran, read after its answer
+            owed = 0
             for out in outs:
                 first.setdefault(out.request_id, len(ended))
             done = [o.request_id for o in outs if o.finish_reason is not None]
@@ -270,13 +272,13 @@ def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(in_flight: in
     assert spread == [0, in_flight - 1, in_flight - 1], ended
 
 
-def test_a_late_prompt_does_not_hold_established_or_older_streams() -> None:
-    """A prompt arriving after the streams' first tokens is not their wave: they decode
-    beside its chunks under the cap, in every step."""
+def test_established_streams_never_wait_for_a_prompt() -> None:
+    """A prompt arriving beside streams past their first tokens: they decode beside its
+    chunks under the cap, in every step (only fresh streams wait, once)."""
     sched = make(num_blocks=4000, budget=None)
     for i in range(3):
         add(sched, f"d{i}", 384, 40)
-    while any(r.num_output_tokens == 0 for r in sched.requests.values()):
+    while any(r.num_output_tokens <= FRESH_TOKENS for r in sched.requests.values()):
         step(sched)
     add(sched, "late", 384, 4)
     while sched.requests["late"].num_computed_tokens < 384:
