@@ -10,16 +10,15 @@ FLOP/s) and the rate a reduction reads a tensor larger than the caches (bytes/s)
 from the model's config.json, what a request of the shape costs at least:
 
 - its prompt after the shared prefix (cached), computed once: 2 FLOPs per weight of the
-  linear layers per token, plus attention's products over the context (compute-bound);
-- each decode step reads every weight once for the whole batch (the LM head included)
-  and, per stream, its context's K and V in every layer (memory-bound).
+  linear layers per token, plus attention's products over the context;
+- each output token: the same products plus the LM head's and its attention's, and its
+  decode step reads every weight once for the whole batch (the LM head included) and,
+  per stream, its context's K and V in every layer: the slower of the two bounds it.
 
-Per output token at C streams: prompt FLOPs / output tokens / FLOP rate + (weights / C +
-K/V of the mean context) / read rate. Its inverse is the ceiling in output tok/s; with a
-peer's measured tok/s, the largest ratio any engine could reach over it, and with ours,
-the share of the ceiling we reach. Nothing here overlaps compute with memory traffic, so
-a real engine can beat the sum a little where prefill and decode share steps; it cannot
-beat either term alone. The last stdout line is one JSON object.
+Per output token at C streams: prompt FLOPs / output tokens / FLOP rate + the decode
+token's bound. Its inverse is the ceiling in output tok/s; with a peer's measured tok/s,
+the largest ratio any engine could reach over it, and with ours, the share of the
+ceiling we reach. A real engine cannot beat either term. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_vs_vllm import parse_shape  # noqa: E402
 from tests.helpers.real_model import fetch_real_model  # noqa: E402
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -73,6 +71,7 @@ def model_costs(config: dict) -> dict[str, float]:
     size = BYTES[config.get("dtype") or config.get("torch_dtype") or "float32"]
     return {
         "linear_params": linear,
+        "head_params": vocab * h,
         "weight_bytes": (linear + vocab * h) * size,  # the LM head is read each decode step
         "kv_bytes_per_token": layers * 2 * kv_heads * hd * size,
         # Attention's two products per query token per context token, over all heads.
@@ -81,19 +80,26 @@ def model_costs(config: dict) -> dict[str, float]:
 
 
 def ceiling(
-    cost: dict[str, float], rates: dict[str, float], shape, streams: int
+    cost: dict[str, float], rates: dict[str, float], shape: tuple[int, int, int], streams: int
 ) -> dict[str, float]:
-    prefix, prompt, out = shape.prefix, shape.input, shape.output
+    """The bounds of a (prefix, prompt, output) request's cost per output token."""
+    prefix, prompt, out = shape
+    flops, read = rates["flops_per_s"], rates["read_bytes_per_s"]
     # Prompt tokens attend to the prefix and to the prompt before them: prefix + i.
     pairs = prompt * prefix + prompt * (prompt + 1) / 2
     prefill_flops = prompt * 2 * cost["linear_params"] + pairs * cost["attn_flops_per_pair"]
     mean_context = prefix + prompt + out / 2
+    # A decode token costs a prompt token's products, the LM head's and its attention...
+    decode_flops = 2 * cost["head_params"] + 2 * cost["linear_params"]
+    decode_flops += mean_context * cost["attn_flops_per_pair"]
+    # ...and reads its share of the weights and its own context's K and V.
     decode_bytes = cost["weight_bytes"] / streams + mean_context * cost["kv_bytes_per_token"]
-    prefill_s = prefill_flops / out / rates["flops_per_s"]
-    decode_s = decode_bytes / rates["read_bytes_per_s"]
+    prefill_s = prefill_flops / out / flops
+    decode_s = max(decode_flops / flops, decode_bytes / read)
     return {
         "prefill_ms_per_output_token": prefill_s * 1e3,
         "decode_ms_per_output_token": decode_s * 1e3,
+        "decode_bound": "compute" if decode_flops / flops > decode_bytes / read else "memory",
         "ceiling_output_tok_s": 1 / (prefill_s + decode_s),
     }
 
@@ -116,7 +122,8 @@ def main() -> None:
     model = a.model or fetch_real_model()
     config = json.loads((model / "config.json").read_text())
     dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
-    _, shape = parse_shape(f"random={a.shape}")
+    prefix, prompt, out = (int(x) for x in a.shape.split(","))
+    shape = (prefix, prompt, out)
     cost = model_costs(config)
     rates = machine(config["hidden_size"], config["intermediate_size"], dtype, a.reps)
     print(

@@ -73,9 +73,9 @@ class StepPlan:
     def prefill_room(self, running: list[Request], num_waiting: int, per_request: int) -> int:
         """Prefill tokens this step may still take: the whole budget when no running
         request decodes (nobody waits for a token, or the decodes hold), else per_request
-        for each open request,
-        running or waiting (at least MIN_PREFILL_CHUNK): a few decodes keep their pace
-        beside a new prompt, and a long queue still fills the step."""
+        for each open request, running or waiting (at least MIN_PREFILL_CHUNK): a few
+        decodes keep their pace beside a new prompt, and a long queue still fills the
+        step."""
         if self.prefill_left == _UNKNOWN:
             self.prefill_left = self.budget
             for request in () if self.hold else running:

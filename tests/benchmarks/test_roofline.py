@@ -10,7 +10,6 @@ from pathlib import Path
 from safetensors import safe_open
 
 from benchmarks.roofline import ceiling, model_costs
-from benchmarks.serve_vs_vllm import parse_shape
 
 
 def test_weight_bytes_are_the_checkpoints_matrices(real_model_dir: Path) -> None:
@@ -32,8 +31,7 @@ def test_weight_bytes_are_the_checkpoints_matrices(real_model_dir: Path) -> None
 def test_the_ceiling_rises_with_streams_and_falls_with_context(real_model_dir: Path) -> None:
     cost = model_costs(json.loads((real_model_dir / "config.json").read_text()))
     rates = {"flops_per_s": 1e11, "read_bytes_per_s": 1e10}
-    _, shape = parse_shape("random=128,384,128")
-    _, longer = parse_shape("random=128,1024,128")
+    shape, longer = (128, 384, 128), (128, 1024, 128)
     by_streams = [ceiling(cost, rates, shape, c)["ceiling_output_tok_s"] for c in (1, 16, 64)]
     assert by_streams == sorted(by_streams)
     assert ceiling(cost, rates, longer, 16)["ceiling_output_tok_s"] < by_streams[1]
