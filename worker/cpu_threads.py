@@ -153,8 +153,8 @@ class _Tuning:
             self._period = PROBE_PERIOD
             self._recent = probe
         else:
-            # From the start-up check straight to PROBE_PERIOD: doubling from 4 put 2% of a
-            # server's first thousand steps on the slower count.
+            # From the start-up check straight to PROBE_PERIOD: doubling from there put too
+            # many of a server's first thousand steps on the slower count.
             self._period = min(max(self._period * BACKOFF, PROBE_PERIOD), MAX_PROBE_PERIOD)
 
 

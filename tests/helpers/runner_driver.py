@@ -102,8 +102,14 @@ def drive(
     probe = KVCacheManager(with_num_blocks(groups, 2), max_model_len=MAX_MODEL_LEN)
     need = probe.max_blocks_held(LONGEST_REQUEST, MAX_NUM_BATCHED_TOKENS)
     kv_config = with_num_blocks(groups, 1 + need + need // 2)
+    # Plain budget scheduling, for which workload()'s arrivals were written (chunked
+    # prompts, prefix hits, preemptions, one of a request with a step in flight); the CPU's
+    # prefill cap and its wave hold reorder steps (tests/enginecore/test_step_budget.py).
     config = sched_config(
-        MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=MAX_NUM_SEQS
+        MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        prefill_tokens_per_request=0,
     )
     scheduler = Scheduler(config, kv_config, vocab)
     runner.initialize(
