@@ -200,7 +200,7 @@ class ChoicesAnswer(Generation):
         """Fields of the whole answer beside its choices."""
 
     def _opening_events(self) -> list[bytes]:
-        """Chunks sent before any output."""
+        """Chunks sent before the first output's own."""
         return []
 
     def _first_output_event(self, out: StreamOutput, c: Choice) -> bytes | None:
@@ -263,9 +263,14 @@ class ChoicesAnswer(Generation):
         options = self.body.stream_options
         continuous = options is not None and options.continuous_usage_stats
         try:
-            for event in self._opening_events():
-                yield event
+            # Sent with the first output, as vLLM sends them: a client that times a
+            # stream's first chunk (vLLM's `bench serve` does) times the first token.
+            opening = self._opening_events()
             async for out in self.outputs():
+                if opening:
+                    for event in opening:
+                        yield event
+                    opening = []
                 c = self.choices[out.index]
                 first = self._first_output_event(out, c)
                 if first is not None:
@@ -286,6 +291,8 @@ class ChoicesAnswer(Generation):
                         self._put_prompt_logprobs(envelope, choice, self.prompt_logprobs(c))
                     c.prompt_logprobs = None
                 yield sse_event(envelope)
+            for event in opening:  # no output came: the stream still opens
+                yield event
             if self.body.include_usage:
                 yield sse_event(self._envelope([], self._usage()))
         except APIError as e:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -172,3 +175,58 @@ def test_auto_tool_choice_needs_a_parser(server: Server) -> None:
         {"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
     )
     assert status == 200 and "tool_calls" not in answer["choices"][0]["message"], answer
+
+
+def _post_stream(url: str, path: str, body: dict[str, Any]) -> tuple[socket.socket, bytes]:
+    """A streamed POST on a raw socket (it stays usable after a read times out); the
+    socket and what came after the response's headers so far."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += sock.recv(65536)
+    status, rest = got.split(b"\r\n", 1)[0], got.split(b"\r\n\r\n", 1)[1]
+    assert b" 200 " in status, got
+    return sock, rest
+
+
+def _read_to_end(sock: socket.socket, got: bytes) -> list[bytes]:
+    while chunk := sock.recv(65536):
+        got += chunk
+    sock.close()
+    return [line for line in got.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_a_streamed_chat_opens_with_its_first_token(
+    builtin_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """The role chunk goes with the first output, as vLLM sends it: a client timing a
+    stream's first chunk (vLLM's `bench serve`) times the first token. One request at a
+    time: while a long one runs, a queued chat stream sends nothing; once it runs, it
+    opens with the role and then its tokens."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    s = builtin_server("--max-num-seqs", "1", "--chat-template", str(template))
+    with urllib.request.urlopen(f"{s.url}/v1/models") as r:
+        name = json.load(r)["data"][0]["id"]
+    long = {"model": name, "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True}
+    long_sock, got = _post_stream(s.url, "/v1/completions", {**long, "stream": True})
+    while b"data: " not in got:  # it runs: the queue is full
+        got += long_sock.recv(65536)
+    chat = {"model": name, "messages": CONVERSATION, "max_tokens": 3, "stream": True}
+    sock, early = _post_stream(s.url, "/v1/chat/completions", chat)
+    assert b"data: " not in early
+    sock.settimeout(1.0)
+    with pytest.raises(TimeoutError):
+        early += sock.recv(65536)  # queued behind the long request: no chunk yet
+    long_sock.close()  # aborts it: the chat request runs
+    sock.settimeout(60)
+    events = _read_to_end(sock, early)
+    first = json.loads(events[0].removeprefix(b"data: "))
+    assert first["choices"][0]["delta"]["role"] == "assistant", first
+    contents = [json.loads(e.removeprefix(b"data: ")) for e in events[1:-1]]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in contents)
+    assert events[-1] == b"data: [DONE]"
