@@ -99,8 +99,6 @@ class StepPlan:
         ready to decode is fresh (FRESH_TOKENS at most: an established stream keeps its
         pace, and a stream waits once) and the prompts still to compute (running chunks,
         waiting requests that fit) fill the steps left."""
-        if held >= WAVE_HOLD_STEPS:
-            return 0
         running = sched.running
         fresh = False
         left = 0
@@ -114,6 +112,8 @@ class StepPlan:
                 fresh = True
         if not fresh:
             return 0
+        if held >= WAVE_HOLD_STEPS:
+            return held  # spent: no second wait until these streams are established
         room = sched.config.max_num_seqs - len(running)
         for request in sched.waiting:
             if room <= 0:
