@@ -19,7 +19,9 @@ MIN_PREFILL_CHUNK = 32
 # Requests that arrive together form a wave: the first to get its first token waits up to
 # this many steps (once) while the rest of the wave prefills in full steps, so the wave
 # decodes together and no later decode shares a step with a mate's prefill (hold_for_wave).
-WAVE_HOLD_STEPS = 3
+# Enough for a few long uncached prompts (chat system prompts); bounded, so a fresh stream
+# never waits on an endless queue.
+WAVE_HOLD_STEPS = 16
 # A fresh stream: its first token and at most one more (async scheduling schedules a
 # first decode before the rest of its wave has reached the core).
 FRESH_TOKENS = 2

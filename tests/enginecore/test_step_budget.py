@@ -12,7 +12,7 @@ import pytest
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler
-from enginecore.step_plan import FRESH_TOKENS, MIN_PREFILL_CHUNK
+from enginecore.step_plan import FRESH_TOKENS, MIN_PREFILL_CHUNK, WAVE_HOLD_STEPS
 from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
@@ -152,7 +152,9 @@ def test_a_burst_with_nothing_decoding_takes_the_whole_budget() -> None:
 
 def test_a_long_queue_beside_decodes_still_fills_the_step() -> None:
     """An offline batch: 64 prompts queued while the first ones decode. 8 tokens per open
-    request is the whole budget, so the queue is admitted as fast as without the cap."""
+    request is the whole budget, so every step is full and the queue is admitted at least
+    as fast as without the cap (the first requests' decodes may wait for the rest of the
+    batch, as a wave's do, which leaves the prompts more of each step)."""
     steps = {}
     for per_request in (None, 0):
         sched = make(num_blocks=8000, budget=None, max_num_seqs=64, per_request=per_request)
@@ -163,7 +165,8 @@ def test_a_long_queue_beside_decodes_still_fills_the_step() -> None:
             so, _ = step(sched)
             sizes.append(so.total_num_scheduled_tokens)
         steps[per_request] = sizes
-    assert steps[None] == steps[0]
+    assert all(n == CPU_MAX_NUM_BATCHED_TOKENS for n in steps[None][:-1]), steps[None]
+    assert len(steps[None]) <= len(steps[0])
 
 
 @pytest.mark.parametrize(
@@ -254,22 +257,28 @@ def serve_streams(
 
 
 @pytest.mark.parametrize("in_flight", [1, 2], ids=["serial", "async"])
-def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(in_flight: int) -> None:
-    """Four streams of 384-token prompts under the CPU's defaults (512-token budget, the
-    prefill cap on): a wave's prompts take 3 steps, first tokens come in arrival order,
-    the first requests wait for the rest instead of decoding beside their chunks, so no
-    step mixes a decode with a prompt's tokens, and the wave ends together: its
-    replacements (the first scheduled alone at an idle engine) form the next wave."""
+@pytest.mark.parametrize("prompt", [384, 1088], ids=["3-steps", "9-steps"])
+def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(
+    in_flight: int, prompt: int
+) -> None:
+    """Four streams under the CPU's defaults (512-token budget, the prefill cap on): a
+    wave's prompts take 3 steps (384 tokens each) or 9 (1088: a chat request's long
+    system prompt, not yet cached), first tokens come in arrival order, the first
+    requests wait for the rest instead of decoding beside their chunks, so no step mixes
+    a decode with a prompt's tokens, and the wave ends together: its replacements (the
+    first scheduled alone at an idle engine) form the next wave."""
     sched = make(num_blocks=4000, budget=None)
-    mixed, ended, first = serve_streams(sched, 4, 12, 384, 24, in_flight)
+    mixed, ended, first = serve_streams(sched, 4, 12, prompt, 24, in_flight)
     steps = [first[f"w{i}"] for i in range(12)]
     assert steps == sorted(steps)  # arrival order
     assert not any(mixed), [i for i, m in enumerate(mixed) if m]
     end = {rid: k for k, done in enumerate(ended) for rid in done}
-    # Async scheduling decodes a batch's first request once before the rest arrive: it
-    # ends an answer ahead of its wave.
+    # Async scheduling may decode a batch's first request once before the rest arrive
+    # (when its prompt fits one step): it ends an answer ahead of its wave.
     spread = [max(end[f"w{i}"] for i in range(k, k + 4)) - end[f"w{k}"] for k in (0, 4, 8)]
-    assert spread == [0, in_flight - 1, in_flight - 1], ended
+    assert spread[0] == 0 and all(0 <= s <= in_flight - 1 for s in spread), ended
+    if prompt <= CPU_MAX_NUM_BATCHED_TOKENS:
+        assert spread == [0, in_flight - 1, in_flight - 1], ended
 
 
 def test_established_streams_never_wait_for_a_prompt() -> None:
@@ -284,3 +293,29 @@ def test_established_streams_never_wait_for_a_prompt() -> None:
     while sched.requests["late"].num_computed_tokens < 384:
         so, _ = step(sched)
         assert all(scheduled(so).get(f"d{i}") == 1 for i in range(3)), scheduled(so)
+
+
+def test_a_fresh_stream_waits_once_and_at_most_the_hold() -> None:
+    """A burst too large to wait for whole (32 prompts of 1024 tokens: 64 full steps): the
+    first streams decode beside the chunks under the cap until the rest of the burst fits
+    WAVE_HOLD_STEPS steps, then the fresh ones wait, at most that many steps and once; no
+    stream's tokens are ever further apart."""
+    sched = make(num_blocks=12000, budget=None, max_num_seqs=32)
+    for i in range(32):
+        add(sched, f"r{i}", 1024, 8)
+    last: dict[str, int] = {}
+    gaps: dict[str, list[int]] = {}
+    k = 0
+    while sched.has_unfinished_requests():
+        k += 1
+        _, outs = step(sched)
+        for out in outs:
+            if out.request_id in last:
+                gaps.setdefault(out.request_id, []).append(k - last[out.request_id])
+            last[out.request_id] = k
+    assert len(last) == 32
+    longest = max(max(g) for g in gaps.values())
+    assert 1 < longest <= WAVE_HOLD_STEPS + 1, gaps
+    assert all(sum(g > 1 for g in gs) <= 1 for gs in gaps.values()), gaps
+    # The burst's first request started decoding before the hold could cover the rest.
+    assert gaps["r0"][0] == 1, gaps["r0"]
