@@ -70,6 +70,13 @@ class KVCacheManager:
         self.block_hasher = (
             BlockHasher(hash_block_size, hash_algo, hash_seed) if enable_caching else None
         )
+        # The first group's cache index is keyed by the requests' own block hashes when its
+        # blocks are the hashing unit (uncached_prompt_tokens reads it).
+        self._hash_index = (
+            self.block_pool.cached_block_hash_to_block[0]
+            if enable_caching and groups[0].kv_cache_spec.block_size == hash_block_size
+            else None
+        )
         self.coordinator = make_kv_cache_coordinator(
             kv_cache_config, self.block_pool, hash_block_size, enable_caching
         )
@@ -109,6 +116,25 @@ class KVCacheManager:
         return tier
 
     # -- lookup -----------------------------------------------------------------------
+    def uncached_prompt_tokens(self, request: Request, shared: set[bytes]) -> int:
+        """The tokens a prefill of request would compute: those past its longest prefix of
+        blocks that are cached or in `shared` (blocks that requests ahead of it compute
+        first), to which its own blocks are then added. An estimate for planning (nothing
+        is touched; the cache may evict before the request is admitted)."""
+        hashes = request.block_hashes
+        if self.block_hasher is None or not hashes:
+            return request.num_tokens
+        index = self._hash_index
+        size = self.block_hasher.block_size
+        hit = 0
+        for block_hash in hashes:
+            if block_hash not in shared and (index is None or block_hash not in index):
+                break
+            hit += 1
+        shared.update(hashes)
+        # As get_computed_blocks: the last token always runs, so its whole block does.
+        return request.num_tokens - min(hit, (request.num_tokens - 1) // size) * size
+
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The prefix already cached, block-aligned and at most num_tokens - 1 tokens (the
         last token always runs, to produce logits). Changes no pool state."""

@@ -104,10 +104,12 @@ class StepPlan:
         running = sched.running
         fresh = False
         left = 0
+        prefilling = []
         for request in running:
             known = len(request.all_token_ids) + request.num_pending_tokens
             if known - request.num_computed_tokens > 1:
                 left += known - request.num_computed_tokens
+                prefilling.append(request)
             elif known - request.num_prompt_tokens > FRESH_TOKENS:
                 return 0
             else:
@@ -116,13 +118,20 @@ class StepPlan:
             return 0
         if held >= WAVE_HOLD_STEPS:
             return held  # spent: no second wait until these streams are established
+        limit = (WAVE_HOLD_STEPS - held) * self.budget
+        # Waiting prompts count what they will compute: a wave of chat requests shares
+        # its system prompts, each computed once (by the first) or already cached.
+        shared: set[bytes] = set()
+        for request in prefilling:
+            shared.update(request.block_hashes)
+        kv = sched.kv_cache_manager
         room = sched.config.max_num_seqs - len(running)
         for request in sched.waiting:
-            if room <= 0:
+            if room <= 0 or left > limit:
                 break
-            left += request.num_tokens
+            left += kv.uncached_prompt_tokens(request, shared)
             room -= 1
-        self.hold = 0 < left <= (WAVE_HOLD_STEPS - held) * self.budget
+        self.hold = 0 < left <= limit
         return held + 1 if self.hold else 0
 
     def add_admitted(

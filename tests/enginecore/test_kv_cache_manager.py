@@ -95,6 +95,25 @@ def test_full_hit_still_recomputes_the_last_token() -> None:
     check(m, r)
 
 
+def test_uncached_prompt_tokens_counts_what_a_prefill_would_compute() -> None:
+    """The scheduler's estimate of a waiting prompt's work: past its cached prefix, and
+    past the blocks that requests ahead of it compute first (each computed once)."""
+    m = make_manager(64)
+    cached_then(m, PROMPT[:16])  # 4 blocks
+    shared: set[bytes] = set()
+    r = Request("r", PROMPT, m.block_hasher)  # 33 tokens: 8 full blocks and one token
+    assert m.uncached_prompt_tokens(r, shared) == 33 - 16
+    s = Request("s", PROMPT, m.block_hasher)
+    assert m.uncached_prompt_tokens(s, shared) == 1  # r computes its 8 blocks first
+    t = Request("t", PROMPT[:32], m.block_hasher)
+    assert m.uncached_prompt_tokens(t, shared) == 4  # a full hit recomputes its last block
+    other = Request("o", [7, *PROMPT[1:]], m.block_hasher)
+    assert m.uncached_prompt_tokens(other, set()) == 33  # no prefix in common
+    assert m.get_computed_blocks(Request("x", PROMPT, m.block_hasher))[1] == 16  # untouched
+    off = make_manager(64, enable_caching=False)
+    assert off.uncached_prompt_tokens(Request("u", PROMPT), set()) == 33
+
+
 def test_lookahead_slots_are_never_cached() -> None:
     m = make_manager(64)
     r = Request("r", PROMPT[:6], m.block_hasher)

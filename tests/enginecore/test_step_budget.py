@@ -42,10 +42,19 @@ def make(
     return Scheduler(config, with_num_blocks(groups, num_blocks), VOCAB)
 
 
-def add(sched: Scheduler, rid: str, n: int, max_tokens: int, priority: int = 0) -> None:
-    # Distinct prompts: no prefix hit shortens anyone's prefill.
+def add(
+    sched: Scheduler,
+    rid: str,
+    n: int,
+    max_tokens: int,
+    priority: int = 0,
+    prefix: list[int] | None = None,
+) -> None:
+    # Distinct prompts (after `prefix`): no prefix hit shortens anyone's prefill.
     seed = sum(map(ord, rid))
     prompt = [3 + (seed * 13 + 7 * i) % (VOCAB - 3) for i in range(n)]
+    if prefix is not None:
+        prompt = prefix + prompt
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     assert sched.add_request(sched.new_request(rid, prompt, params, priority=priority)) is None
 
@@ -202,7 +211,13 @@ def test_a_resumed_request_makes_progress_before_it_is_preempted_again(
 
 
 def serve_streams(
-    sched: Scheduler, streams: int, total: int, prompt: int, max_tokens: int, in_flight: int
+    sched: Scheduler,
+    streams: int,
+    total: int,
+    prompt: int,
+    max_tokens: int,
+    in_flight: int,
+    systems: list[list[int]] | None = None,
 ) -> tuple[list[bool], list[list[str]], dict[str, int]]:
     """A client holding `streams` requests open, as `bench serve` does: each request that
     ends is replaced by a new one. New requests arrive while the engine waits for an
@@ -210,12 +225,15 @@ def serve_streams(
     its loop does; the first of a batch at an idle engine is scheduled alone (with async
     scheduling, its first decode too). `in_flight` 2: async scheduling. Returns per
     step whether it mixed a decode with a prompt's tokens, the requests that ended in
-    each step, and the answer that brought each request's first token."""
+    each step, and the answer that brought each request's first token. With `systems`,
+    request i's prompt starts with systems[i % len(systems)] (a chat system prompt)."""
     waiting_to_arrive = [f"w{i}" for i in range(total)]
 
     def arrive(n: int) -> None:
         for _ in range(min(n, len(waiting_to_arrive))):
-            add(sched, waiting_to_arrive.pop(0), prompt, max_tokens)
+            rid = waiting_to_arrive.pop(0)
+            system = systems[int(rid[1:]) % len(systems)] if systems else None
+            add(sched, rid, prompt, max_tokens, prefix=system)
 
     arrive(streams)
     flights: list[tuple[SchedulerOutput, list[str]]] = []
@@ -279,6 +297,20 @@ def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(
     assert spread[0] == 0 and all(0 <= s <= in_flight - 1 for s in spread), ended
     if prompt <= CPU_MAX_NUM_BATCHED_TOKENS:
         assert spread == [0, in_flight - 1, in_flight - 1], ended
+
+
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["serial", "async"])
+def test_a_chat_wave_counts_its_shared_system_prompts_once(in_flight: int) -> None:
+    """16 chat streams: 4 system prompts of 1,024 tokens, each shared by a quarter of the
+    requests, and 64 tokens of their own. Counted whole, the first wave's prompts would be
+    34 full steps, past what a fresh stream waits for; computed, each system prompt once,
+    they are 10, so the first streams wait for the wave and no step mixes a decode with a
+    prompt's tokens."""
+    systems = [[3 + (s * 31 + 11 * i) % (VOCAB - 3) for i in range(1024)] for s in range(4)]
+    sched = make(num_blocks=8000, budget=None)
+    mixed, _, first = serve_streams(sched, 16, 32, 64, 24, in_flight, systems)
+    assert len(first) == 32
+    assert not any(mixed), [i for i, m in enumerate(mixed) if m]
 
 
 def test_established_streams_never_wait_for_a_prompt() -> None:
