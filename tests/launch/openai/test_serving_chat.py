@@ -216,7 +216,15 @@ def test_a_streamed_chat_opens_with_its_first_token(
     long_sock, got = _post_stream(s.url, "/v1/completions", {**long, "stream": True})
     while b"data: " not in got:  # it runs: the queue is full
         got += long_sock.recv(65536)
-    chat = {"model": name, "messages": CONVERSATION, "max_tokens": 3, "stream": True}
+    # Greedy: the long request's abort point (timing) moves a sampler's random state.
+    chat = {
+        "model": name,
+        "messages": CONVERSATION,
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     sock, early = _post_stream(s.url, "/v1/chat/completions", chat)
     assert b"data: " not in early
     sock.settimeout(1.0)
