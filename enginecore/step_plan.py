@@ -100,11 +100,12 @@ class StepPlan:
         shares most steps with a prompt's chunk). They wait instead when every request
         ready to decode is fresh (FRESH_TOKENS at most: an established stream keeps its
         pace, and a stream waits once) and the prompts still to compute (running chunks,
-        waiting requests that fit) fill the steps left."""
+        waiting requests that fit, by what they compute beyond cached and shared blocks)
+        fill the steps left."""
         running = sched.running
         fresh = False
         left = 0
-        prefilling = []
+        prefilling: list[Request] = []
         for request in running:
             known = len(request.all_token_ids) + request.num_pending_tokens
             if known - request.num_computed_tokens > 1:
