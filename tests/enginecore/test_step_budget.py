@@ -227,13 +227,13 @@ def serve_streams(
     step whether it mixed a decode with a prompt's tokens, the requests that ended in
     each step, and the answer that brought each request's first token. With `systems`,
     request i's prompt starts with systems[i % len(systems)] (a chat system prompt)."""
-    waiting_to_arrive = [f"w{i}" for i in range(total)]
+    waiting_to_arrive = list(range(total))
 
     def arrive(n: int) -> None:
         for _ in range(min(n, len(waiting_to_arrive))):
-            rid = waiting_to_arrive.pop(0)
-            system = systems[int(rid[1:]) % len(systems)] if systems else None
-            add(sched, rid, prompt, max_tokens, prefix=system)
+            i = waiting_to_arrive.pop(0)
+            system = systems[i % len(systems)] if systems else None
+            add(sched, f"w{i}", prompt, max_tokens, prefix=system)
 
     arrive(streams)
     flights: list[tuple[SchedulerOutput, list[str]]] = []
