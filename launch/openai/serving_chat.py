@@ -130,9 +130,11 @@ class ChatCompletion(ChoicesAnswer):
             if delta is None:
                 return None  # held until the calls can be read
             return delta, finish, text
-        if not (text or thought or finish or (ids_too and out.new_token_ids)):
-            # A character unfinished or text held back for a stop string (or a
-            # reasoning tag): its tokens (and logprobs) go with the next chunk.
+        # A token whose character is unfinished, or whose text waits on a stop string, still
+        # gets its chunk (empty content), as vLLM streams it: clients time tokens by chunks.
+        # Under a reasoning parser, text held for a tag goes with the next chunk.
+        tokens = out.new_token_ids and (ids_too or c.split is None)
+        if not (text or thought or finish or tokens):
             return None
         delta = {"reasoning": thought} if thought else {}
         if text or not (finish or thought):

@@ -148,10 +148,10 @@ class TextCompletion(ChoicesAnswer):
         self, out: StreamOutput, c: Choice, ids_too: bool
     ) -> tuple[Any, str | None, str] | None:
         text, finish = c.texts[-1], out.finish_reason
-        if not (text or finish or (ids_too and out.new_token_ids)):
-            # A character unfinished or text held back for a stop string: its tokens (and
-            # logprobs) go with the next chunk.
+        if not (text or finish or out.new_token_ids):
             return None
+        # A token whose character is unfinished, or whose text waits on a stop string, still
+        # gets its chunk (empty text), as vLLM streams it: clients time tokens by chunks.
         return text, finish, text
 
     def _put_prompt_logprobs(

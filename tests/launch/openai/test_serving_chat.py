@@ -18,8 +18,11 @@ from tests.helpers.model_files import CONVERSATION
 from tests.helpers.server import (
     ASK,
     CALLED,
+    MODEL_NAME,
+    PROMPT_TEXT,
     TOOLS,
     TOOLS_TEMPLATE,
+    N,
     Server,
     post,
 )
@@ -238,3 +241,29 @@ def test_a_streamed_chat_opens_with_its_first_token(
     contents = [json.loads(e.removeprefix(b"data: ")) for e in events[1:-1]]
     assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in contents)
     assert events[-1] == b"data: [DONE]"
+
+
+def test_every_token_gets_its_chunk_while_its_text_is_held(
+    server: Server, client: openai.OpenAI
+) -> None:
+    """A token whose text is held back (here: it could still start a stop string) still
+    gets its own chunk, with empty text and its logprob, as vLLM streams it; the text
+    comes whole at the end. A client that times tokens by chunks (vLLM's `bench serve`)
+    sees one gap per token, not one per released piece of text."""
+    x = 30  # "x" in the word tokenizer (tests/helpers/model_files.py)
+    stop = ["x " * 20 + "q", "x" * 20 + "q"]  # every prefix of the answer could start one
+    extra = {"allowed_token_ids": [x], "ignore_eos": True}
+    common = {"model": MODEL_NAME, "max_tokens": N, "stop": stop, "stream": True}
+    chunks = client.completions.create(prompt=PROMPT_TEXT, logprobs=0, extra_body=extra, **common)
+    got = [ch.choices[0] for ch in chunks if ch.choices]
+    assert len(got) == N, [c.text for c in got]
+    assert [c.text for c in got[:-1]] == [""] * (N - 1)
+    assert got[-1].text.replace(" ", "") == "x" * N and got[-1].finish_reason == "length"
+    assert all(len(c.logprobs.tokens) == 1 for c in got)  # type: ignore[union-attr]
+    stream = client.chat.completions.create(
+        messages=[{"role": "user", "content": PROMPT_TEXT}], extra_body=extra, **common
+    )
+    deltas = [ch.choices[0] for ch in stream if ch.choices][1:]  # after the role chunk
+    assert len(deltas) == N, [d.delta.content for d in deltas]
+    assert [d.delta.content for d in deltas[:-1]] == [""] * (N - 1)
+    assert (deltas[-1].delta.content or "").replace(" ", "") == "x" * N
