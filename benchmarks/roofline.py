@@ -18,7 +18,10 @@ from the model's config.json, what a request of the shape costs at least:
 Per output token at C streams: prompt FLOPs / output tokens / FLOP rate + the decode
 token's bound. Its inverse is the ceiling in output tok/s; with a peer's measured tok/s,
 the largest ratio any engine could reach over it, and with ours, the share of the
-ceiling we reach. A real engine cannot beat either term. The last stdout line is one JSON object.
+ceiling we reach. A real engine cannot beat either term. The serial ceiling adds the
+time to read the K/V to the decode token's products instead of overlapping them: the
+attention between two products waits for the first and holds up the second, and both
+want every core. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -96,11 +99,18 @@ def ceiling(
     decode_bytes = cost["weight_bytes"] / streams + mean_context * cost["kv_bytes_per_token"]
     prefill_s = prefill_flops / out / flops
     decode_s = max(decode_flops / flops, decode_bytes / read)
+    # Attention reads its K and V after the products that make its queries and before
+    # those that use its output, and both need every core: the K/V time adds to the
+    # products' (the weights stream under the products, as a product reads them).
+    kv_s = mean_context * cost["kv_bytes_per_token"] / read
+    serial_s = max(decode_flops / flops, cost["weight_bytes"] / streams / read) + kv_s
     return {
         "prefill_ms_per_output_token": prefill_s * 1e3,
         "decode_ms_per_output_token": decode_s * 1e3,
         "decode_bound": "compute" if decode_flops / flops > decode_bytes / read else "memory",
         "ceiling_output_tok_s": 1 / (prefill_s + decode_s),
+        "decode_serial_ms_per_output_token": serial_s * 1e3,
+        "ceiling_serial_output_tok_s": 1 / (prefill_s + serial_s),
     }
 
 
@@ -135,10 +145,12 @@ def main() -> None:
     cells = {}
     for c in (int(x) for x in a.concurrency.split(",")):
         cell = ceiling(cost, rates, shape, c)
-        if c in peer:
-            cell["max_ratio_over_peer"] = cell["ceiling_output_tok_s"] / peer[c]
-        if c in ours:
-            cell["ours_share_of_ceiling"] = ours[c] / cell["ceiling_output_tok_s"]
+        for kind in ("", "serial_"):
+            top = cell[f"ceiling_{kind}output_tok_s"]
+            if c in peer:
+                cell[f"max_{kind}ratio_over_peer"] = top / peer[c]
+            if c in ours:
+                cell[f"ours_share_of_{kind}ceiling"] = ours[c] / top
         cells[str(c)] = cell
         print(f"[roofline] {c} streams: {json.dumps(cell)}", file=sys.stderr)
     out = {"benchmark": "roofline", "model": str(model), "threads": a.threads}

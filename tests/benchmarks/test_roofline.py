@@ -38,3 +38,18 @@ def test_the_ceiling_rises_with_streams_and_falls_with_context(real_model_dir: P
     # One stream: its decode reads every weight per token, whatever the prompt.
     one = ceiling(cost, rates, shape, 1)
     assert one["decode_ms_per_output_token"] > cost["weight_bytes"] / 1e10 * 1e3
+
+
+def test_the_serial_ceiling_adds_the_kv_read_to_the_products(real_model_dir: Path) -> None:
+    cost = model_costs(json.loads((real_model_dir / "config.json").read_text()))
+    rates = {"flops_per_s": 1e11, "read_bytes_per_s": 1e10}
+    context = 128 + 384 + 128 / 2
+    for streams in (1, 16, 64):
+        cell = ceiling(cost, rates, (128, 384, 128), streams)
+        products = 2 * (cost["head_params"] + cost["linear_params"])
+        products += context * cost["attn_flops_per_pair"]
+        weights_ms = cost["weight_bytes"] / streams / 1e10 * 1e3
+        kv_ms = context * cost["kv_bytes_per_token"] / 1e10 * 1e3
+        want = max(products / 1e11 * 1e3, weights_ms) + kv_ms
+        assert abs(cell["decode_serial_ms_per_output_token"] - want) < 1e-9
+        assert cell["ceiling_serial_output_tok_s"] <= cell["ceiling_output_tok_s"]
