@@ -36,7 +36,14 @@ from enginecore.runner_output import (
     take_prompt_logprobs,
 )
 from enginecore.spec_decode.speculator import Speculator
-from enginecore.step_plan import WAVE_HOLD_STEPS, StepPlan, block_ids, rank, resume_fits
+from enginecore.step_plan import (
+    HOLD_ALL,
+    WAVE_HOLD_STEPS,
+    StepPlan,
+    block_ids,
+    rank,
+    resume_fits,
+)
 from enginecore.stop_conditions import stop_reason, stop_token_set
 from protocol.block_hash import HashAlgo
 from protocol.config import SchedulingPolicy
@@ -332,8 +339,10 @@ class Scheduler:
                     cap = min(cap, plan.prefill_room(running, len(self.waiting), per_request))
                 if num_new > cap:
                     num_new = cap
-            elif hold:  # its wave's prompts go first (StepPlan.hold_for_wave)
-                i += 1
+                if num_new == remaining and plan.defer and request.num_output_tokens == 0:
+                    num_new -= 1  # its first token waits for its wave's (hold_for_wave)
+            elif hold and (hold == HOLD_ALL or pending or request.num_output_tokens):
+                i += 1  # its wave's prompts go first (StepPlan.hold_for_wave)
                 continue
             if computed + num_new > max_len:
                 num_new = max_len - computed
@@ -407,6 +416,9 @@ class Scheduler:
             num_new = min(request.num_tokens - base - num_hit - num_tier, plan.budget - reserve)
             if per_request and num_new > plan.prefill_left:
                 num_new = plan.prefill_left
+            ends = base + num_hit + num_tier + num_new == request.num_tokens
+            if plan.defer and ends and num_new > 1 and request.num_output_tokens == 0:
+                num_new -= 1  # its first token waits for its wave's (hold_for_wave)
             if (
                 request.known_to_worker
                 and running

@@ -22,6 +22,15 @@ MIN_PREFILL_CHUNK = 32
 # Enough for a few long uncached prompts (chat system prompts); bounded, so a fresh stream
 # never waits on an endless queue.
 WAVE_HOLD_STEPS = 16
+# A wave whose prompts take at most this many full steps gets its first tokens together
+# in its last step (StepPlan.defer): a stream's wait is then in its time to first token,
+# not between its first two tokens. Larger waves hand out first tokens as they go.
+WAVE_DEFER_STEPS = 4
+# StepPlan.hold: which requests with one token to go wait this step. A wave's last step
+# runs the prompts' last tokens (HOLD_STREAMS: only fresh streams wait, so every stream's
+# next token comes in one step); its steps before run no such token (HOLD_ALL).
+HOLD_STREAMS = 1
+HOLD_ALL = 2
 # A fresh stream: its first token and at most one more (async scheduling schedules a
 # first decode before the rest of its wave has reached the core).
 FRESH_TOKENS = 2
@@ -39,6 +48,7 @@ class StepPlan:
         "cached_counts",
         "cached_ids",
         "cached_resumed",
+        "defer",
         "hold",
         "new_counts",
         "new_reqs",
@@ -59,7 +69,8 @@ class StepPlan:
         # Prefill tokens the step's decodes still allow (prefill_room); counted when the
         # first prefill needs it, so decode-only steps never walk the running requests.
         self.prefill_left = _UNKNOWN
-        self.hold = False  # the decodes wait for the prefills beside them (hold_for_wave)
+        self.hold = 0  # who waits for the prompts beside them (HOLD_*, hold_for_wave)
+        self.defer = False  # a prompt finished this step keeps its last token (hold_for_wave)
         self.cached_ids: list[str] = []
         self.cached_blocks: list[list[list[int]] | None] = []
         self.cached_computed: list[int] = []
@@ -91,19 +102,24 @@ class StepPlan:
         return self.prefill_left
 
     def hold_for_wave(self, sched: Scheduler, held: int) -> int:
-        """Decide whether this step's decodes wait for the prefills beside them (self.hold),
-        for WAVE_HOLD_STEPS steps in a row at most; the new count of held steps.
+        """Decide how this step treats a wave (self.hold, self.defer, the prefill cap), for
+        WAVE_HOLD_STEPS steps in a row at most; the new count of such steps.
 
         Requests that arrive together form a wave; a budget smaller than the wave's prompts
         splits them over steps, and its first requests would start decoding under the
         prefill cap beside the rest, so the wave drifts apart for good (a decode then
-        shares most steps with a prompt's chunk). They wait instead when every request
-        ready to decode is fresh (FRESH_TOKENS at most: an established stream keeps its
-        pace, and a stream waits once) and the prompts still to compute (running chunks,
-        waiting requests that fit, by what they compute beyond cached and shared blocks)
-        fill the steps left."""
+        shares most steps with a prompt's chunk). While no established stream runs (a
+        fresh one has FRESH_TOKENS at most: a stream waits once) and the prompts still to
+        compute (running chunks, waiting requests that fit, by what they compute beyond
+        cached and shared blocks) fill the steps left:
+        - a fresh stream ready to decode waits (hold), and so does a prompt's last token,
+          until the wave's last step (its prompts fit): there the prompts' last tokens
+          run beside the last chunks, uncapped, and fresh streams wait once more, so the
+          whole wave decodes its next token in one step;
+        - a small wave (WAVE_DEFER_STEPS) that does not end this step defers its first
+          tokens: a prompt that would end keeps its last token for the wave's last step."""
         running = sched.running
-        fresh = False
+        fresh = 0
         left = 0
         prefilling: list[Request] = []
         for request in running:
@@ -114,12 +130,11 @@ class StepPlan:
             elif known - request.num_prompt_tokens > FRESH_TOKENS:
                 return 0
             else:
-                fresh = True
-        if not fresh:
-            return 0
+                fresh += 1
         if held >= WAVE_HOLD_STEPS:
             return held  # spent: no second wait until these streams are established
-        limit = (WAVE_HOLD_STEPS - held) * self.budget
+        budget = self.budget
+        limit = (WAVE_HOLD_STEPS - held) * budget
         # Waiting prompts count what they will compute: a wave of chat requests shares
         # its system prompts, each computed once (by the first) or already cached.
         shared: set[bytes] = set()
@@ -132,8 +147,16 @@ class StepPlan:
                 break
             left += kv.uncached_prompt_tokens(request, shared)
             room -= 1
-        self.hold = 0 < left <= limit
-        return held + 1 if self.hold else 0
+        if not 0 < left <= limit:
+            return 0
+        if left + fresh <= budget:
+            if not fresh:
+                return 0
+            self.hold = HOLD_STREAMS
+        else:
+            self.hold = HOLD_ALL if fresh else 0
+            self.defer = left + fresh <= WAVE_DEFER_STEPS * budget
+        return held + 1
 
     def add_admitted(
         self, request: Request, table: list[list[int]], num_hit: int, num_new: int

@@ -80,10 +80,11 @@ def test_start_refuses_a_pool_that_cannot_hold_max_model_len(specs, chunk: int, 
 
 
 def two_due_and_one_chunking():
-    """Step 1 completes a's and b's prompts (both due) and only starts c's (not due)."""
+    """Step 1 completes a's and b's prompts (both due) and only starts c's (not due). c is
+    long enough that a and b do not wait for it (no wave of WAVE_DEFER_STEPS steps)."""
     sched = make_scheduler(64, chunk=12)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    for rid, n in (("a", 4), ("b", 4), ("c", 20)):
+    for rid, n in (("a", 4), ("b", 4), ("c", 56)):
         req = Request(rid, [5] * n, sched.kv_cache_manager.block_hasher, sampling_params=params)
         assert sched.add_request(req) is None
     so = sched.schedule()

@@ -6,13 +6,19 @@ preempted request is not resumed only to be preempted again before it made progr
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler
-from enginecore.step_plan import FRESH_TOKENS, MIN_PREFILL_CHUNK, WAVE_HOLD_STEPS
+from enginecore.step_plan import (
+    FRESH_TOKENS,
+    MIN_PREFILL_CHUNK,
+    WAVE_DEFER_STEPS,
+    WAVE_HOLD_STEPS,
+)
 from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
@@ -93,7 +99,10 @@ def test_a_burst_finishes_its_prompts_in_arrival_order_one_budget_at_a_time() ->
     steps = [first[f"r{i}"] for i in range(16)]
     assert steps == sorted(steps)  # arrival order
     assert steps[0] == 1 and steps[-1] >= 16  # spread over the burst
-    assert len(set(steps)) == 16
+    # Once the rest fits WAVE_DEFER_STEPS steps, the last prompts' first tokens come
+    # together, in the burst's last step.
+    last = steps.count(steps[-1])
+    assert 1 < last <= WAVE_DEFER_STEPS and len(set(steps)) == 17 - last, steps
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -152,11 +161,16 @@ def test_a_prompt_beside_decodes_is_cut_to_what_they_allow(
 
 
 def test_a_burst_with_nothing_decoding_takes_the_whole_budget() -> None:
+    # A small wave (2 steps): the first prompt keeps its last token for the wave's last
+    # step, where every first token comes together.
     sched = make(num_blocks=2000, budget=None)
     for i in range(3):
         add(sched, f"r{i}", 300, 4)
     so, _ = step(sched)
-    assert scheduled(so) == {"r0": 300, "r1": 212}
+    assert scheduled(so) == {"r0": 299, "r1": 213}
+    so, outs = step(sched)
+    assert scheduled(so) == {"r0": 1, "r1": 87, "r2": 300}
+    assert sorted(o.request_id for o in outs) == ["r0", "r1", "r2"]
 
 
 def test_a_long_queue_beside_decodes_still_fills_the_step() -> None:
@@ -218,14 +232,14 @@ def serve_streams(
     max_tokens: int,
     in_flight: int,
     systems: list[list[int]] | None = None,
-) -> tuple[list[bool], list[list[str]], dict[str, int]]:
+) -> tuple[list[bool], list[list[str]], dict[str, list[int]]]:
     """A client holding `streams` requests open, as `bench serve` does: each request that
     ends is replaced by a new one. New requests arrive while the engine waits for an
     answer (steps take far longer than an arrival) and the core reads them after it, as
     its loop does; the first of a batch at an idle engine is scheduled alone (with async
     scheduling, its first decode too). `in_flight` 2: async scheduling. Returns per
     step whether it mixed a decode with a prompt's tokens, the requests that ended in
-    each step, and the answer that brought each request's first token. With `systems`,
+    each step, and the answers that brought each request's tokens. With `systems`,
     request i's prompt starts with systems[i % len(systems)] (a chat system prompt)."""
     waiting_to_arrive = list(range(total))
 
@@ -239,7 +253,7 @@ def serve_streams(
     flights: list[tuple[SchedulerOutput, list[str]]] = []
     mixed: list[bool] = []
     ended: list[list[str]] = []
-    first: dict[str, int] = {}
+    answers: dict[str, list[int]] = {}
     owed = 0  # requests the client will send: one per request ended
     while sched.has_unfinished_requests() or flights or (owed and waiting_to_arrive):
         if not sched.has_unfinished_requests() and not flights:
@@ -254,7 +268,13 @@ def serve_streams(
             if got:
                 decode = any(before.get(r, 0) >= sched.requests[r].num_prompt_tokens for r in got)
                 prefill = any(before.get(r, 0) < sched.requests[r].num_prompt_tokens for r in got)
-                mixed.append(decode and prefill)
+                # A decode beside a prompt's chunk is a wait only if more prompt follows:
+                # a wave's fresh streams go with its last chunk.
+                more = any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.waiting)
+                more = more or any(
+                    r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
+                )
+                mixed.append(decode and prefill and more)
                 due = [r for r in got if sched.requests[r].num_pending_tokens > pending.get(r, 0)]
                 flights.append((so, due))
                 sent = True
@@ -267,11 +287,11 @@ def serve_streams(
             arrive(owed)  # sent while the step ran, read after its answer
             owed = 0
             for out in outs:
-                first.setdefault(out.request_id, len(ended))
+                answers.setdefault(out.request_id, []).append(len(ended))
             done = [o.request_id for o in outs if o.finish_reason is not None]
             ended.append(done)
             owed += len(done)
-    return mixed, ended, first
+    return mixed, ended, answers
 
 
 @pytest.mark.parametrize("in_flight", [1, 2], ids=["serial", "async"])
@@ -286,8 +306,8 @@ def test_a_wave_split_over_steps_decodes_together_and_stays_a_wave(
     a decode with a prompt's tokens, and the wave ends together: its replacements (the
     first scheduled alone at an idle engine) form the next wave."""
     sched = make(num_blocks=4000, budget=None)
-    mixed, ended, first = serve_streams(sched, 4, 12, prompt, 24, in_flight)
-    steps = [first[f"w{i}"] for i in range(12)]
+    mixed, ended, answers = serve_streams(sched, 4, 12, prompt, 24, in_flight)
+    steps = [answers[f"w{i}"][0] for i in range(12)]
     assert steps == sorted(steps)  # arrival order
     assert not any(mixed), [i for i, m in enumerate(mixed) if m]
     end = {rid: k for k, done in enumerate(ended) for rid in done}
@@ -308,9 +328,28 @@ def test_a_chat_wave_counts_its_shared_system_prompts_once(in_flight: int) -> No
     prompt's tokens."""
     systems = [[3 + (s * 31 + 11 * i) % (VOCAB - 3) for i in range(1024)] for s in range(4)]
     sched = make(num_blocks=8000, budget=None)
-    mixed, _, first = serve_streams(sched, 16, 32, 64, 24, in_flight, systems)
-    assert len(first) == 32
+    mixed, _, answers = serve_streams(sched, 16, 32, 64, 24, in_flight, systems)
+    assert len(answers) == 32
     assert not any(mixed), [i for i, m in enumerate(mixed) if m]
+
+
+@pytest.mark.parametrize("in_flight", [1, 2], ids=["serial", "async"])
+def test_a_small_wave_gets_its_first_tokens_together(in_flight: int) -> None:
+    """Four streams of 384-token prompts (3 steps a wave): the prompts that end before
+    their wave's last step keep their last token for it, so the wave's first tokens come
+    in one answer and no stream waits between its first two tokens. At an idle engine the
+    first request of a wave is scheduled alone (nothing else has arrived): it alone may
+    wait once, for the rest of its wave."""
+    sched = make(num_blocks=4000, budget=None)
+    mixed, _, answers = serve_streams(sched, 4, 12, 384, 24, in_flight)
+    assert not any(mixed), [i for i, m in enumerate(mixed) if m]
+    waited = {r for r, a in answers.items() if any(y - x > 1 for x, y in itertools.pairwise(a))}
+    firsts = [{answers[f"w{i}"][0] for i in range(k, k + 4)} for k in (0, 4, 8)]
+    assert len(firsts[0]) == 1 and not waited & {f"w{i}" for i in range(4)}, answers
+    for k in (4, 8):  # later waves: the one scheduled alone, then the other three
+        assert len({answers[f"w{i}"][0] for i in range(k + 1, k + 4)}) == 1, answers
+        assert waited & {f"w{i}" for i in range(k, k + 4)} <= {f"w{k}"}, answers
+    assert all(len(a) == 24 for a in answers.values())
 
 
 def test_established_streams_never_wait_for_a_prompt() -> None:
