@@ -337,10 +337,7 @@ class Scheduler:
                 cap = max(budget - (len(running) - i - 1), 1)
                 if per_request:  # nor more than the decodes beside it allow (0: it waits)
                     cap = min(cap, plan.prefill_room(running, len(self.waiting), per_request))
-                if num_new > cap:
-                    num_new = cap
-                if num_new == remaining and plan.defer and request.num_output_tokens == 0:
-                    num_new -= 1  # its first token waits for its wave's (hold_for_wave)
+                num_new = plan.chunk(request, num_new, cap)
             elif hold and (hold == HOLD_ALL or pending or request.num_output_tokens):
                 i += 1  # its wave's prompts go first (StepPlan.hold_for_wave)
                 continue
@@ -413,12 +410,10 @@ class Scheduler:
             # Hybrid: a disk load may fail; the worker then recomputes it within the budget.
             reserve = tier.reserve if tier is not None and loads is None else 0
             base = request.num_computed_tokens if held else 0
-            num_new = min(request.num_tokens - base - num_hit - num_tier, plan.budget - reserve)
-            if per_request and num_new > plan.prefill_left:
-                num_new = plan.prefill_left
-            ends = base + num_hit + num_tier + num_new == request.num_tokens
-            if plan.defer and ends and num_new > 1 and request.num_output_tokens == 0:
-                num_new -= 1  # its first token waits for its wave's (hold_for_wave)
+            cap = plan.budget - reserve
+            if per_request and cap > plan.prefill_left:
+                cap = plan.prefill_left
+            num_new = plan.chunk(request, request.num_tokens - base - num_hit - num_tier, cap)
             if (
                 request.known_to_worker
                 and running

@@ -158,6 +158,15 @@ class StepPlan:
             self.defer = left + fresh <= WAVE_DEFER_STEPS * budget
         return held + 1
 
+    def chunk(self, request: Request, num_left: int, cap: int) -> int:
+        """The tokens of a prompt's next chunk, num_left to go: at most cap, and not its
+        last token while a small wave defers its first tokens (hold_for_wave)."""
+        if num_left > cap:
+            return cap
+        if self.defer and num_left > 1 and request.num_output_tokens == 0:
+            return num_left - 1
+        return num_left
+
     def add_admitted(
         self, request: Request, table: list[list[int]], num_hit: int, num_new: int
     ) -> None:
