@@ -22,9 +22,12 @@ MIN_PREFILL_CHUNK = 32
 # Enough for a few long uncached prompts (chat system prompts); bounded, so a fresh stream
 # never waits on an endless queue.
 WAVE_HOLD_STEPS = 16
-# A wave whose prompts take at most this many full steps gets its first tokens together
-# in its last step (StepPlan.defer): a stream's wait is then in its time to first token,
-# not between its first two tokens. Larger waves hand out first tokens as they go.
+# A wave of at most WAVE_DEFER_STREAMS streams whose prompts take at most WAVE_DEFER_STEPS
+# full steps gets its first tokens together in its last step (StepPlan.defer): a stream's
+# wait is then in its time to first token, not between its first two tokens. A wider
+# wave hands out first tokens as its prompts end: there the wait would add to the time to
+# first token of most of a busy server's requests, and decode steps are slower anyway.
+WAVE_DEFER_STREAMS = 4
 WAVE_DEFER_STEPS = 4
 # StepPlan.hold: which requests with one token to go wait this step. A wave's last step
 # runs the prompts' last tokens (HOLD_STREAMS: only fresh streams wait, so every stream's
@@ -116,8 +119,9 @@ class StepPlan:
           until the wave's last step (its prompts fit): there the prompts' last tokens
           run beside the last chunks, uncapped, and fresh streams wait once more, so the
           whole wave decodes its next token in one step;
-        - a small wave (WAVE_DEFER_STEPS) that does not end this step defers its first
-          tokens: a prompt that would end keeps its last token for the wave's last step."""
+        - a small wave (WAVE_DEFER_STREAMS, WAVE_DEFER_STEPS) that does not end this step
+          defers its first tokens: a prompt that would end keeps its last token for the
+          wave's last step."""
         running = sched.running
         fresh = 0
         left = 0
@@ -155,7 +159,9 @@ class StepPlan:
             self.hold = HOLD_STREAMS
         else:
             self.hold = HOLD_ALL if fresh else 0
-            self.defer = left + fresh <= WAVE_DEFER_STEPS * budget
+            streams = sched.config.max_num_seqs - room  # running, and the waiting counted
+            small = streams <= WAVE_DEFER_STREAMS
+            self.defer = small and left + fresh <= WAVE_DEFER_STEPS * budget
         return held + 1
 
     def chunk(self, request: Request, num_left: int, cap: int) -> int:
