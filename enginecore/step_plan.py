@@ -142,8 +142,9 @@ class StepPlan:
         # Waiting prompts count what they will compute: a wave of chat requests shares
         # its system prompts, each computed once (by the first) or already cached.
         shared: set[bytes] = set()
-        for request in prefilling:
-            shared.update(request.block_hashes)
+        if sched.waiting:  # only they read it: a lone long prompt's chunks skip it
+            for request in prefilling:
+                shared.update(request.block_hashes)
         kv = sched.kv_cache_manager
         room = sched.config.max_num_seqs - len(running)
         for request in sched.waiting:

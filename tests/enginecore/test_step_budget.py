@@ -13,11 +13,7 @@ import pytest
 
 from enginecore.kv_cache_config import with_num_blocks
 from enginecore.scheduler import Scheduler
-from enginecore.step_plan import (
-    FRESH_TOKENS,
-    MIN_PREFILL_CHUNK,
-    WAVE_HOLD_STEPS,
-)
+from enginecore.step_plan import FRESH_TOKENS, MIN_PREFILL_CHUNK, WAVE_HOLD_STEPS
 from protocol.config import CPU_MAX_NUM_BATCHED_TOKENS
 from protocol.engine import RequestOutput, SamplingParams
 from protocol.kv_cache import KVCacheGroupSpec
