@@ -44,6 +44,9 @@ LOGITS_ELEMENTS = 16 << 20
 # this many queries its matrix products win on long contexts (docs/benchmarks.md, "CPU
 # attention").
 NATIVE_MAX_QUERIES = 9
+# Where the C kernel's AVX-512 copies apply (cpu_native.fast_path), every request goes to
+# it, prefill chunks too: 512-token prompts attend in about half the time of this path.
+ALL_QUERIES = 1 << 30
 # Plans kept: a step with full and sliding-window layers needs one per (table, window).
 PLAN_CACHE_SIZE = 4
 
@@ -167,6 +170,10 @@ def paged_attention(
     chunk_tokens = max(1, CHUNK_BYTES // (num_kv_heads * head_dim * key_cache.element_size()))
     lib = cpu_native.library() if allow_native else None
     native = lib is not None and cpu_native.supports(query, key_cache, value_cache)
+    native_max = 0
+    if lib is not None and native:
+        fast = cpu_native.fast_path(lib, query, key_cache, soft_cap)
+        native_max = ALL_QUERIES if fast else NATIVE_MAX_QUERIES
     plan = _plan_for(
         query_start_loc,
         seq_lens,
@@ -176,7 +183,7 @@ def paged_attention(
             block_size,
             sliding_window,
             chunk_tokens,
-            NATIVE_MAX_QUERIES if native else 0,
+            native_max,
         ),
     )
     qf = query.float()

@@ -90,6 +90,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_paged_attention.argtypes = _SIGNATURE
     lib.ps_paged_attention.restype = ctypes.c_int
     lib.ps_max_threads.restype = ctypes.c_int
+    lib.ps_fast_path.argtypes = [_I32, _I32, _I32, _I32, _F32]
+    lib.ps_fast_path.restype = ctypes.c_int
     if lib.ps_max_threads() != torch.get_num_threads():
         # Correct still, but a second pool of threads beside torch's that the thread tuner
         # does not size (a torch built with another OpenMP runtime).
@@ -161,6 +163,27 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         and num_q_heads // num_kv_heads <= MAX_GROUP
         and head_dim <= MAX_HEAD_DIM
     )
+
+
+def fast_path(
+    lib: ctypes.CDLL, query: torch.Tensor, key_cache: torch.Tensor, soft_cap: float | None
+) -> bool:
+    """Whether the library's AVX-512 copies take this call (float32, head size 64 or 128,
+    blocks of a multiple of 16 slots, no soft cap): they run prefill chunks faster than the
+    batched torch path, so every request of the call goes to the C kernel."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    return _fast_path(
+        lib, DTYPES[key_cache.dtype], head_dim, num_q_heads // num_kv_heads, block_size,
+        soft_cap or 0.0,
+    )  # fmt: skip
+
+
+@functools.cache
+def _fast_path(
+    lib: ctypes.CDLL, dtype: int, head_dim: int, group: int, block_size: int, soft_cap: float
+) -> bool:
+    return bool(lib.ps_fast_path(dtype, head_dim, group, block_size, soft_cap))
 
 
 def paged_attention(

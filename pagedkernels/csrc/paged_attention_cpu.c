@@ -618,14 +618,32 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     };
     ps_attend_fn attend[2];
     if (!ps_pick_fast(&call, dtype, head_dim, attend)) ps_pick(dtype, head_dim, attend);
-    /* The fewest head ranges per request (a divisor of the kv heads) that still give every
+    /* Work items: a group of up to MAX_QUERIES consecutive queries of one request (each
+       attending the keys up to its last query) and a range of kv heads. A long prompt is
+       several groups, so its attention spreads over the threads; its last groups (the
+       most keys) are listed first, so they are not left to the end. */
+    int groups = 0;
+    for (int i = 0; i < num_reqs; i++) {
+        const int n = query_start_loc[reqs[i] + 1] - query_start_loc[reqs[i]];
+        groups += (n + MAX_QUERIES - 1) / MAX_QUERIES;
+    }
+    int32_t *work = malloc(sizeof(int32_t) * 2 * (groups > 0 ? groups : 1));
+    if (work == NULL) return -3;
+    for (int i = 0, k = 0; i < num_reqs; i++) {
+        const int b = reqs[i], start = query_start_loc[b], end = query_start_loc[b + 1];
+        for (int row = start + (end - start - 1) / MAX_QUERIES * MAX_QUERIES; row >= start && end > start; row -= MAX_QUERIES, k++) {
+            work[2 * k] = b;
+            work[2 * k + 1] = row;
+        }
+    }
+    /* The fewest head ranges per group (a divisor of the kv heads) that still give every
        thread a few items. */
     int splits = 1;
     while (splits < num_kv_heads &&
            (num_kv_heads % splits != 0 ||
-            num_reqs * splits < ITEMS_PER_THREAD * ps_max_threads_now()))
+            groups * splits < ITEMS_PER_THREAD * ps_max_threads_now()))
         splits++;
-    const int nh = num_kv_heads / splits, items = num_reqs * splits;
+    const int nh = num_kv_heads / splits, items = groups * splits;
     const int heads = nh * call.group;
     int most_queries = 1;
     for (int i = 0; i < num_reqs; i++) {
@@ -656,30 +674,32 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
         if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < items; item++) {
-                const int b = reqs[item / splits], h0 = (item % splits) * nh;
+                const int b = work[2 * (item / splits)], row = work[2 * (item / splits) + 1];
+                const int h0 = (item % splits) * nh;
                 const int start = query_start_loc[b], end = query_start_loc[b + 1];
-                const int first_query_pos = seq_lens[b] - (end - start);
-                const int32_t *table = block_table + b * table_stride;
+                const int nq = end - row < MAX_QUERIES ? end - row : MAX_QUERIES;
+                const int pos = seq_lens[b] - (end - start) + (row - start);  /* its first */
+                const int first_key = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 const int64_t q0 = (int64_t)h0 * call.group;
-                /* Groups of up to MAX_QUERIES consecutive queries, each attending the keys
-                   up to its last query's position. */
-                for (int row = start; row < end; row += MAX_QUERIES) {
-                    const int nq = end - row < MAX_QUERIES ? end - row : MAX_QUERIES;
-                    const int pos = first_query_pos + (row - start);  /* the group's first */
-                    const int first_key = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                    attend[nq > 1](&call, head_dim, nq,
-                                   query + row * q_tok_stride + q0 * q_head_stride,
-                                   out + row * out_tok_stride + q0 * out_head_stride, table,
-                                   first_key, pos + nq - 1, h0, nh, &w);
-                }
+                attend[nq > 1](&call, head_dim, nq, query + row * q_tok_stride + q0 * q_head_stride,
+                               out + row * out_tok_stride + q0 * out_head_stride,
+                               block_table + b * table_stride, first_key, pos + nq - 1, h0, nh, &w);
             }
         }
         free(mem);
         free(w.partials);
     }
+    free(work);
     return failed ? -3 : 0;
 }
 
 /* The OpenMP runtime's thread count for a region the calling thread starts: the loader
    checks it equals torch.get_num_threads() (one runtime, shared). */
 int ps_max_threads(void) { return ps_max_threads_now(); }
+
+/* 1 where calls with these arguments run the fast copies (any number of queries): float32,
+   head size 64 or 128, at most 8 query heads per kv head, blocks of a multiple of 16 slots,
+   no soft cap, and a build for a CPU with AVX-512. */
+int ps_fast_path(int dtype, int head_dim, int group, int block_size, float soft_cap) {
+    return ps_fast_fits(dtype, head_dim, group, block_size, soft_cap);
+}

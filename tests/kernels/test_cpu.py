@@ -115,7 +115,9 @@ def strided_caches(
     return views[0], views[1]
 
 
-def run_both(case: Case, seed: int, head_dim: int = 16) -> tuple[torch.Tensor, torch.Tensor, int]:
+def run_both(
+    case: Case, seed: int, head_dim: int = 16, poison_tails: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     gen = torch.Generator().manual_seed(seed)
     num_q_heads, num_kv_heads = case.heads
     query, key_cache, value_cache, table, qsl, lens = random_paged_batch(
@@ -129,6 +131,7 @@ def run_both(case: Case, seed: int, head_dim: int = 16) -> tuple[torch.Tensor, t
         case.dtype,
         pad_rows=case.pad_rows,
         released_window=case.window,  # blocks no window reaches point at the NaN block 0
+        poison_tails=poison_tails,
     )
     key_cache, value_cache = strided_caches(key_cache, value_cache, case.layout)
     args = (query, key_cache, value_cache, table, qsl, lens, 0.25, case.window, case.soft_cap)
@@ -230,6 +233,30 @@ def test_long_decodes_and_extends_across_softmax_tiles(
         got, want, _ = run_both(case, seed=index, head_dim=head_dim)
         assert torch.isfinite(got).all(), case
         torch.testing.assert_close(got, want, **TOLERANCE[dtype], msg=lambda m, c=case: f"{c}\n{m}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_long_prompts_and_decodes_on_the_fast_copies(head_dim: int, path: str) -> None:
+    # The C kernel's AVX-512 copies (float32, head size 64 or 128, blocks of a multiple of
+    # 16 slots) take prefill chunks of any length: several groups of 64 queries, cached
+    # prefixes, windows that start inside a group, 1 to 8 query heads per kv head, and
+    # slots past each request's keys that hold NaN and inf. Elsewhere (no AVX-512) the same
+    # cases run the generic copies and the gather path.
+    rng = random.Random(head_dim)
+    heads = [(3, 3), (9, 3), (8, 1), (16, 2), (10, 2), (14, 2)]
+    for index in range(12):
+        queries = [rng.choice([1, 1, 2, 9, 64, 65, 150]) for _ in range(rng.randint(1, 4))]
+        lens = [n + rng.choice([0, 0, 15, 16, 100]) for n in queries]
+        window = [None, None, 33, None, 5, 100][index % 6]
+        case = Case(
+            lens, queries, (16, 32)[index % 2], heads[index % 6], window, None,
+            torch.float32, index % 2, CACHE_LAYOUTS[index % 4],
+        )  # fmt: skip
+        got, want, _ = run_both(case, seed=index, head_dim=head_dim, poison_tails=True)
+        assert torch.isfinite(got).all(), case
+        # Sums of 64 to 128 products over up to 250 keys: float32 rounding reaches 1e-6.
+        tol = {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, c=case: f"{c}\n{m}")
 
 
 def test_the_c_kernel_shares_torch_s_thread_pool(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ TOLERANCE = {
     torch.float16: {"rtol": 2**-9, "atol": 2**-12},
     torch.bfloat16: {"rtol": 2**-6, "atol": 2**-10},
 }
-
+# The library is built with -march=native: its AVX-512 copies exist where the CPU has it.
+HAS_AVX512 = " avx512f" in Path("/proc/cpuinfo").read_text()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,14 +113,22 @@ def test_stale_slots_past_a_verify_s_keys_never_reach_its_output(lib: ctypes.CDL
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
-def test_the_batched_path_sends_verifies_to_the_c_kernel(lib: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_the_batched_path_sends_verifies_to_the_c_kernel(lib: ctypes.CDLL, head_dim: int) -> None:
     # Decodes and verifies of up to NATIVE_MAX_QUERIES queries go to the C kernel; a longer
-    # prefill chunk to the gather path; the answer is the reference's either way.
+    # prefill chunk to the gather path, unless the kernel's AVX-512 copies take the call
+    # (head size 64, on a CPU with AVX-512), which then get every request. The answer is
+    # the reference's either way.
     gen = torch.Generator().manual_seed(2)
     query_lens = [1, 5, cpu.NATIVE_MAX_QUERIES, cpu.NATIVE_MAX_QUERIES + 1, 1]
-    args = random_paged_batch(gen, [40, 61, 30, 50, 17], query_lens, 16, 3, 9, 64, torch.float32)
+    args = random_paged_batch(
+        gen, [40, 61, 30, 50, 17], query_lens, 16, 3, 9, head_dim, torch.float32
+    )
     got = cpu.paged_attention(*args, 0.125)
     want = reference.paged_attention(*args, 0.125)
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    fast = cpu_native.fast_path(lib, args[0], args[1], None)
+    assert fast == (head_dim == 64 and HAS_AVX512)
     native = cpu._PLANS[0].native_reqs
-    assert native is not None and native.tolist() == [0, 1, 2, 4]
+    assert native is not None and native.tolist() == ([0, 1, 2, 3, 4] if fast else [0, 1, 2, 4])
+    assert not cpu_native.fast_path(lib, args[0], args[1], 30.0)  # a soft cap: generic copies
