@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""CPU paged attention: pagedkernels.cpu with the C kernel (pagedkernels.cpu_native, decode
-and short extends), pagedkernels.cpu gathering everything for torch, and pagedkernels.reference
-(a loop per request).
+"""CPU paged attention: pagedkernels.cpu with the C kernel (pagedkernels.cpu_native: decode
+and short extends, and every request where its AVX-512 copies apply), the same with those
+copies off (`generic`, only where they apply), pagedkernels.cpu gathering everything for
+torch, and pagedkernels.reference (a loop per request).
 
     python benchmarks/cpu_attention_bench.py [--threads N] [--rounds R] [--quick] [--out FILE]
 
@@ -16,7 +17,8 @@ cache is hit after the first call, as in every layer after a forward's first. Wi
 compiler the native column is missing (null).
 
 The last line printed is the JSON object (also written to --out), with ratios per case:
-reference_ms / native_ms and gather_ms / native_ms (reference_ms / gather_ms without it).
+reference_ms / native_ms, gather_ms / native_ms and generic_ms / native_ms (reference_ms /
+gather_ms without the C kernel).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def cases(quick: bool) -> list[tuple[str, list[int], list[int]]]:
         # Speculative verifies of 4 drafts (5 queries each).
         ("verify 16 x 5 on 300", [300] * 16, [5] * 16),
         ("verify 1 x 5 on 300", [300], [5]),
+        # A 512-token serving step's prompt, after a 128-token cached prefix.
+        ("extend 512 on 640", [640], [512]),
     ]
     return [out[0], out[3]] if quick else out
 
@@ -62,6 +66,21 @@ def with_native(on: bool, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.
     def call() -> torch.Tensor:
         os.environ[cpu_native.NATIVE_ENV] = "1" if on else "0"
         return fn()
+
+    return call
+
+
+def with_generic(lib: Any, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fn on the C kernel's generic copies (the AVX-512 ones off), with the routing they
+    get: more than NATIVE_MAX_QUERIES queries to the gather path."""
+
+    def call() -> torch.Tensor:
+        os.environ[cpu_native.NATIVE_ENV] = "1"
+        cpu_native.set_fast_copies(lib, False)
+        try:
+            return fn()
+        finally:
+            cpu_native.set_fast_copies(lib, True)
 
     return call
 
@@ -98,8 +117,11 @@ def run_case(
         "gather": with_native(False, lambda: cpu.paged_attention(*args)),
         "reference": lambda: reference.paged_attention(*args),
     }
-    if with_native(True, cpu_native.library)() is not None:
+    lib = with_native(True, cpu_native.library)()
+    if lib is not None:
         fns = {"native": with_native(True, lambda: cpu.paged_attention(*args)), **fns}
+        if cpu_native.fast_path(lib, query, kc, None):
+            fns["generic"] = with_generic(lib, lambda: cpu.paged_attention(*args))
     times = time_all(fns, rounds)
     want = reference.paged_attention(*args).float()
     row: dict[str, Any] = {
@@ -120,6 +142,8 @@ def run_case(
     }
     if fastest == "native":
         row["ratios"]["gather/native"] = round(row["gather_ms"] / row["native_ms"], 2)
+    if "generic_ms" in row:
+        row["ratios"]["generic/native"] = round(row["generic_ms"] / row["native_ms"], 2)
     return row
 
 

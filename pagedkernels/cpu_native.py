@@ -92,6 +92,8 @@ def _load() -> ctypes.CDLL | None:
     lib.ps_max_threads.restype = ctypes.c_int
     lib.ps_fast_path.argtypes = [_I32, _I32, _I32, _I32, _F32]
     lib.ps_fast_path.restype = ctypes.c_int
+    lib.ps_set_fast_copies.argtypes = [_I32]
+    lib.ps_set_fast_copies.restype = None
     if lib.ps_max_threads() != torch.get_num_threads():
         # Correct still, but a second pool of threads beside torch's that the thread tuner
         # does not size (a torch built with another OpenMP runtime).
@@ -177,6 +179,13 @@ def fast_path(
         lib, DTYPES[key_cache.dtype], head_dim, num_q_heads // num_kv_heads, block_size,
         soft_cap or 0.0,
     )  # fmt: skip
+
+
+def set_fast_copies(lib: ctypes.CDLL, on: bool) -> None:
+    """Turns the AVX-512 copies off or back on in this process (benchmarks time the generic
+    copies against them)."""
+    lib.ps_set_fast_copies(int(on))
+    _fast_path.cache_clear()
 
 
 @functools.cache

@@ -533,9 +533,12 @@ static const ps_attend_fn ps_fast[2][8][2] = {
      PS_FAST_PAIR(128, 5), PS_FAST_PAIR(128, 6), PS_FAST_PAIR(128, 7), PS_FAST_PAIR(128, 8)},
 };
 
+/* Off only to measure the generic copies against these (ps_set_fast_copies). */
+static int ps_fast_on = 1;
+
 /* Whether the fast copies take this call: float32, no soft cap, 16-slot groups. */
 static int ps_fast_fits(int dtype, int d, int group, int block_size, float soft_cap) {
-    return dtype == PS_F32 && soft_cap <= 0.0f && block_size % 16 == 0 && group <= 8 &&
+    return ps_fast_on && dtype == PS_F32 && soft_cap <= 0.0f && block_size % 16 == 0 && group <= 8 &&
            (d == 64 || d == 128);
 }
 
@@ -702,4 +705,13 @@ int ps_max_threads(void) { return ps_max_threads_now(); }
    no soft cap, and a build for a CPU with AVX-512. */
 int ps_fast_path(int dtype, int head_dim, int group, int block_size, float soft_cap) {
     return ps_fast_fits(dtype, head_dim, group, block_size, soft_cap);
+}
+
+/* Turns the fast copies off (0) or on (1) for this process: benchmarks compare the two. */
+void ps_set_fast_copies(int on) {
+#if defined __AVX512F__
+    ps_fast_on = on;
+#else
+    (void)on;
+#endif
 }
