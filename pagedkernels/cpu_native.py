@@ -31,10 +31,10 @@ from protocol import envs
 
 log = logging.getLogger("pagedserve.kernels")
 
-# One library: the attention kernel and the decoder's element-wise steps.
+# One library: the attention kernel, the decoder's element-wise steps, small-batch products.
 SOURCES = tuple(
     Path(__file__).resolve().parent / "csrc" / name
-    for name in ("paged_attention_cpu.c", "elementwise_cpu.c")
+    for name in ("paged_attention_cpu.c", "elementwise_cpu.c", "gemm_cpu.c")
 )
 NATIVE_ENV = envs.NATIVE_KERNELS  # 0: never build or load the library
 CACHE_ENV = envs.CACHE_DIR

@@ -8,21 +8,47 @@ reordered once into its blocked layout (T = 1: 29 / 30; 8: 68 / 154; 32: 94 / 21
 request) gain the most. Results differ from F.linear only by summation order (max abs
 difference ~1e-4 on sums of 576 N(0, 1) products, ~5e-6 relative).
 
+Decode-sized products (at most SMALL_BATCH_ROWS rows) of float32 weights go to the small-batch
+C kernel (pagedkernels.cpu_gemm) where the native library is built for a CPU with AVX-512:
+oneDNN runs 16 rows at about 60% of its large-batch rate, leaving the memory idle while it
+computes, and the C kernel streams each weight once under its arithmetic. It reads its own
+copy of the weights (panels of 16 output features) beside oneDNN's, which prefills keep:
+the products' weights are held twice.
+
 WorkerConfig.cpu_gemm (PAGEDSERVE_CPU_GEMM) `torch` keeps F.linear (to compare, or where
-oneDNN is missing); the default `auto` packs float32 weights (and bfloat16 ones where the
-CPU has bf16 support).
+oneDNN is missing); `onednn` packs for oneDNN alone (one copy of the weights); the default
+`auto` packs float32 weights (and bfloat16 ones where the CPU has bf16 support) for oneDNN
+and, for float32 where it is built, for the small-batch kernel too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from pagedkernels import cpu_gemm
+from pagedkernels.cpu_gemm import CpuGemm
 from protocol import envs
 from protocol.envs import CpuGemmChoice
 
 CPU_GEMM_ENV = envs.CPU_GEMM
 # The row count oneDNN tunes the packed layout for; measured flat from 8 to 2048 rows.
 _PACK_FOR_ROWS = 128
+# Products of at most this many rows go to the small-batch kernel where it is built: it
+# beats oneDNN up to here and falls behind at prefill sizes (docs/benchmarks.md).
+SMALL_BATCH_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out, in] in oneDNN's layout, and in the small-batch kernel's panels where
+    that runs (panels and small both set, or neither)."""
+
+    onednn: torch.Tensor
+    out_features: int
+    panels: torch.Tensor | None = None
+    small: CpuGemm | None = None
 
 
 def use_onednn(
@@ -42,12 +68,29 @@ def use_onednn(
     return supported
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight [out, in] in oneDNN's blocked layout (a new tensor; weight is kept)."""
+def small_batch_kernel(
+    dtype: torch.dtype, choice: CpuGemmChoice, native_kernels: bool
+) -> CpuGemm | None:
+    """The small-batch kernel for a CPU model's products, or None: not `auto`, not float32,
+    the native library turned off or not built, or no AVX-512."""
+    if choice != "auto" or dtype != torch.float32 or not native_kernels:
+        return None
+    return cpu_gemm.load()
+
+
+def pack(weight: torch.Tensor, small: CpuGemm | None = None) -> PackedWeight:
+    """The weight [out, in] in oneDNN's blocked layout, and in small's panels when given
+    (new tensors; weight is kept)."""
     with torch.inference_mode(False), torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_FOR_ROWS)
+    if small is None:
+        return PackedWeight(onednn, weight.shape[0])
+    return PackedWeight(onednn, weight.shape[0], small.pack(weight), small)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a weight packed by pack(), plus bias."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.small is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+        assert packed.panels is not None
+        return packed.small.linear(x, packed.panels, packed.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkernels.cpu_elementwise import CpuElementwise
+from pagedkernels.cpu_gemm import CpuGemm
 from worker import gemm
 from worker.model_config import (
     SUPPORTED_ACTIVATIONS,
@@ -43,13 +44,14 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        # The weight in oneDNN's layout once loaded, on CPUs where that pays (worker.gemm).
-        self.packed: torch.Tensor | None = None
+        # The weight in oneDNN's layout (and the small-batch kernel's) once loaded, on CPUs
+        # where that pays (worker.gemm).
+        self.packed: gemm.PackedWeight | None = None
 
-    def pack_weight(self) -> None:
-        """From now on, products through oneDNN; the plain weight is released (a second
-        copy of every weight would double the model's memory)."""
-        self.packed = gemm.pack(self.weight)
+    def pack_weight(self, small: CpuGemm | None = None) -> None:
+        """From now on, products through oneDNN (and small's kernel for decode-sized
+        batches); the plain weight is released."""
+        self.packed = gemm.pack(self.weight, small)
         self.weight = _empty_param(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -147,12 +149,12 @@ class ParallelLMHead(_VocabRows):
     """Holds the output rows of vocabulary slice `vocab` (possibly the embedding's own
     Parameter when tied); returns the full float32 logits on every rank."""
 
-    packed: torch.Tensor | None = None  # oneDNN's copy (worker.gemm); the weight stays
+    packed: gemm.PackedWeight | None = None  # oneDNN's copy (worker.gemm); the weight stays
 
-    def pack_weight(self) -> None:
+    def pack_weight(self, small: CpuGemm | None = None) -> None:
         # The weight stays: it may be the embedding's own (tied), and the LM head is one
         # matrix, so the copy costs little next to the decoder layers.
-        self.packed = gemm.pack(self.weight)
+        self.packed = gemm.pack(self.weight, small)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -38,7 +38,7 @@ from protocol.worker import (
 )
 from worker.attention import AttentionMetadata
 from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
-from worker.gemm import use_onednn
+from worker.gemm import small_batch_kernel, use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
 from worker.kv_budget import available_kv_memory
@@ -147,10 +147,12 @@ class ModelRunner:
         self.cpu_gemm = (
             "onednn" if use_onednn(self.device, self.dtype, config.cpu_gemm) else "torch"
         )
+        small = None
         if self.cpu_gemm == "onednn":
+            small = small_batch_kernel(self.dtype, config.cpu_gemm, config.native_kernels)
             for module in self.model.modules():
                 if isinstance(module, (Linear, ParallelLMHead)):
-                    module.pack_weight()
+                    module.pack_weight(small)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
         self.kv_tier_restored: list[RestoredBlock] = []  # read back from its disk tier
@@ -171,7 +173,7 @@ class ModelRunner:
             self.device,
             self.dtype,
             ", ".join(sorted(kernels)),
-            "; products: oneDNN" if self.cpu_gemm == "onednn" else "",
+            products(self.cpu_gemm, small is not None),
             "; norms, rotary, activation: C kernels" if self.elementwise != "torch" else "",
         )
 
@@ -565,6 +567,16 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[req_id] = gen
         return gen
+
+
+def products(cpu_gemm: str, small_batch: bool) -> str:
+    """The start-up log's words for the CPU products."""
+    if cpu_gemm != "onednn":
+        return ""
+    # The kernel's own copy of the weights is worth saying: it doubles their memory.
+    return "; products: oneDNN" + (
+        ", small batches: C kernel (its own copy of the weights)" if small_batch else ""
+    )
 
 
 def use_native_elementwise(model: torch.nn.Module) -> str:
