@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,24 @@ def test_the_small_batch_kernel_only_under_auto_for_float32(
     assert gemm.small_batch_kernel(torch.float32, "auto", False) is None
     monkeypatch.setenv(cpu_native.NATIVE_ENV, "0")
     assert gemm.small_batch_kernel(torch.float32, "auto", True) is None
+
+
+@needs_onednn
+def test_the_gemm_benchmark_times_both_paths_and_they_agree() -> None:
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_gemm_bench.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--shapes", "64x48,96x40", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["small_batch_kernel"] == HAS_AVX512
+    assert [r["rows"] for r in report["results"]] == [1, 16]
+    for row in report["results"]:
+        assert row["onednn_ms"] > 0
+        if HAS_AVX512:
+            assert row["max_abs_err"] < 1e-4 and row["ratio"] > 0, row
+        else:
+            assert row["small_ms"] is None
