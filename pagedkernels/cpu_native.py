@@ -34,8 +34,15 @@ log = logging.getLogger("pagedserve.kernels")
 # One library: the attention kernel, the decoder's element-wise steps, small-batch products.
 SOURCES = tuple(
     Path(__file__).resolve().parent / "csrc" / name
-    for name in ("paged_attention_cpu.c", "elementwise_cpu.c", "gemm_cpu.c")
+    for name in (
+        "paged_attention_cpu.c",
+        "paged_attention_fast.c",
+        "elementwise_cpu.c",
+        "gemm_cpu.c",
+    )
 )
+# Included by the sources: part of what a build is cached by.
+HEADERS = (Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.h",)
 NATIVE_ENV = envs.NATIVE_KERNELS  # 0: never build or load the library
 CACHE_ENV = envs.CACHE_DIR
 # -march=native: the library is built on the machine that runs it. -fno-math-errno lets
@@ -110,7 +117,7 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     key = hashlib.sha256()
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     for part in (sources, " ".join(CFLAGS + LIBS).encode(), version.encode()):
         key.update(part)
     # -march=native differs per machine model; a shared home directory must not hand one
