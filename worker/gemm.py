@@ -23,6 +23,7 @@ and, for float32 where it is built, for the small-batch kernel too.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,18 @@ from pagedkernels.cpu_gemm import CpuGemm
 from protocol import envs
 from protocol.envs import CpuGemmChoice
 
+log = logging.getLogger("pagedserve.worker")
+
 CPU_GEMM_ENV = envs.CPU_GEMM
 # The row count oneDNN tunes the packed layout for; measured flat from 8 to 2048 rows.
 _PACK_FOR_ROWS = 128
 # Products of at most this many rows go to the small-batch kernel where it is built: it
 # beats oneDNN up to here and falls behind at prefill sizes (docs/benchmarks.md).
 SMALL_BATCH_ROWS = 64
+# The most of the host's available memory the kernel's second copy of the weights may take:
+# past it, the KV cache and the steps' activations need the memory more than decode needs
+# the speed.
+SMALL_BATCH_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,24 @@ def use_onednn(
 
 
 def small_batch_kernel(
-    dtype: torch.dtype, choice: CpuGemmChoice, native_kernels: bool
+    dtype: torch.dtype,
+    choice: CpuGemmChoice,
+    native_kernels: bool,
+    weight_bytes: int = 0,
+    available: int | None = None,
 ) -> CpuGemm | None:
     """The small-batch kernel for a CPU model's products, or None: not `auto`, not float32,
-    the native library turned off or not built, or no AVX-512."""
+    the native library turned off or not built, no AVX-512, or its copy of the weights
+    (weight_bytes) over SMALL_BATCH_MEMORY_SHARE of the host's available memory."""
     if choice != "auto" or dtype != torch.float32 or not native_kernels:
+        return None
+    if available is not None and weight_bytes > available * SMALL_BATCH_MEMORY_SHARE:
+        gib = 1 << 30
+        log.warning(
+            "small-batch products off: their copy of the weights (%.2f GiB) is over %.0f%% "
+            "of the %.2f GiB of host memory available; decode steps run on oneDNN alone",
+            weight_bytes / gib, SMALL_BATCH_MEMORY_SHARE * 100, available / gib,
+        )  # fmt: skip
         return None
     return cpu_gemm.load()
 

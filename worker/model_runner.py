@@ -23,7 +23,7 @@ import torch
 
 from pagedkernels import cpu_elementwise
 from pagedkernels.selection import select_kernels
-from protocol.config import WorkerConfig
+from protocol.config import WorkerConfig, available_host_memory
 from protocol.cpu_placement import pin_process
 from protocol.engine import GREEDY_TEMPERATURE, Logprobs
 from protocol.kv_cache import KVCacheSpec
@@ -149,10 +149,13 @@ class ModelRunner:
         )
         small = None
         if self.cpu_gemm == "onednn":
-            small = small_batch_kernel(self.dtype, config.cpu_gemm, config.native_kernels)
-            for module in self.model.modules():
-                if isinstance(module, (Linear, ParallelLMHead)):
-                    module.pack_weight(small)
+            dense = [m for m in self.model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in dense)
+            small = small_batch_kernel(
+                self.dtype, config.cpu_gemm, config.native_kernels, nbytes, available_host_memory()
+            )
+            for module in dense:
+                module.pack_weight(small)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
         self.kv_tier_restored: list[RestoredBlock] = []  # read back from its disk tier

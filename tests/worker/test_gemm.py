@@ -123,6 +123,10 @@ def test_the_small_batch_kernel_only_under_auto_for_float32(
     assert gemm.small_batch_kernel(torch.float32, "torch", True) is None
     assert gemm.small_batch_kernel(torch.bfloat16, "auto", True) is None
     assert gemm.small_batch_kernel(torch.float32, "auto", False) is None
+    # Its copy of the weights may take a quarter of the available memory, not more.
+    fits = gemm.small_batch_kernel(torch.float32, "auto", True, 1 << 30, 4 << 30)
+    assert (fits is not None) == HAS_AVX512
+    assert gemm.small_batch_kernel(torch.float32, "auto", True, (1 << 30) + 1, 4 << 30) is None
     monkeypatch.setenv(cpu_native.NATIVE_ENV, "0")
     assert gemm.small_batch_kernel(torch.float32, "auto", True) is None
 
