@@ -13,10 +13,11 @@
 /* libmvec's 16-lane expf (glibc's AVX-512 variant). */
 __m512 _ZGVeN16v_expf(__m512);
 
-/* The decode fast path: one float32 query, head size D a multiple of 16, G query heads per
-   kv head, no soft cap, blocks a multiple of 16 slots. The generic copy above computes a
-   dot product and its horizontal sum per key and query head, and adds each value into an
-   accumulator in memory: from cache it is bound by that arithmetic, not by the bytes.
+/* The fast copies: float32, head size D of 64 or 128, G <= 8 query heads per kv head, no
+   soft cap, blocks a multiple of 16 slots. The generic copy (paged_attention_cpu.c)
+   computes a dot product and its horizontal sum per key and query head, and adds each
+   value into an accumulator in memory: from cache it is bound by that arithmetic, not by
+   the bytes.
    Here keys go 16 slots at a time: 16 partial dot products in registers summed together
    by one transposing reduction (lane s of the result is slot s's score), one 16-lane
    exponential for the group's probabilities, and the values added into accumulators held
