@@ -85,7 +85,7 @@ def with_generic(lib: Any, fn: Callable[[], torch.Tensor]) -> Callable[[], torch
     return call
 
 
-def time_all(fns: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+def time_all(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
     """Alternating timings, so load from other processes weighs on every path alike."""
     for fn in fns.values():
         fn()

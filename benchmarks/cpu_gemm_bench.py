@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from cpu_attention_bench import time_all  # noqa: E402
 
 from pagedkernels import cpu_gemm  # noqa: E402
 from worker import gemm  # noqa: E402
@@ -59,17 +60,10 @@ def run_rows(
                 assert packed.small is not None and packed.panels is not None
                 packed.small.linear(xs[k], packed.panels, n, None)
 
-    paths = {"onednn": onednn}
+    paths: dict[str, Callable[[], Any]] = {"onednn": onednn}
     if weights[0][0].small is not None:
         paths["small"] = small
-    for fn in paths.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(rounds):
-        for name, fn in paths.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1e3)
+    times = time_all(paths, rounds)
     flop = 2 * rows * sum(k * n for k, n in shapes) * len(weights)
     row: dict[str, Any] = {"rows": rows, "small_ms": None}
     for name, ts in times.items():
