@@ -114,3 +114,12 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         assert packed.panels is not None
         return packed.small.linear(x, packed.panels, packed.out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+
+
+def describe_products(cpu_gemm: str, small_batch: bool) -> str:
+    """The worker's start-up log words for its CPU products."""
+    if cpu_gemm != "onednn":
+        return ""
+    # The kernel's own copy of the weights is worth saying: it doubles their memory.
+    small = ", small batches: C kernel (its own copy of the weights)" if small_batch else ""
+    return "; products: oneDNN" + small

@@ -38,7 +38,7 @@ from protocol.worker import (
 )
 from worker.attention import AttentionMetadata
 from worker.cpu_threads import CpuThreadTuner, pick_cpu_threads
-from worker.gemm import small_batch_kernel, use_onednn
+from worker.gemm import describe_products, small_batch_kernel, use_onednn
 from worker.generation_config import load_generation_config
 from worker.input_batch import InputBatch
 from worker.kv_budget import available_kv_memory
@@ -147,15 +147,7 @@ class ModelRunner:
         self.cpu_gemm = (
             "onednn" if use_onednn(self.device, self.dtype, config.cpu_gemm) else "torch"
         )
-        small = None
-        if self.cpu_gemm == "onednn":
-            dense = [m for m in self.model.modules() if isinstance(m, (Linear, ParallelLMHead))]
-            nbytes = sum(m.weight.numel() * m.weight.element_size() for m in dense)
-            small = small_batch_kernel(
-                self.dtype, config.cpu_gemm, config.native_kernels, nbytes, available_host_memory()
-            )
-            for module in dense:
-                module.pack_weight(small)
+        small_batch = self.cpu_gemm == "onednn" and self._pack_products(config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_tier: HostKVTier | None = None  # WorkerConfigure's kv_tier_slots
         self.kv_tier_restored: list[RestoredBlock] = []  # read back from its disk tier
@@ -176,9 +168,21 @@ class ModelRunner:
             self.device,
             self.dtype,
             ", ".join(sorted(kernels)),
-            products(self.cpu_gemm, small is not None),
+            describe_products(self.cpu_gemm, small_batch),
             "; norms, rotary, activation: C kernels" if self.elementwise != "torch" else "",
         )
+
+    def _pack_products(self, config: WorkerConfig) -> bool:
+        """Packs every dense weight for oneDNN, and for the small-batch kernel where it runs
+        (worker.gemm); whether it does."""
+        dense = [m for m in self.model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in dense)
+        small = small_batch_kernel(
+            self.dtype, config.cpu_gemm, config.native_kernels, nbytes, available_host_memory()
+        )
+        for module in dense:
+            module.pack_weight(small)
+        return small is not None
 
     # -- start-up ---------------------------------------------------------------------
     def kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -570,16 +574,6 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[req_id] = gen
         return gen
-
-
-def products(cpu_gemm: str, small_batch: bool) -> str:
-    """The start-up log's words for the CPU products."""
-    if cpu_gemm != "onednn":
-        return ""
-    # The kernel's own copy of the weights is worth saying: it doubles their memory.
-    return "; products: oneDNN" + (
-        ", small batches: C kernel (its own copy of the weights)" if small_batch else ""
-    )
 
 
 def use_native_elementwise(model: torch.nn.Module) -> str:
