@@ -15,6 +15,7 @@ may hold anything).
 Where the C kernel (pagedkernels.cpu_native) is built, requests with at most
 NATIVE_MAX_QUERIES queries (decodes, speculative verifies) skip all of that: it reads their
 keys in place through the block table, without the copy, in one call for all of them.
+Where its AVX-512 copies apply (float32, head size 64 or 128), every request does.
 
 The plan (chunks, gather rows, masks) depends only on the batch layout, which every layer
 of a forward shares; it is built once and reused while the metadata's contents match.
@@ -45,7 +46,8 @@ LOGITS_ELEMENTS = 16 << 20
 # attention").
 NATIVE_MAX_QUERIES = 9
 # Where the C kernel's AVX-512 copies apply (cpu_native.fast_path), every request goes to
-# it, prefill chunks too: 512-token prompts attend in about half the time of this path.
+# it, prefill chunks too: they beat this path at every length measured (docs/benchmarks.md,
+# "CPU attention").
 ALL_QUERIES = 1 << 30
 # Plans kept: a step with full and sliding-window layers needs one per (table, window).
 PLAN_CACHE_SIZE = 4
@@ -171,7 +173,8 @@ def paged_attention(
     lib = cpu_native.library() if allow_native else None
     native = lib is not None and cpu_native.supports(query, key_cache, value_cache)
     native_max = 0
-    if lib is not None and native:
+    if native:
+        assert lib is not None
         fast = cpu_native.fast_path(lib, query, key_cache, soft_cap)
         native_max = ALL_QUERIES if fast else NATIVE_MAX_QUERIES
     plan = _plan_for(

@@ -307,7 +307,8 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
         scale, soft_cap,
     };
     ps_attend_fn attend[2];
-    if (!ps_pick_fast(&call, dtype, head_dim, attend)) ps_pick(dtype, head_dim, attend);
+    const int fast = ps_pick_fast(&call, dtype, head_dim, attend);
+    if (!fast) ps_pick(dtype, head_dim, attend);
     /* Work items: a group of up to MAX_QUERIES consecutive queries of one request (each
        attending the keys up to its last query) and a range of kv heads. A long prompt is
        several groups, so its attention spreads over the threads; its last groups (the
@@ -347,8 +348,9 @@ int ps_paged_attention(const float *query, int64_t q_tok_stride, int64_t q_head_
     {
         ps_scratch w;
         float *mem = malloc(sizeof(float) * (rows * (TILE + head_dim + 3) + 2 * head_dim));
-        w.partials = aligned_alloc(64, sizeof(float) * 256 * (num_q_heads + 1));
-        if (mem == NULL || w.partials == NULL) {
+        /* The fast copies' decode partials; the generic copies need none. */
+        w.partials = fast ? aligned_alloc(64, sizeof(float) * 256 * (num_q_heads + 1)) : NULL;
+        if (mem == NULL || (fast && w.partials == NULL)) {
 #pragma omp atomic write
             failed = 1;
         } else {
